@@ -1,0 +1,81 @@
+"""The Typer application, the global flags, and the one place where user-facing errors are printed."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from typing import Annotated, Callable, TypeVar
+
+import typer
+from rich.console import Console
+
+from specdec_cli import __version__
+from specdec_cli.errors import SpecdecError
+
+app = typer.Typer(
+    name="specdec",
+    help="Faster local LLM chat and batch generation with lossless speculative decoding.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+    rich_markup_mode="rich",
+)
+
+_state = {"debug": bool(os.environ.get("SPECDEC_DEBUG"))}
+
+F = TypeVar("F", bound=Callable[..., object])
+
+
+def error_console() -> Console:
+    # Built per call so that tests capturing stderr (CliRunner) see what is printed.
+    return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def report_errors(command: F) -> F:
+    """Wrap a command: a SpecdecError becomes one line on stderr and exit code 2; Ctrl-C exits 130."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except SpecdecError as error:
+            if _state["debug"]:
+                raise
+            error_console().print(f"[bold red]error:[/] {error.one_line()}", markup=True)
+            raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            if _state["debug"]:
+                raise
+            error_console().print("interrupted")
+            raise typer.Exit(130) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"specdec {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks for errors.")] = False,
+) -> None:
+    """Speculative decoding for local models: a small draft model (or an n-gram drafter) guesses,
+    the target model verifies several tokens in one forward pass, and the output is exactly what the
+    target alone would produce."""
+    _state["debug"] = debug or _state["debug"]
+
+
+def main() -> None:
+    app(prog_name="specdec")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""Typed user-facing errors: each says what is wrong and what to do next, on one line.
+
+They are raised anywhere below the CLI and caught once at the CLI edge (`cli/app.py`), which prints
+them without a traceback (`--debug` shows it)."""
+
+
+class SpecdecError(Exception):
+    """A failure the user can fix. `hint` says how."""
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def one_line(self) -> str:
+        return f"{self.message} — {self.hint}" if self.hint else self.message
+
+
+class ModelNotFoundError(SpecdecError):
+    """A model name that resolves to nothing: not a profile, folder, file, demo name or reachable hub id."""
+
+
+class ModelLoadError(SpecdecError):
+    """A model that exists but cannot be loaded as asked (format, dtype, quantisation, device)."""
+
+
+class MissingExtraError(SpecdecError):
+    """An optional dependency is not installed; the hint names the extra to install."""
+
+
+class IncompatibleModelsError(SpecdecError):
+    """Target and draft cannot be paired (different tokenizers, special tokens)."""
+
+
+class InsufficientMemoryError(SpecdecError):
+    """The models' weights will not fit in the free memory of the chosen device."""
+
+
+class DeviceError(SpecdecError):
+    """A device or dtype that this machine does not have (e.g. cuda on a CPU-only machine)."""
+
+
+class ProfileError(SpecdecError):
+    """An unknown or malformed profile."""
+
+
+class InputError(SpecdecError):
+    """A bad input file or option value."""
