@@ -1,0 +1,49 @@
+"""The one drafter interface.
+
+A drafter proposes up to k tokens to follow a sequence of token ids, with the probabilities it drew
+them from (or None: a point mass on each proposed token, as for n-gram lookup), and may learn from how
+many the target accepted. Later drafters (token trees) return a `Draft` with `parents` set: draft
+token i then continues the path ending at draft token parents[i] (-1 = the sequence itself); a chain
+is parents == [-1, 0, 1, ...], the default."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # the engine imports drafters, not the other way round
+    from specdec_cli.engine.sampling import SamplingParams
+
+
+@dataclass
+class Draft:
+    ids: list[int]                     # (k,) proposed continuation
+    probs: torch.Tensor | None = None  # (k, V_draft) distribution each id was drawn from; None = point mass
+    parents: list[int] | None = None   # tree drafts only; None = a chain
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+EMPTY_DRAFT = Draft([])
+
+
+class Drafter(ABC):
+    name: str = "drafter"
+
+    @abstractmethod
+    def propose(
+        self, ids: Sequence[int], k: int, params: SamplingParams, generator: torch.Generator
+    ) -> Draft:
+        """Propose up to k tokens to follow `ids` (prompt + output so far)."""
+
+    def update(self, ids: Sequence[int], drafted: int, accepted: int) -> None:
+        """Learn from a verification step; `ids` is the sequence after the step's new tokens."""
+
+    def reset(self) -> None:
+        """Forget all state (caches, indexes)."""

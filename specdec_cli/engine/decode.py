@@ -1,0 +1,251 @@
+"""The speculative decoder: token ids in, token ids out. It knows nothing of text, files or terminals.
+
+Each step, in order:
+  1. draft    — the drafter proposes k tokens (k from the draft-length policy; k = 0 is plain decoding);
+  2. verify   — one target forward over [last token, drafts] scores all k+1 positions;
+  3. accept   — the acceptance rule keeps a prefix of the drafts and adds the target's own next token;
+  4. trim     — stop at an EOS id or at max_new_tokens, whichever comes first;
+  5. learn    — the policy and the drafter see how many drafts were accepted.
+Caches are not cropped here: both models' `CachedModel.extend` cut their caches back to the accepted
+sequence at the start of their next forward.
+
+`SpeculativeDecoder.stream` yields one `StepEvent` per verification step; `generate` collects them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from specdec_cli.drafters.base import EMPTY_DRAFT, Draft, Drafter
+from specdec_cli.engine.acceptance import Verdict, greedy_verdict, sampling_verdict
+from specdec_cli.engine.kv import CachedModel
+from specdec_cli.engine.policy import DraftLengthPolicy, FixedK
+from specdec_cli.engine.sampling import SamplingParams, logits_to_probs, make_generator
+
+
+class Provenance(str, Enum):
+    ACCEPTED = "accepted"    # a draft token the target kept
+    RESAMPLED = "resampled"  # the target's replacement at the first rejection
+    BONUS = "bonus"          # the target's extra token after a fully accepted draft
+    TARGET = "target"        # plain decoding (nothing was drafted)
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    tokens: list[int]
+    provenance: list[Provenance]
+    drafted: int
+    accepted: int
+    draft_seconds: float
+    verify_seconds: float
+    finish_reason: str | None  # "stop" (EOS or the stop callback), "length", or None to go on
+
+
+@dataclass
+class GenerationStats:
+    new_tokens: int = 0
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    drafted_at: list[int] = field(default_factory=list)   # drafted_at[i]: steps that drafted position i+1
+    accepted_at: list[int] = field(default_factory=list)  # accepted_at[i]: steps that kept position i+1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.new_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    def add_step(self, event: StepEvent) -> None:
+        self.new_tokens += len(event.tokens)
+        self.steps += 1
+        self.drafted += event.drafted
+        self.accepted += event.accepted
+        self.draft_seconds += event.draft_seconds
+        self.verify_seconds += event.verify_seconds
+        _grow(self.drafted_at, event.drafted)
+        _grow(self.accepted_at, event.accepted)
+
+    def merge(self, other: "GenerationStats") -> None:
+        for name in ("new_tokens", "steps", "drafted", "accepted", "seconds", "draft_seconds", "verify_seconds"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for mine, theirs in ((self.drafted_at, other.drafted_at), (self.accepted_at, other.accepted_at)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, count in enumerate(theirs):
+                mine[i] += count
+
+    def as_dict(self) -> dict:
+        return {
+            "new_tokens": self.new_tokens,
+            "steps": self.steps,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "tokens_per_step": round(self.tokens_per_step, 4),
+            "tokens_per_second": round(self.tokens_per_second, 3),
+            "seconds": round(self.seconds, 4),
+            "draft_seconds": round(self.draft_seconds, 4),
+            "verify_seconds": round(self.verify_seconds, 4),
+            "accepted_at_position": list(self.accepted_at),
+            "drafted_at_position": list(self.drafted_at),
+        }
+
+
+def _grow(counts: list[int], upto: int) -> None:
+    """Count one more step at positions 1..upto."""
+    counts.extend([0] * (upto - len(counts)))
+    for i in range(upto):
+        counts[i] += 1
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    provenance: list[Provenance]
+    finish_reason: str
+    stats: GenerationStats
+
+
+StopCallback = Callable[[list[int]], bool]  # sees all generated ids so far; True ends generation
+
+
+class SpeculativeDecoder:
+    """Owns the target's cache, the drafter (None: target alone) and the draft-length policy. Keep one
+    per conversation: caches are re-used across calls for whatever prefix the new prompt shares."""
+
+    def __init__(
+        self,
+        target: torch.nn.Module | CachedModel,
+        drafter: Drafter | None = None,
+        policy: DraftLengthPolicy | None = None,
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        self.target = target if isinstance(target, CachedModel) else CachedModel(target)
+        self.drafter = drafter
+        self.policy = policy if policy is not None else FixedK(4 if drafter else 0)
+        self.eos_token_ids = frozenset(eos_token_ids)
+
+    def reset(self) -> None:
+        """Forget all cached state (a new conversation)."""
+        self.target.reset()
+        if self.drafter is not None:
+            self.drafter.reset()
+        self.policy.reset()
+
+    def stream(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams = SamplingParams(),
+        max_new_tokens: int = 128,
+        stop: StopCallback | None = None,
+    ) -> Iterator[StepEvent]:
+        if not prompt_ids:
+            raise ValueError("the prompt must hold at least one token")
+        ids = list(prompt_ids)
+        generated: list[int] = []
+        generator = make_generator(params.seed)
+        while len(generated) < max_new_tokens:
+            event = self._step(ids, params, generator, max_new_tokens - len(generated))
+            generated.extend(event.tokens)
+            ids.extend(event.tokens)
+            if event.finish_reason is None and stop is not None and stop(generated):
+                event = _with_finish(event, "stop")
+            if event.finish_reason is None and len(generated) >= max_new_tokens:
+                event = _with_finish(event, "length")
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams = SamplingParams(),
+        max_new_tokens: int = 128,
+        stop: StopCallback | None = None,
+    ) -> GenerationResult:
+        tokens: list[int] = []
+        provenance: list[Provenance] = []
+        stats = GenerationStats()
+        finish_reason = "length"
+        started = time.perf_counter()
+        for event in self.stream(prompt_ids, params, max_new_tokens, stop):
+            tokens.extend(event.tokens)
+            provenance.extend(event.provenance)
+            stats.add_step(event)
+            finish_reason = event.finish_reason or finish_reason
+        stats.seconds = time.perf_counter() - started
+        return GenerationResult(tokens, provenance, finish_reason, stats)
+
+    def _step(
+        self, ids: list[int], params: SamplingParams, generator: torch.Generator, remaining: int
+    ) -> StepEvent:
+        started = time.perf_counter()
+        draft = self._draft(ids, params, generator, remaining)
+        drafted_at = time.perf_counter()
+        verdict = self._verify(ids, draft, params, generator)
+        verified_at = time.perf_counter()
+        tokens = draft.ids[: verdict.accepted] + [verdict.next_token]
+        provenance = [Provenance.ACCEPTED] * verdict.accepted + [_provenance_of_next(draft, verdict)]
+        tokens, provenance, finish_reason = self._trim(tokens, provenance, remaining)
+        draft_seconds, verify_seconds = drafted_at - started, verified_at - drafted_at
+        self.policy.update(len(draft), verdict.accepted, draft_seconds, verify_seconds)
+        if self.drafter is not None:
+            self.drafter.update(ids + tokens, len(draft), verdict.accepted)
+        return StepEvent(
+            tokens, provenance, len(draft), verdict.accepted, draft_seconds, verify_seconds, finish_reason
+        )
+
+    def _draft(
+        self, ids: list[int], params: SamplingParams, generator: torch.Generator, remaining: int
+    ) -> Draft:
+        # A step emits at most k + 1 tokens: drafting past what may still be emitted is wasted work.
+        k = min(self.policy.next_k(), remaining - 1)
+        if self.drafter is None or k <= 0:
+            return EMPTY_DRAFT
+        return self.drafter.propose(ids, k, params, generator)
+
+    def _verify(
+        self, ids: list[int], draft: Draft, params: SamplingParams, generator: torch.Generator
+    ) -> Verdict:
+        target_logits = self.target.extend(ids + draft.ids, len(draft) + 1)  # (k+1, V_target)
+        if params.greedy:
+            return greedy_verdict(draft.ids, target_logits)
+        target_probs = logits_to_probs(target_logits, params)
+        return sampling_verdict(draft.ids, draft.probs, target_probs, generator)
+
+    def _trim(
+        self, tokens: list[int], provenance: list[Provenance], remaining: int
+    ) -> tuple[list[int], list[Provenance], str | None]:
+        """Cut after the first EOS id ("stop") or at the token budget ("length")."""
+        for position, token in enumerate(tokens[:remaining]):
+            if token in self.eos_token_ids:
+                return tokens[: position + 1], provenance[: position + 1], "stop"
+        if len(tokens) >= remaining:
+            return tokens[:remaining], provenance[:remaining], "length"
+        return tokens, provenance, None
+
+
+def _provenance_of_next(draft: Draft, verdict: Verdict) -> Provenance:
+    if not draft.ids:
+        return Provenance.TARGET
+    return Provenance.BONUS if verdict.is_bonus else Provenance.RESAMPLED
+
+
+def _with_finish(event: StepEvent, reason: str) -> StepEvent:
+    return StepEvent(
+        event.tokens, event.provenance, event.drafted, event.accepted,
+        event.draft_seconds, event.verify_seconds, reason,
+    )

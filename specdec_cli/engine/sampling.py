@@ -1,0 +1,75 @@
+"""Sampling parameters and the one logits -> probabilities transform shared by draft and target.
+
+Speculative sampling is exact only if the draft's and the target's distributions are shaped by the
+same temperature / top-k / top-p, so both go through `logits_to_probs`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy (argmax); top_k 0 and top_p 1.0 mean no truncation."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    """A CPU generator: the same seed gives the same draws on every device."""
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """(..., V) logits -> (..., V) float32 probabilities after temperature, top-k and top-p."""
+    if params.greedy:
+        return _one_hot_argmax(logits)
+    scores = logits.float() / params.temperature
+    if params.top_k and params.top_k < scores.shape[-1]:
+        kth_best = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth_best, float("-inf"))
+    if params.top_p < 1.0:
+        scores = _mask_outside_top_p(scores, params.top_p)
+    return torch.softmax(scores, dim=-1)
+
+
+def _mask_outside_top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (always at least one)."""
+    sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
+    sorted_probs = torch.softmax(sorted_scores, dim=-1)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    drop_sorted = mass_before >= top_p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return scores.masked_fill(drop, float("-inf"))
+
+
+def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    return probs.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """Draw one token id from a (V,) distribution. Draws on the CPU so seeds are device-independent."""
+    return int(torch.multinomial(probs.float().cpu(), 1, generator=generator))

@@ -1,0 +1,105 @@
+"""Tiny random models for engine tests: built in memory from configs, seeded, fp32, CPU.
+
+Builders for tokenizers and saved model folders live in tests/tiny.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+VOCAB = 96
+
+
+def tiny_causal_lm(arch: str = "llama", vocab_size: int = VOCAB, seed: int = 0, layers: int = 2,
+                   hidden: int = 64, logit_scale: float = 1.0) -> torch.nn.Module:
+    """A random causal LM. `logit_scale` sharpens its output layer so greedy decoding is stable and
+    a draft built from the same seed agrees with the target often (not always)."""
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=False))
+    else:
+        raise ValueError(arch)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def llama_target():
+    return tiny_causal_lm("llama", seed=0, logit_scale=8.0)
+
+
+@pytest.fixture(scope="session")
+def llama_draft():
+    """A different random model: low acceptance."""
+    return tiny_causal_lm("llama", seed=1, logit_scale=8.0)
+
+
+@pytest.fixture(scope="session")
+def qwen_target():
+    return tiny_causal_lm("qwen2", seed=2, logit_scale=8.0)
+
+
+@pytest.fixture(scope="session")
+def qwen_draft():
+    return tiny_causal_lm("qwen2", seed=3, hidden=32, logit_scale=8.0)
+
+
+def perturbed_copy(model: torch.nn.Module, noise: float, seed: int = 0) -> torch.nn.Module:
+    """The model with Gaussian noise added to every weight (relative to its scale): a draft that
+    agrees with the target often but not always."""
+    import copy
+
+    torch.manual_seed(seed)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for parameter in twin.parameters():
+            parameter.add_(torch.randn_like(parameter) * parameter.std().clamp_min(1e-3) * noise)
+    return twin.eval()
+
+
+@pytest.fixture(scope="session")
+def llama_near_draft(llama_target):
+    """The target with noise: medium acceptance, rejections at varied positions."""
+    return perturbed_copy(llama_target, noise=0.15, seed=7)
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The reference: HF generate(do_sample=False), never stopping early."""
+    output = model.generate(
+        torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0,
+    )
+    return output[0, len(prompt):].tolist()
+
+
+class TrigramLM(torch.nn.Module):
+    """A random trigram language model behind the transformers forward interface (input_ids, cache=,
+    logits_to_keep=), with a real DynamicCache holding the ids as its 'keys'. It is ~50x cheaper per
+    forward than the smallest transformer, which makes 20,000-draw distribution tests fast."""
+
+    def __init__(self, vocab_size: int, seed: int, scale: float = 1.0) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.table = torch.nn.Parameter(  # (V, V, V): logits of the next id given the last two
+            torch.randn(vocab_size, vocab_size, vocab_size, generator=generator) * scale, requires_grad=False
+        )
+        self.config = LlamaConfig(num_hidden_layers=1, vocab_size=vocab_size)
+
+    def forward(self, input_ids, cache=None, use_cache=True, logits_to_keep=0, **kwargs):
+        from types import SimpleNamespace
+
+        new = input_ids.float()[:, None, :, None]  # (1, 1, T, 1)
+        keys, _ = cache.update(new, new, 0)
+        ids = keys[0, 0, :, 0].long()  # (L,) the whole sequence
+        previous = torch.cat([ids.new_zeros(1), ids[:-1]])
+        logits = self.table[previous, ids][None]  # (1, L, V)
+        return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
