@@ -7,6 +7,9 @@ import torch
 from specdec_cli.errors import IncompatibleModelsError, InsufficientMemoryError
 
 _SPECIAL_TOKENS = ("bos", "eos", "pad", "unk")
+# bos/eos must match exactly (they decide where text starts and stops); pad/unk only when both define them,
+# since tokenizer classes differ on defaults (Qwen2Tokenizer sets unk, a plain fast tokenizer does not).
+_REQUIRED_SPECIAL_TOKENS = ("bos", "eos")
 GIB = 1024**3
 # Headroom over the weights for activations, the KV cache and the runtime itself.
 MEMORY_MARGIN_FACTOR = 1.15
@@ -54,7 +57,8 @@ def check_tokenizers_compatible(target_tokenizer, draft_tokenizer, target_name: 
         raise _incompatible(target_name, draft_name, why)
     target_special, draft_special = _special_tokens(target_tokenizer), _special_tokens(draft_tokenizer)
     for role in _SPECIAL_TOKENS:
-        if target_special[role] != draft_special[role]:
+        both_defined = target_special[role][0] is not None and draft_special[role][0] is not None
+        if (role in _REQUIRED_SPECIAL_TOKENS or both_defined) and target_special[role] != draft_special[role]:
             why = f"their {role} tokens differ ({target_special[role]} vs {draft_special[role]})"
             raise _incompatible(target_name, draft_name, why)
 
