@@ -118,3 +118,15 @@ def check_memory(weights: dict[str, int], device: torch.device) -> None:
         f"the weights need {parts} = ~{format_gib(needed)} but only {format_gib(available)} of {where} is free",
         "try --load-in-4bit, a smaller pair, or close other programs",
     )
+
+
+def estimate_local_weight_bytes(spec: str, dtype: torch.dtype, quantization: str | None) -> int | None:
+    """The weight estimate for `spec` from a config already on this machine, or None (no network is used)."""
+    from transformers import AutoConfig
+
+    from specdec_cli.models.resolve import local_config_folder
+
+    folder = local_config_folder(spec)
+    if folder is None:
+        return None
+    return estimate_weight_bytes(AutoConfig.from_pretrained(folder), dtype, quantization)

@@ -12,6 +12,7 @@ import torch
 
 from specdec_cli.errors import ModelLoadError, ModelNotFoundError
 from specdec_cli.models import demo, gguf, hub
+from specdec_cli.models.paths import specdec_home
 
 
 @dataclass(frozen=True)
@@ -95,3 +96,30 @@ def weights_folder(source: ModelSource, dtype: torch.dtype, allow_pickle: bool, 
         patterns = hub.METADATA_PATTERNS + hub.SAFETENSORS_PATTERNS + (hub.PICKLE_PATTERNS if allow_pickle else [])
         return hub.download(source.spec, patterns)
     return source.metadata_folder
+
+
+def _cached_demo_config(spec: str) -> Path | None:
+    model = demo.demo_model(spec)
+    stem = Path(model.file_name).stem
+    return next((specdec_home() / "gguf").glob(f"{stem}-{model.sha256[:16]}-*/config.json"), None)
+
+
+def _cached_hub_config(spec: str) -> Path | None:
+    from huggingface_hub import try_to_load_from_cache
+
+    repo_id, revision = hub.split_revision(spec)
+    found = try_to_load_from_cache(repo_id, "config.json", revision=revision)
+    return Path(found) if isinstance(found, str) else None
+
+
+def local_config_folder(spec: str) -> Path | None:
+    """A folder holding `spec`'s config.json if one is on this machine already; never touches the network."""
+    if demo.is_demo_spec(spec):
+        config = _cached_demo_config(spec) if spec.removeprefix(demo.DEMO_PREFIX) in demo.DEMO_MODELS else None
+    elif Path(spec).expanduser().is_dir():
+        config = Path(spec).expanduser() / "config.json"
+    elif hub.is_hub_id(spec):
+        config = _cached_hub_config(spec)
+    else:
+        config = None
+    return config.parent if config is not None and config.is_file() else None
