@@ -139,7 +139,7 @@ def choose_models(
 
 def load_choice(choice: ModelChoice, console: Console | None = None) -> tuple[LoadedModel, LoadedModel | None]:
     """Load the chosen pair (pre-flight checks first, progress on stderr) and say once per model what was chosen."""
-    console = console or Console(stderr=True, highlight=False)
+    console = console or Console(stderr=True, highlight=False, soft_wrap=True)
     target, draft = load_pair(
         choice.target,
         choice.draft,

@@ -4,18 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.isolation import specdec_home  # noqa: F401  (autouse)
 from tests.tiny import build_tiny_gguf, build_tiny_model, build_tokenizer
-
-
-@pytest.fixture(autouse=True)
-def specdec_home(tmp_path, monkeypatch, request):
-    """Every test gets its own SPECDEC_HOME, except the real demo test, which uses the user's cache."""
-    if request.node.get_closest_marker("real"):
-        yield None
-        return
-    home = tmp_path / "specdec-home"
-    monkeypatch.setenv("SPECDEC_HOME", str(home))
-    yield home
 
 
 @pytest.fixture(scope="session")
