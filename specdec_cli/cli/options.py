@@ -15,40 +15,26 @@ from specdec_cli.profiles import DEFAULT_PROFILE, Profile, load_profile
 
 _MODELS = "Models"
 
-ProfileOption = Annotated[
-    str | None,
-    typer.Option("--profile", "-p", help=f"Named model pair (see `specdec profiles list`). Default: {DEFAULT_PROFILE}.", rich_help_panel=_MODELS),
-]
-TargetOption = Annotated[
-    str | None,
-    typer.Option("--target", help="Target model: hub id org/name[@rev], local folder, .gguf file or demo:NAME.", rich_help_panel=_MODELS),
-]
-DraftOption = Annotated[
-    str | None,
-    typer.Option("--draft", help="Draft model (same forms as --target); implies --drafter model.", rich_help_panel=_MODELS),
-]
-DrafterOption = Annotated[
-    str | None,
-    typer.Option("--drafter", help="model: a draft model guesses; ngram: guesses come from text already seen.", rich_help_panel=_MODELS),
-]
-DeviceOption = Annotated[
-    str | None,
-    typer.Option("--device", help="auto, cpu, cuda, cuda:N or mps (auto: cuda, then mps, then cpu).", rich_help_panel=_MODELS),
-]
-DtypeOption = Annotated[
-    str | None,
-    typer.Option("--dtype", help="auto, bfloat16, float16 or float32.", rich_help_panel=_MODELS),
-]
-Target4bitOption = Annotated[bool, typer.Option("--target-4bit", help="Load the target in 4-bit (nf4).", rich_help_panel=_MODELS)]
-Draft4bitOption = Annotated[bool, typer.Option("--draft-4bit", help="Load the draft in 4-bit (nf4).", rich_help_panel=_MODELS)]
-LoadIn4bitOption = Annotated[bool, typer.Option("--load-in-4bit", help="Load both models in 4-bit (nf4, bf16 compute).", rich_help_panel=_MODELS)]
-LoadIn8bitOption = Annotated[bool, typer.Option("--load-in-8bit", help="Load both models in 8-bit.", rich_help_panel=_MODELS)]
-TrustRemoteCodeOption = Annotated[
-    bool, typer.Option("--trust-remote-code", help="Allow model code from the hub to run (only for models you trust).", rich_help_panel=_MODELS)
-]
-AllowPickleOption = Annotated[
-    bool, typer.Option("--allow-pickle", help="Allow .bin/.pt pickle weights, which can run code when loaded.", rich_help_panel=_MODELS)
-]
+def _text(*flags: str, help: str):
+    return Annotated[str | None, typer.Option(*flags, help=help, rich_help_panel=_MODELS)]
+
+
+def _flag(flag: str, help: str):
+    return Annotated[bool, typer.Option(flag, help=help, rich_help_panel=_MODELS)]
+
+
+ProfileOption = _text("--profile", "-p", help=f"Named model pair (see `specdec profiles list`). Default: {DEFAULT_PROFILE}.")
+TargetOption = _text("--target", help="Target model: hub id org/name[@rev], local folder, .gguf file or demo:NAME.")
+DraftOption = _text("--draft", help="Draft model (same forms as --target); implies --drafter model.")
+DrafterOption = _text("--drafter", help="model: a draft model guesses; ngram: guesses come from text already seen.")
+DeviceOption = _text("--device", help="auto, cpu, cuda, cuda:N or mps (auto: cuda, then mps, then cpu).")
+DtypeOption = _text("--dtype", help="auto, bfloat16, float16 or float32.")
+Target4bitOption = _flag("--target-4bit", help="Load the target in 4-bit (nf4).")
+Draft4bitOption = _flag("--draft-4bit", help="Load the draft in 4-bit (nf4).")
+LoadIn4bitOption = _flag("--load-in-4bit", help="Load both models in 4-bit (nf4, bf16 compute).")
+LoadIn8bitOption = _flag("--load-in-8bit", help="Load both models in 8-bit.")
+TrustRemoteCodeOption = _flag("--trust-remote-code", help="Allow model code from the hub to run (only for models you trust).")
+AllowPickleOption = _flag("--allow-pickle", help="Allow .bin/.pt pickle weights, which can run code when loaded.")
 
 
 @dataclass

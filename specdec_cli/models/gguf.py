@@ -32,6 +32,11 @@ def converted_folder(path: Path, dtype: torch.dtype, identity: str | None = None
     return cache_dir("gguf") / f"{path.stem}-{key}-{dtype_name(dtype)}"
 
 
+def existing_conversions(path: Path, identity: str | None = None) -> list[Path]:
+    """The cached conversions of `path`, at any dtype (the file itself need not exist when `identity` is given)."""
+    return sorted(converted_folder(path, torch.float32, identity).parent.glob(f"{path.stem}-{identity or file_identity(path)}-*"))
+
+
 def _convert(path: Path, dtype: torch.dtype, destination: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 

@@ -12,7 +12,6 @@ import torch
 
 from specdec_cli.errors import ModelLoadError, ModelNotFoundError
 from specdec_cli.models import demo, gguf, hub
-from specdec_cli.models.paths import specdec_home
 
 
 @dataclass(frozen=True)
@@ -85,7 +84,10 @@ def check_weight_format(folder: Path, spec: str, allow_pickle: bool) -> bool:
             f"{spec} has only pickle weights (.bin/.pt), which can run code when loaded",
             "convert it to safetensors, or pass --allow-pickle if you trust it",
         )
-    raise ModelNotFoundError(f"{spec} has no weights (no .safetensors files)", "check the folder or hub id")
+    raise ModelNotFoundError(
+        f"{spec} has no weights (no .safetensors files)",
+        "check the folder or hub id; a model with only .bin weights needs --allow-pickle",
+    )
 
 
 def weights_folder(source: ModelSource, dtype: torch.dtype, allow_pickle: bool, progress: bool = True) -> Path:
@@ -100,8 +102,8 @@ def weights_folder(source: ModelSource, dtype: torch.dtype, allow_pickle: bool, 
 
 def _cached_demo_config(spec: str) -> Path | None:
     model = demo.demo_model(spec)
-    stem = Path(model.file_name).stem
-    return next((specdec_home() / "gguf").glob(f"{stem}-{model.sha256[:16]}-*/config.json"), None)
+    conversions = gguf.existing_conversions(demo.joined_path(model), model.sha256[:16])
+    return conversions[0] / "config.json" if conversions else None
 
 
 def _cached_hub_config(spec: str) -> Path | None:
