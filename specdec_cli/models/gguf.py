@@ -34,7 +34,8 @@ def converted_folder(path: Path, dtype: torch.dtype, identity: str | None = None
 
 def existing_conversions(path: Path, identity: str | None = None) -> list[Path]:
     """The cached conversions of `path`, at any dtype (the file itself need not exist when `identity` is given)."""
-    return sorted(converted_folder(path, torch.float32, identity).parent.glob(f"{path.stem}-{identity or file_identity(path)}-*"))
+    key = identity or file_identity(path)
+    return sorted(cache_dir("gguf").glob(f"{path.stem}-{key}-*"))
 
 
 def _convert(path: Path, dtype: torch.dtype, destination: Path) -> None:
