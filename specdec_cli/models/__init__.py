@@ -1,0 +1,23 @@
+"""Models: resolving a user's string (hub id, local folder, .gguf file, demo pair) to loaded weights,
+choosing device/dtype/quantisation, and the pre-flight checks made before loading.
+
+This is the contract the engine, chat and CLI code against."""
+
+from specdec_cli.models.demo import DEMO_MODELS, INSTALL_DEMO
+from specdec_cli.models.device import resolve_device, resolve_dtype
+from specdec_cli.models.loaded import LoadedModel, load_model, load_pair
+from specdec_cli.models.paths import specdec_home
+from specdec_cli.models.preflight import check_tokenizers_compatible, estimate_weight_bytes
+
+__all__ = [
+    "DEMO_MODELS",
+    "INSTALL_DEMO",
+    "LoadedModel",
+    "check_tokenizers_compatible",
+    "estimate_weight_bytes",
+    "load_model",
+    "load_pair",
+    "resolve_device",
+    "resolve_dtype",
+    "specdec_home",
+]

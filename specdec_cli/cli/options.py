@@ -1,0 +1,141 @@
+"""Model-selection options shared by chat, run and compare, and the one function that merges them
+with a profile (`choose_models`) and the one that loads the result (`load_choice`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from specdec_cli.errors import InputError
+from specdec_cli.models import LoadedModel, load_pair
+from specdec_cli.profiles import DEFAULT_PROFILE, Profile, load_profile
+
+_MODELS = "Models"
+
+def _text(*flags: str, help: str):
+    return Annotated[str | None, typer.Option(*flags, help=help, rich_help_panel=_MODELS)]
+
+
+def _flag(flag: str, help: str):
+    return Annotated[bool, typer.Option(flag, help=help, rich_help_panel=_MODELS)]
+
+
+ProfileOption = _text("--profile", "-p", help=f"Named model pair (see `specdec profiles list`). Default: {DEFAULT_PROFILE}.")
+TargetOption = _text("--target", help="Target model: hub id org/name[@rev], local folder, .gguf file or demo:NAME.")
+DraftOption = _text("--draft", help="Draft model (same forms as --target); implies --drafter model.")
+DrafterOption = _text("--drafter", help="model: a draft model guesses; ngram: guesses come from text already seen.")
+DeviceOption = _text("--device", help="auto, cpu, cuda, cuda:N or mps (auto: cuda, then mps, then cpu).")
+DtypeOption = _text("--dtype", help="auto, bfloat16, float16 or float32.")
+Target4bitOption = _flag("--target-4bit", help="Load the target in 4-bit (nf4).")
+Draft4bitOption = _flag("--draft-4bit", help="Load the draft in 4-bit (nf4).")
+LoadIn4bitOption = _flag("--load-in-4bit", help="Load both models in 4-bit (nf4, bf16 compute).")
+LoadIn8bitOption = _flag("--load-in-8bit", help="Load both models in 8-bit.")
+TrustRemoteCodeOption = _flag("--trust-remote-code", help="Allow model code from the hub to run (only for models you trust).")
+AllowPickleOption = _flag("--allow-pickle", help="Allow .bin/.pt pickle weights, which can run code when loaded.")
+
+
+@dataclass
+class ModelChoice:
+    """The profile merged with command-line overrides (flags win)."""
+
+    profile: Profile
+    target: str
+    draft: str | None
+    drafter: str  # "model" | "ngram"
+    device: str
+    dtype: str
+    target_quantization: str | None
+    draft_quantization: str | None
+    trust_remote_code: bool
+    allow_pickle: bool
+
+
+def _base_profile(profile: str | None, target: str | None, draft: str | None) -> Profile:
+    """The named profile; without one, `--target` starts a blank profile and no model option at all means the default."""
+    if profile is not None:
+        return load_profile(profile)
+    if target is None:
+        return load_profile(DEFAULT_PROFILE)
+    return Profile(name="(command line)", target=target, draft=draft, drafter="model" if draft else "ngram")
+
+
+def _drafter_and_draft(base: Profile, draft: str | None, drafter: str | None) -> tuple[str, str | None]:
+    if drafter not in (None, "model", "ngram"):
+        raise InputError(f"unknown drafter {drafter!r}", "use --drafter model or --drafter ngram")
+    if draft is not None and drafter == "ngram":
+        raise InputError("--draft and --drafter ngram contradict each other", "drop one of them")
+    chosen_drafter = drafter or ("model" if draft is not None else base.drafter)
+    chosen_draft = None if chosen_drafter == "ngram" else (draft or base.draft)
+    if chosen_drafter == "model" and chosen_draft is None:
+        raise InputError("--drafter model needs a draft model", "pass --draft NAME, or use --drafter ngram")
+    return chosen_drafter, chosen_draft
+
+
+def _quantizations(base: Profile, target_4bit: bool, draft_4bit: bool, load_in_4bit: bool, load_in_8bit: bool):
+    if load_in_4bit and load_in_8bit:
+        raise InputError("--load-in-4bit and --load-in-8bit contradict each other", "pick one")
+    both = "4bit" if load_in_4bit else "8bit" if load_in_8bit else None
+    target_quantization = "4bit" if target_4bit else both or base.target_quantization
+    draft_quantization = "4bit" if draft_4bit else both or base.draft_quantization
+    return target_quantization, draft_quantization
+
+
+def choose_models(
+    profile: str | None,
+    target: str | None,
+    draft: str | None,
+    drafter: str | None,
+    device: str | None,
+    dtype: str | None,
+    target_4bit: bool = False,
+    draft_4bit: bool = False,
+    load_in_4bit: bool = False,
+    load_in_8bit: bool = False,
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
+) -> ModelChoice:
+    """Merge a profile with command-line flags; a flag that is given always wins.
+
+    - No model option at all: the `demo` profile.
+    - `--target X` without `--profile`: X alone with the n-gram drafter, or with `--draft Y` the pair X+Y.
+    - `--profile P --target X`: P's settings with X as target (P's draft kept; the tokenizer pre-flight
+      refuses it if it does not fit X).
+    - `--draft Y` always means the draft-model drafter; `--drafter ngram` drops the profile's draft.
+    - `--load-in-4bit`/`--load-in-8bit` set both models; `--target-4bit`/`--draft-4bit` set one.
+    """
+    base = _base_profile(profile, target, draft)
+    chosen_drafter, chosen_draft = _drafter_and_draft(base, draft, drafter)
+    target_quantization, draft_quantization = _quantizations(base, target_4bit, draft_4bit, load_in_4bit, load_in_8bit)
+    return ModelChoice(
+        profile=base,
+        target=target or base.target,
+        draft=chosen_draft,
+        drafter=chosen_drafter,
+        device=device or base.device,
+        dtype=dtype or base.dtype,
+        target_quantization=target_quantization,
+        draft_quantization=draft_quantization if chosen_draft else None,
+        trust_remote_code=trust_remote_code,
+        allow_pickle=allow_pickle,
+    )
+
+
+def load_choice(choice: ModelChoice, console: Console | None = None) -> tuple[LoadedModel, LoadedModel | None]:
+    """Load the chosen pair (pre-flight checks first, progress on stderr) and say once per model what was chosen."""
+    console = console or Console(stderr=True, highlight=False, soft_wrap=True)
+    target, draft = load_pair(
+        choice.target,
+        choice.draft,
+        device=choice.device,
+        dtype=choice.dtype,
+        target_quantization=choice.target_quantization,
+        draft_quantization=choice.draft_quantization,
+        trust_remote_code=choice.trust_remote_code,
+        allow_pickle=choice.allow_pickle,
+    )
+    console.print(target.describe("target"), markup=False)
+    console.print(draft.describe("draft") if draft else "draft: n-gram lookup", markup=False)
+    return target, draft

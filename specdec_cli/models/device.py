@@ -1,0 +1,98 @@
+"""Choosing the device and the compute dtype."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specdec_cli.errors import DeviceError
+
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+}
+
+# CPU flags that make bf16 matmuls fast (≈2× fp32); without them bf16 is emulated and slower.
+_BF16_CPU_FLAGS = {"avx512_bf16", "amx_bf16", "amx_tile"}
+
+
+def _mps_available() -> bool:
+    return bool(getattr(torch.backends, "mps", None)) and torch.backends.mps.is_available()
+
+
+def _auto_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if _mps_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def _check_cuda(device: torch.device, asked: str) -> None:
+    if not torch.cuda.is_available():
+        raise DeviceError(f"device {asked!r} asked for, but this machine has no CUDA GPU", "use --device cpu or auto")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise DeviceError(f"device {asked!r} does not exist: this machine has {count} CUDA GPU(s)", "use --device cuda:0")
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """auto → cuda, then mps, then cpu. An explicit device this machine lacks raises DeviceError."""
+    asked = (device or "auto").strip().lower()
+    if asked == "auto":
+        return _auto_device()
+    try:
+        chosen = torch.device(asked)
+    except RuntimeError:
+        raise DeviceError(f"unknown device {device!r}", "use auto, cpu, cuda, cuda:N or mps") from None
+    if chosen.type == "cuda":
+        _check_cuda(chosen, device)
+    elif chosen.type == "mps" and not _mps_available():
+        raise DeviceError(f"device {device!r} asked for, but MPS is not available here", "use --device cpu or auto")
+    elif chosen.type not in ("cpu", "cuda", "mps"):
+        raise DeviceError(f"unsupported device {device!r}", "use auto, cpu, cuda, cuda:N or mps")
+    return chosen
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    """The CPU feature flags from /proc/cpuinfo (empty where there is none, e.g. macOS)."""
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
+def cpu_has_fast_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    return bool(cpu_flags(cpuinfo) & _BF16_CPU_FLAGS)
+
+
+def _auto_dtype(device: torch.device) -> torch.dtype:
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "mps":
+        return torch.float16
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """auto → bf16 on bf16-capable CUDA and on CPUs with AVX512-BF16/AMX, fp16 on older GPUs and mps, else fp32."""
+    asked = (dtype or "auto").strip().lower()
+    if asked == "auto":
+        return _auto_dtype(device)
+    if asked not in DTYPES:
+        raise DeviceError(f"unknown dtype {dtype!r}", "use auto, bfloat16, float16 or float32")
+    return DTYPES[asked]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

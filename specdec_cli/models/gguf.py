@@ -1,0 +1,74 @@
+"""`.gguf` files: converted once (dequantised by transformers + gguf) to a cached safetensors folder."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from specdec_cli.errors import MissingExtraError, ModelLoadError
+from specdec_cli.models.device import dtype_name
+from specdec_cli.models.paths import atomic_folder, cache_dir
+from specdec_cli.models.progress import status
+
+
+def require_gguf() -> None:
+    if importlib.util.find_spec("gguf") is None:
+        raise MissingExtraError("loading .gguf files needs the gguf package", "pip install 'specdec[gguf]'")
+
+
+def file_identity(path: Path) -> str:
+    """A cheap identity for a file: its absolute path, size and mtime (a changed file gets a new cache entry)."""
+    stat = path.stat()
+    text = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def converted_folder(path: Path, dtype: torch.dtype, identity: str | None = None) -> Path:
+    """Where the safetensors conversion of `path` at `dtype` lives (it may not exist yet)."""
+    key = identity or file_identity(path)
+    return cache_dir("gguf") / f"{path.stem}-{key}-{dtype_name(dtype)}"
+
+
+def existing_conversions(path: Path, identity: str | None = None) -> list[Path]:
+    """The cached conversions of `path`, at any dtype (the file itself need not exist when `identity` is given)."""
+    key = identity or file_identity(path)
+    return sorted(cache_dir("gguf").glob(f"{path.stem}-{key}-*"))
+
+
+def _convert(path: Path, dtype: torch.dtype, destination: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    # dequantize=True: a plain dense model that save_pretrained can write (packed GGUF blocks cannot be saved).
+    unpack = GgufConfig(dequantize=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=dtype, quantization_config=unpack
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except (ValueError, OSError, KeyError) as error:
+        raise ModelLoadError(f"cannot read {path.name} as a GGUF model: {error}", "check the file is a complete .gguf") from None
+    model.save_pretrained(destination)
+    tokenizer.save_pretrained(destination)
+
+
+def ensure_converted(path: Path, dtype: torch.dtype, identity: str | None = None, progress: bool = True) -> Path:
+    """Return the cached safetensors folder for `path`, converting it first if this is the first time."""
+    folder = converted_folder(path, dtype, identity)
+    if folder.exists():
+        return folder
+    require_gguf()
+    with status(f"converting {path.name} to safetensors (once) ...", progress):
+        with atomic_folder(folder) as staging:
+            _convert(path, dtype, staging)
+    return folder
+
+
+def gguf_parameter_count(path: Path) -> int:
+    """Number of weights in a .gguf file, read from its tensor table (memory-mapped, nothing dequantised)."""
+    require_gguf()
+    from gguf import GGUFReader
+
+    return sum(int(tensor.n_elements) for tensor in GGUFReader(str(path)).tensors)

@@ -1,0 +1,193 @@
+"""Loading: a user's string → a `LoadedModel` on the chosen device, in eval mode.
+
+The order matters: resolve both models, check memory from their configs, load and compare their
+tokenizers, and only then load weights — so a pair that cannot work fails in seconds, not minutes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from specdec_cli.errors import ModelLoadError
+from specdec_cli.models import preflight
+from specdec_cli.models.device import dtype_name, resolve_device, resolve_dtype
+from specdec_cli.models.progress import status
+from specdec_cli.models.quant import check_quantization, quantization_config
+from specdec_cli.models.resolve import ModelSource, check_weight_format, resolve, weights_folder
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+@dataclass
+class LoadedModel:
+    model: "PreTrainedModel"  # eval mode, on device
+    tokenizer: "PreTrainedTokenizerBase"
+    name: str  # what the user typed
+    source: str  # resolved local path / hub id@rev
+    device: torch.device
+    dtype: torch.dtype  # compute dtype
+    quantization: str | None  # None | "4bit" | "8bit"
+    eos_token_ids: tuple[int, ...]  # generation_config.eos_token_id ∪ tokenizer.eos_token_id
+    vocab_size: int  # rows of the output layer (logits width)
+
+    def describe(self, role: str) -> str:
+        """One line saying what was chosen, e.g. `target: demo:qwen2.5-coder-1.5b · cpu · bfloat16`."""
+        parts = [self.name, str(self.device), dtype_name(self.dtype)]
+        if self.quantization:
+            parts.append(self.quantization)
+        return f"{role}: " + " · ".join(parts)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Everything decided before touching weights."""
+
+    source: ModelSource
+    device: torch.device
+    dtype: torch.dtype
+    quantization: str | None
+    trust_remote_code: bool
+    allow_pickle: bool
+    progress: bool
+
+    def metadata_kwargs(self) -> dict:
+        """from_pretrained arguments that locate the config/tokenizer: a folder, or a .gguf file not converted yet."""
+        folder = self.source.metadata_folder or self.source.converted_folder(self.dtype)
+        if folder is not None:
+            return {"pretrained_model_name_or_path": str(folder), "trust_remote_code": self.trust_remote_code}
+        gguf_path = self.source.gguf_path
+        return {"pretrained_model_name_or_path": str(gguf_path.parent), "gguf_file": gguf_path.name}
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _plan(spec, device, dtype, quantization, trust_remote_code, allow_pickle, progress) -> _Plan:
+    check_quantization(quantization)
+    chosen_device = resolve_device(device)
+    chosen_dtype = resolve_dtype(dtype, chosen_device)
+    source = resolve(spec, progress)
+    return _Plan(source, chosen_device, chosen_dtype, quantization, trust_remote_code, allow_pickle, progress)
+
+
+def _load_config(plan: _Plan):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(**plan.metadata_kwargs())
+    except (OSError, ValueError, KeyError) as error:
+        raise ModelLoadError(f"cannot read the config of {plan.source.spec}: {_first_line(error)}", "check the model files") from None
+
+
+def _weight_bytes(plan: _Plan) -> int:
+    return preflight.estimate_weight_bytes(_load_config(plan), plan.dtype, plan.quantization)
+
+
+def _load_tokenizer(plan: _Plan):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(**plan.metadata_kwargs())
+    except (OSError, ValueError, KeyError) as error:
+        raise ModelLoadError(f"cannot load the tokenizer of {plan.source.spec}: {_first_line(error)}", "check the model files") from None
+
+
+def _from_pretrained(plan: _Plan, folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    has_safetensors = check_weight_format(folder, plan.source.spec, plan.allow_pickle)
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            str(folder),
+            dtype=plan.dtype,
+            quantization_config=quantization_config(plan.quantization),
+            device_map={"": str(plan.device)},
+            trust_remote_code=plan.trust_remote_code,
+            use_safetensors=True if has_safetensors else None,
+        )
+    except (OSError, ValueError, KeyError, RuntimeError) as error:
+        raise ModelLoadError(f"cannot load {plan.source.spec}: {_first_line(error)}", "check the model files and options") from None
+
+
+def eos_token_ids(model, tokenizer) -> tuple[int, ...]:
+    """generation_config.eos_token_id (an int or a list) ∪ tokenizer.eos_token_id, in that order."""
+    generation_config = getattr(model, "generation_config", None)
+    configured = getattr(generation_config, "eos_token_id", None)
+    ids = configured if isinstance(configured, (list, tuple)) else [configured]
+    ids = [*ids, tokenizer.eos_token_id]
+    return tuple(dict.fromkeys(int(token_id) for token_id in ids if token_id is not None))
+
+
+def output_rows(model) -> int:
+    head = model.get_output_embeddings()
+    return int(getattr(head, "out_features", None) or head.weight.shape[0])
+
+
+def _load_weights(plan: _Plan, tokenizer) -> LoadedModel:
+    folder = weights_folder(plan.source, plan.dtype, plan.allow_pickle, plan.progress)
+    with status(f"loading {plan.source.spec} ...", plan.progress):
+        model = _from_pretrained(plan, folder).eval()
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=plan.source.spec,
+        source=plan.source.location,
+        device=plan.device,
+        dtype=plan.dtype,
+        quantization=plan.quantization,
+        eos_token_ids=eos_token_ids(model, tokenizer),
+        vocab_size=output_rows(model),
+    )
+
+
+def load_model(
+    spec: str,
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    quantization: str | None = None,
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
+    progress: bool = True,
+) -> LoadedModel:
+    """Resolve `spec`, check its weights fit in memory, then load tokenizer and weights."""
+    plan = _plan(spec, device, dtype, quantization, trust_remote_code, allow_pickle, progress)
+    preflight.check_memory({spec: _weight_bytes(plan)}, plan.device)
+    return _load_weights(plan, _load_tokenizer(plan))
+
+
+def load_pair(
+    target: str,
+    draft: str | None,
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    target_quantization: str | None = None,
+    draft_quantization: str | None = None,
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
+    progress: bool = True,
+) -> tuple[LoadedModel, LoadedModel | None]:
+    """Target and (optional) draft: memory pre-flight for both, tokenizer pre-flight, then weights."""
+    if draft is None:
+        target_model = load_model(
+            target, device=device, dtype=dtype, quantization=target_quantization,
+            trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, progress=progress,
+        )
+        return target_model, None
+    shared = (device, dtype)
+    target_plan = _plan(target, *shared, target_quantization, trust_remote_code, allow_pickle, progress)
+    draft_plan = _plan(draft, *shared, draft_quantization, trust_remote_code, allow_pickle, progress)
+    preflight.check_memory(
+        {f"target {target}": _weight_bytes(target_plan), f"draft {draft}": _weight_bytes(draft_plan)},
+        target_plan.device,
+    )
+    target_tokenizer, draft_tokenizer = _load_tokenizer(target_plan), _load_tokenizer(draft_plan)
+    preflight.check_tokenizers_compatible(target_tokenizer, draft_tokenizer, target, draft)
+    return _load_weights(target_plan, target_tokenizer), _load_weights(draft_plan, draft_tokenizer)

@@ -1,0 +1,1 @@
+from tests.isolation import specdec_home  # noqa: F401  (autouse)

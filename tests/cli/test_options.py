@@ -1,0 +1,139 @@
+import pytest
+
+from specdec_cli.cli.options import choose_models, load_choice
+from specdec_cli.errors import InputError, ProfileError
+
+
+def choose(**flags):
+    arguments = dict(profile=None, target=None, draft=None, drafter=None, device=None, dtype=None)
+    return choose_models(**{**arguments, **flags})
+
+
+def test_no_model_options_means_the_demo_profile():
+    choice = choose()
+    assert choice.profile.name == "demo"
+    assert (choice.target, choice.draft, choice.drafter) == ("demo:qwen2.5-coder-1.5b", "demo:qwen2.5-coder-0.5b", "model")
+    assert (choice.device, choice.dtype, choice.target_quantization, choice.draft_quantization) == ("auto", "auto", None, None)
+    assert (choice.trust_remote_code, choice.allow_pickle) == (False, False)
+
+
+def test_a_target_alone_uses_the_ngram_drafter():
+    choice = choose(target="org/big")
+    assert (choice.target, choice.draft, choice.drafter) == ("org/big", None, "ngram")
+
+
+def test_a_target_and_a_draft_make_a_pair():
+    choice = choose(target="org/big", draft="org/small")
+    assert (choice.target, choice.draft, choice.drafter) == ("org/big", "org/small", "model")
+
+
+def test_flags_override_the_profile():
+    choice = choose(profile="qwen2.5-7b", draft="org/other-small", device="cpu", dtype="float32", draft_4bit=True)
+    assert (choice.target, choice.draft) == ("Qwen/Qwen2.5-7B-Instruct", "org/other-small")
+    assert (choice.device, choice.dtype) == ("cpu", "float32")
+    assert (choice.target_quantization, choice.draft_quantization) == (None, "4bit")
+
+
+def test_drafter_ngram_drops_the_profiles_draft():
+    choice = choose(profile="qwen2.5-7b-4bit", drafter="ngram")
+    assert (choice.draft, choice.drafter, choice.target_quantization, choice.draft_quantization) == (None, "ngram", "4bit", None)
+
+
+def test_load_in_4bit_and_8bit_set_both_models():
+    assert (choose(load_in_4bit=True).target_quantization, choose(load_in_4bit=True).draft_quantization) == ("4bit", "4bit")
+    assert (choose(load_in_8bit=True).target_quantization, choose(load_in_8bit=True).draft_quantization) == ("8bit", "8bit")
+    assert (choose(load_in_8bit=True, target_4bit=True).target_quantization) == "4bit"
+
+
+def test_the_profiles_quantisation_is_kept_without_flags():
+    assert choose(profile="qwen2.5-7b-4bit").target_quantization == "4bit"
+
+
+@pytest.mark.parametrize(
+    ("flags", "complaint"),
+    [
+        ({"draft": "org/small", "drafter": "ngram"}, "contradict"),
+        ({"target": "org/big", "drafter": "model"}, "--drafter model needs a draft model"),
+        ({"drafter": "tree"}, "unknown drafter 'tree'"),
+        ({"load_in_4bit": True, "load_in_8bit": True}, "contradict"),
+    ],
+)
+def test_contradictory_flags_are_input_errors(flags, complaint):
+    with pytest.raises(InputError, match=complaint):
+        choose(**flags)
+
+
+def test_an_unknown_profile_is_a_profile_error():
+    with pytest.raises(ProfileError):
+        choose(profile="nope")
+
+
+def test_load_choice_says_once_what_was_chosen(tmp_path):
+    from rich.console import Console
+
+    from tests.tiny import build_tiny_model
+
+    build_tiny_model(tmp_path / "tiny")
+    console = Console(record=True, width=200)
+    target, draft = load_choice(choose(target=str(tmp_path / "tiny"), device="cpu", dtype="float32"), console)
+    assert draft is None and target.vocab_size == 300
+    assert console.export_text().splitlines() == [f"target: {tmp_path / 'tiny'} · cpu · float32", "draft: n-gram lookup"]
+
+
+def _command_app():
+    """A command declared with the shared options, as chat/run/compare do."""
+    import typer
+
+    from specdec_cli.cli import options
+    from specdec_cli.cli.app import report_errors
+
+    app = typer.Typer()
+
+    @app.command()
+    @report_errors
+    def load(
+        profile: options.ProfileOption = None,
+        target: options.TargetOption = None,
+        draft: options.DraftOption = None,
+        drafter: options.DrafterOption = None,
+        device: options.DeviceOption = None,
+        dtype: options.DtypeOption = None,
+        target_4bit: options.Target4bitOption = False,
+        draft_4bit: options.Draft4bitOption = False,
+        load_in_4bit: options.LoadIn4bitOption = False,
+        load_in_8bit: options.LoadIn8bitOption = False,
+        trust_remote_code: options.TrustRemoteCodeOption = False,
+        allow_pickle: options.AllowPickleOption = False,
+    ) -> None:
+        choice = options.choose_models(
+            profile, target, draft, drafter, device, dtype, target_4bit, draft_4bit,
+            load_in_4bit, load_in_8bit, trust_remote_code, allow_pickle,
+        )
+        options.load_choice(choice)
+
+    return app
+
+
+def test_device_cuda_on_a_cpu_machine_is_one_line_and_exit_2(tmp_path):
+    import torch
+    from typer.testing import CliRunner
+
+    from tests.tiny import build_tiny_model
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-only behaviour")
+    build_tiny_model(tmp_path / "tiny")
+    result = CliRunner().invoke(_command_app(), ["--target", str(tmp_path / "tiny"), "--device", "cuda"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == "error: device 'cuda' asked for, but this machine has no CUDA GPU — use --device cpu or auto"
+
+
+def test_the_shared_options_reach_the_loader(tmp_path):
+    from typer.testing import CliRunner
+
+    from tests.tiny import build_tiny_model
+
+    build_tiny_model(tmp_path / "tiny")
+    result = CliRunner().invoke(_command_app(), ["--target", str(tmp_path / "tiny"), "--device", "cpu", "--dtype", "float32"])
+    assert result.exit_code == 0, result.output
+    assert f"target: {tmp_path / 'tiny'} · cpu · float32" in result.stderr

@@ -1,0 +1,58 @@
+from typer.testing import CliRunner
+
+from specdec_cli.cli import app
+
+WIDE = {"COLUMNS": "250"}
+
+
+def run(*args):
+    return CliRunner().invoke(app, list(args), env=WIDE)
+
+
+def test_profiles_list_shows_every_profile_with_its_pair_and_estimate():
+    result = run("profiles", "list")
+    assert result.exit_code == 0, result.output
+    rows = {line.split("│")[1].strip(): [cell.strip() for cell in line.split("│")[2:6]] for line in result.stdout.splitlines() if line.startswith("│")}
+    assert rows["demo (default)"][:2] == ["demo:qwen2.5-coder-1.5b", "demo:qwen2.5-coder-0.5b"]
+    assert rows["demo-ngram"][1] == "(n-gram)"
+    assert rows["qwen2.5-7b-4bit"] == ["Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct", "target 4bit", "~6.6 GB"]
+    assert rows["llama-3.1-8b"][0] == "meta-llama/Llama-3.1-8B-Instruct"
+
+
+def test_profiles_list_estimates_from_a_local_config(specdec_home, tmp_path):
+    from tests.tiny import build_tiny_model
+
+    build_tiny_model(tmp_path / "tiny")
+    (specdec_home / "profiles").mkdir(parents=True)
+    (specdec_home / "profiles" / "tiny.toml").write_text(f'target = "{tmp_path / "tiny"}"\ndtype = "float32"\n')
+    result = run("profiles", "list")
+    tiny_row = next(line for line in result.stdout.splitlines() if line.startswith("│ tiny "))
+    assert "0.0 GB" in tiny_row  # computed from config.json (0.2 MB), not a hint
+
+
+def test_profiles_show_prints_every_setting():
+    result = run("profiles", "show", "demo-ngram")
+    assert result.exit_code == 0, result.output
+    settings = dict(line.split(None, 1) for line in result.stdout.splitlines() if line.strip())
+    assert settings["target"].strip() == "demo:qwen2.5-coder-1.5b"
+    assert settings["drafter"].strip() == "ngram"
+    assert settings["draft"].strip() == "-"
+    assert settings["max_new_tokens"].strip() == "512"
+
+
+def test_an_unknown_profile_is_one_error_line_and_exit_2():
+    result = run("profiles", "show", "nope")
+    assert result.exit_code == 2
+    assert result.stdout == ""
+    assert result.stderr.startswith("error: unknown profile 'nope' — known profiles: demo, demo-ngram")
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in result.output
+
+
+def test_a_malformed_user_profile_is_one_error_line(specdec_home):
+    (specdec_home / "profiles").mkdir(parents=True)
+    (specdec_home / "profiles" / "broken.toml").write_text("target = \n")
+    result = run("profiles", "list")
+    assert result.exit_code == 2
+    assert "broken.toml is not valid TOML" in result.stderr
+    assert "line 1" in result.stderr

@@ -1,0 +1,68 @@
+import pytest
+import torch
+
+from specdec_cli.errors import DeviceError
+from specdec_cli.models import device as device_module
+from specdec_cli.models import resolve_device, resolve_dtype
+
+needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+
+
+def test_cpu_is_cpu():
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
+@needs_no_cuda
+def test_auto_falls_back_to_cpu_without_gpus(monkeypatch):
+    monkeypatch.setattr(device_module, "_mps_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+
+
+@needs_no_cuda
+@pytest.mark.parametrize("asked", ["cuda", "cuda:1"])
+def test_cuda_on_a_cpu_machine_is_a_device_error(asked):
+    with pytest.raises(DeviceError) as raised:
+        resolve_device(asked)
+    assert "no CUDA GPU" in raised.value.one_line()
+    assert "\n" not in raised.value.one_line()
+
+
+def test_unknown_device_is_a_device_error():
+    with pytest.raises(DeviceError, match="unknown device 'tpu0'"):
+        resolve_device("tpu0")
+
+
+@pytest.mark.parametrize(
+    ("asked", "expected"),
+    [("bfloat16", torch.bfloat16), ("bf16", torch.bfloat16), ("float16", torch.float16), ("float32", torch.float32)],
+)
+def test_explicit_dtypes(asked, expected):
+    assert resolve_dtype(asked, torch.device("cpu")) == expected
+
+
+def test_unknown_dtype_is_a_device_error():
+    with pytest.raises(DeviceError, match="unknown dtype 'int3'"):
+        resolve_dtype("int3", torch.device("cpu"))
+
+
+def _cpuinfo(tmp_path, flags: str):
+    path = tmp_path / "cpuinfo"
+    path.write_text(f"processor\t: 0\nmodel name\t: test\nflags\t\t: fpu sse2 avx2 {flags}\n\nprocessor\t: 1\n")
+    return path
+
+
+def test_bf16_flags_are_read_from_cpuinfo(tmp_path):
+    assert device_module.cpu_has_fast_bf16(_cpuinfo(tmp_path, "avx512f avx512_bf16"))
+    assert device_module.cpu_has_fast_bf16(_cpuinfo(tmp_path, "amx_tile amx_bf16"))
+    assert not device_module.cpu_has_fast_bf16(_cpuinfo(tmp_path, "avx512f"))
+    assert not device_module.cpu_has_fast_bf16(tmp_path / "missing")
+
+
+@pytest.mark.parametrize(("fast_bf16", "expected"), [(True, torch.bfloat16), (False, torch.float32)])
+def test_auto_dtype_on_cpu_follows_bf16_support(monkeypatch, fast_bf16, expected):
+    monkeypatch.setattr(device_module, "cpu_has_fast_bf16", lambda: fast_bf16)
+    assert resolve_dtype("auto", torch.device("cpu")) == expected
+
+
+def test_auto_dtype_on_mps_is_float16():
+    assert resolve_dtype("auto", torch.device("mps")) == torch.float16

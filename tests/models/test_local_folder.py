@@ -1,0 +1,90 @@
+import pytest
+import torch
+
+from specdec_cli.errors import ModelLoadError, ModelNotFoundError
+from specdec_cli.models import LoadedModel, load_model
+from specdec_cli.models.loaded import eos_token_ids
+from tests.tiny import build_tokenizer, tiny_config
+
+
+def test_loads_a_folder_in_eval_mode_on_the_chosen_device(llama_folder):
+    loaded = load_model(str(llama_folder), device="cpu", dtype="bfloat16", progress=False)
+    assert isinstance(loaded, LoadedModel)
+    assert loaded.name == str(llama_folder)
+    assert loaded.source == str(llama_folder.resolve())
+    assert (loaded.device, loaded.dtype, loaded.quantization) == (torch.device("cpu"), torch.bfloat16, None)
+    assert not loaded.model.training
+    assert next(loaded.model.parameters()).dtype == torch.bfloat16
+    assert loaded.eos_token_ids == (loaded.tokenizer.convert_tokens_to_ids("<|im_end|>"),)
+    assert loaded.vocab_size == len(loaded.tokenizer) == 300
+    logits = loaded.model(torch.tensor([[1, 2, 3]])).logits  # (B, T, V)
+    assert logits.shape == (1, 3, 300)
+
+
+def test_describe_is_one_line_naming_device_and_dtype(llama_folder):
+    loaded = load_model(str(llama_folder), device="cpu", dtype="float32", progress=False)
+    assert loaded.describe("target") == f"target: {llama_folder} · cpu · float32"
+
+
+def test_padded_output_layer_sets_vocab_size(qwen2_padded_folder):
+    loaded = load_model(str(qwen2_padded_folder), device="cpu", dtype="float32", progress=False)
+    assert len(loaded.tokenizer) == 300
+    assert loaded.vocab_size == 320
+
+
+def test_eos_ids_are_the_union_of_generation_config_and_tokenizer():
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = build_tokenizer()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config("llama", 300, tokenizer))
+    model.generation_config.eos_token_id = [0, 2]
+    tokenizer.eos_token = "<|im_start|>"  # id 1
+    assert eos_token_ids(model, tokenizer) == (0, 2, 1)
+
+
+def _pickle_only_folder(source, destination):
+    from transformers import AutoModelForCausalLM
+
+    destination.mkdir()
+    model = AutoModelForCausalLM.from_pretrained(source)
+    model.config.save_pretrained(destination)
+    build_tokenizer(destination)
+    torch.save(model.state_dict(), destination / "pytorch_model.bin")
+
+
+def test_pickle_weights_are_refused_unless_allowed(llama_folder, tmp_path):
+    folder = tmp_path / "pickled"
+    _pickle_only_folder(llama_folder, folder)
+    with pytest.raises(ModelLoadError, match="has only pickle weights") as raised:
+        load_model(str(folder), device="cpu", progress=False)
+    assert "--allow-pickle" in raised.value.hint
+    loaded = load_model(str(folder), device="cpu", dtype="float32", allow_pickle=True, progress=False)
+    assert loaded.vocab_size == 300
+
+
+def test_folder_without_config_is_not_a_model(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="without a config.json"):
+        load_model(str(tmp_path), progress=False)
+
+
+def test_missing_path_is_model_not_found(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="no such file or folder"):
+        load_model(str(tmp_path / "nope.gguf"), progress=False)
+
+
+def test_a_string_that_is_nothing_is_model_not_found():
+    with pytest.raises(ModelNotFoundError, match="not a file, folder, demo model or hub id"):
+        load_model("not a model!", progress=False)
+
+
+def test_a_file_that_is_not_gguf_is_refused(tmp_path):
+    path = tmp_path / "weights.txt"
+    path.write_text("hello")
+    with pytest.raises(ModelLoadError, match="not a .gguf"):
+        load_model(str(path), progress=False)
+
+
+def test_unknown_quantization_is_refused(llama_folder):
+    with pytest.raises(ModelLoadError, match="unknown quantization '3bit'"):
+        load_model(str(llama_folder), quantization="3bit", progress=False)

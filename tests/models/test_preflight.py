@@ -1,0 +1,112 @@
+import psutil
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from specdec_cli.errors import IncompatibleModelsError, InsufficientMemoryError
+from specdec_cli.models import check_tokenizers_compatible, estimate_weight_bytes, load_pair
+from specdec_cli.models import loaded as loaded_module
+
+GIB = 1024**3
+
+
+def _tokenizer(folder):
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def _forbid_weight_loading(monkeypatch):
+    def must_not_load(*args):
+        raise AssertionError("weights were loaded before the pre-flight refused")
+
+    monkeypatch.setattr(loaded_module, "_load_weights", must_not_load)
+
+
+def test_a_padded_vocabulary_pair_loads(qwen2_padded_folder, llama_folder):
+    target, draft = load_pair(str(qwen2_padded_folder), str(llama_folder), device="cpu", dtype="float32", progress=False)
+    assert (target.vocab_size, draft.vocab_size) == (320, 300)
+    assert target.eos_token_ids == draft.eos_token_ids
+
+
+def test_without_a_draft_only_the_target_loads(llama_folder):
+    target, draft = load_pair(str(llama_folder), None, device="cpu", progress=False)
+    assert draft is None and target.vocab_size == 300
+
+
+def test_different_tokenizers_are_refused_before_weights_load(llama_folder, other_tokenizer_folder, monkeypatch):
+    _forbid_weight_loading(monkeypatch)
+    with pytest.raises(IncompatibleModelsError) as raised:
+        load_pair(str(llama_folder), str(other_tokenizer_folder), device="cpu", progress=False)
+    line = raised.value.one_line()
+    assert str(llama_folder) in line and str(other_tokenizer_folder) in line
+    assert "their tokenizers differ" in line
+    assert "--drafter ngram" in line
+
+
+def test_different_special_tokens_are_refused(llama_folder):
+    target_tokenizer, draft_tokenizer = _tokenizer(llama_folder), _tokenizer(llama_folder)
+    draft_tokenizer.eos_token = "<|endoftext|>"
+    with pytest.raises(IncompatibleModelsError, match="their eos tokens differ"):
+        check_tokenizers_compatible(target_tokenizer, draft_tokenizer, "big", "small")
+
+
+def test_a_pad_token_defined_on_one_side_only_passes(llama_folder):
+    target_tokenizer, draft_tokenizer = _tokenizer(llama_folder), _tokenizer(llama_folder)
+    draft_tokenizer.pad_token = None
+    check_tokenizers_compatible(target_tokenizer, draft_tokenizer, "big", "small")
+    draft_tokenizer.pad_token = "<|im_start|>"
+    with pytest.raises(IncompatibleModelsError, match="their pad tokens differ"):
+        check_tokenizers_compatible(target_tokenizer, draft_tokenizer, "big", "small")
+
+
+def test_identical_tokenizers_pass(llama_folder, qwen2_padded_folder):
+    check_tokenizers_compatible(_tokenizer(qwen2_padded_folder), _tokenizer(llama_folder), "big", "small")
+
+
+def _free_ram(monkeypatch, available: int):
+    real = psutil.virtual_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=available))
+
+
+def test_weights_that_do_not_fit_are_refused_before_loading(llama_folder, qwen2_padded_folder, monkeypatch):
+    _forbid_weight_loading(monkeypatch)
+    _free_ram(monkeypatch, 100 * 1024**2)
+    with pytest.raises(InsufficientMemoryError) as raised:
+        load_pair(str(qwen2_padded_folder), str(llama_folder), device="cpu", progress=False)
+    line = raised.value.one_line()
+    assert "only 0.1 GiB of RAM is free" in line
+    assert "--load-in-4bit" in line
+
+
+def test_weights_that_fit_pass_the_memory_check(llama_folder, monkeypatch):
+    _free_ram(monkeypatch, 2 * GIB)
+    target, _ = load_pair(str(llama_folder), None, device="cpu", progress=False)
+    assert target.vocab_size == 300
+
+
+def test_weight_estimate_of_a_tiny_model_is_exact(llama_folder):
+    config = AutoConfig.from_pretrained(llama_folder)
+    parameters = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(llama_folder).parameters())
+    assert estimate_weight_bytes(config, torch.bfloat16, None) == 2 * parameters
+    assert estimate_weight_bytes(config, torch.float32, None) == 4 * parameters
+
+
+def test_quantisation_shrinks_only_the_linear_layers(llama_folder):
+    config = AutoConfig.from_pretrained(llama_folder)
+    embeddings_and_head = 2 * 300 * 64
+    bf16 = estimate_weight_bytes(config, torch.bfloat16, None)
+    eight = estimate_weight_bytes(config, torch.bfloat16, "8bit")
+    four = estimate_weight_bytes(config, torch.bfloat16, "4bit")
+    assert 2 * embeddings_and_head < four < eight < bf16
+
+
+def test_weight_estimate_of_a_7b_config():
+    from transformers import Qwen2Config
+
+    # Qwen2.5-7B-Instruct's shape: 7.62 B parameters.
+    config = Qwen2Config(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False,
+    )
+    assert 15.0e9 < estimate_weight_bytes(config, torch.bfloat16, None) < 15.5e9
+    # embeddings and output layer stay bf16 (2.2 GB); 6.5 B linear weights at ~4.25 bits (3.5 GB)
+    assert 5.3e9 < estimate_weight_bytes(config, torch.bfloat16, "4bit") < 6.0e9

@@ -1,0 +1,31 @@
+"""4-bit and 8-bit loading through bitsandbytes, for real, on the CPU."""
+
+import sys
+
+import pytest
+import torch
+
+from specdec_cli.errors import MissingExtraError
+from specdec_cli.models import load_model
+
+bitsandbytes = pytest.importorskip("bitsandbytes")
+
+
+def test_4bit_load_quantises_the_linear_layers_and_runs(llama_folder):
+    loaded = load_model(str(llama_folder), device="cpu", dtype="bfloat16", quantization="4bit", progress=False)
+    quantised = [name for name, module in loaded.model.named_modules() if isinstance(module, bitsandbytes.nn.Linear4bit)]
+    assert len(quantised) == 2 * 7  # q, k, v, o, gate, up, down in each of the 2 layers
+    assert loaded.quantization == "4bit"
+    assert loaded.vocab_size == 300  # the output layer is not quantised
+    with torch.no_grad():
+        logits = loaded.model(torch.tensor([[1, 2, 3, 4]])).logits  # (B, T, V)
+    assert logits.shape == (1, 4, 300)
+    assert torch.isfinite(logits).all()
+    assert loaded.describe("draft").endswith("· 4bit")
+
+
+def test_missing_bitsandbytes_names_the_extra(llama_folder, monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # makes importlib.util.find_spec return None
+    with pytest.raises(MissingExtraError) as raised:
+        load_model(str(llama_folder), quantization="4bit", progress=False)
+    assert raised.value.hint == "pip install 'specdec[4bit]'"

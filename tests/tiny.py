@@ -1,0 +1,161 @@
+"""Builders for tiny random models and tokenizers saved to folders (offline, a few hundred KB each).
+
+General on purpose: the engine and chat tests can build their own fixtures from these."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog.",
+    "Speculative decoding drafts several tokens and the target verifies them in one pass.",
+    "for i in range(10):\n    print(i)\n",
+    "Hello, how are you today? I am fine, thank you.",
+]
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer(path: Path | None = None, corpus: list[str] | None = None, vocab_size: int = 300):
+    """A byte-level BPE tokenizer trained on `corpus`, with eos/bos/pad and a chat template; saved to `path` if given."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(corpus or CORPUS, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    if path is not None:
+        tokenizer.save_pretrained(path)
+    return tokenizer
+
+
+def tiny_config(arch: str, vocab_size: int, tokenizer):
+    from transformers import LlamaConfig, Qwen2Config
+
+    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    return config_class(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+
+
+def build_tiny_model(path: Path, arch: str = "llama", vocab_size: int | None = None, seed: int = 0, tokenizer=None):
+    """A random 2-layer, hidden-64 causal LM (`llama` or `qwen2`) with its tokenizer, saved as safetensors in `path`.
+    `vocab_size` larger than the tokenizer gives a padded output layer. Returns the model."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = tokenizer or build_tokenizer()
+    config = tiny_config(arch, vocab_size or len(tokenizer), tokenizer)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model
+
+
+def _permute_for_gguf(weight, heads: int):
+    """llama.cpp stores q/k rows interleaved per head (transformers undoes this when it reads a GGUF)."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _gguf_tensors(model):
+    """(gguf name, float32 array) for each weight of a tiny llama model."""
+    import gguf
+
+    config = model.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    for hf_name, tensor in model.state_dict().items():
+        array = tensor.float().numpy()
+        base = hf_name.removesuffix(".weight")
+        if base.endswith("q_proj"):
+            array = _permute_for_gguf(array, config.num_attention_heads)
+        elif base.endswith("k_proj"):
+            array = _permute_for_gguf(array, config.num_key_value_heads)
+        yield names.get_name(base) + ".weight", array
+
+
+def _add_gguf_config(writer, config) -> None:
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+
+
+def _add_gguf_tokenizer(writer, tokenizer) -> None:
+    import json
+
+    import gguf
+
+    backend = json.loads(tokenizer.backend_tokenizer.to_str())
+    id_to_token = {token_id: token for token, token_id in tokenizer.get_vocab().items()}
+    tokens = [id_to_token[token_id] for token_id in range(len(id_to_token))]
+    special = set(tokenizer.all_special_tokens)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(
+        [gguf.TokenType.CONTROL if token in special else gguf.TokenType.NORMAL for token in tokens]
+    )
+    writer.add_token_merges([" ".join(merge) if isinstance(merge, list) else merge for merge in backend["model"]["merges"]])
+    writer.add_bos_token_id(tokenizer.bos_token_id)
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    writer.add_pad_token_id(tokenizer.pad_token_id)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+
+def build_tiny_gguf(path: Path, seed: int = 0):
+    """A tiny random llama model written as an F32 `.gguf` file at `path` (with a byte-level BPE tokenizer).
+    Returns the transformers model it was written from, to compare logits against."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = build_tokenizer()
+    config = tiny_config("llama", len(tokenizer), tokenizer)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    writer = gguf.GGUFWriter(str(path), "llama")
+    _add_gguf_config(writer, config)
+    _add_gguf_tokenizer(writer, tokenizer)
+    for name, array in _gguf_tensors(model):
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return model
