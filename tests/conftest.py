@@ -8,6 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from tests.isolation import specdec_home  # noqa: F401  (autouse: no test writes the real cache)
+
 VOCAB = 96
 
 
@@ -103,3 +105,20 @@ class TrigramLM(torch.nn.Module):
         previous = torch.cat([ids.new_zeros(1), ids[:-1]])
         logits = self.table[previous, ids][None]  # (1, L, V)
         return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """Saved folders for command tests (load them with --dtype float32): a Qwen2-style target, a
+    different random draft (`draft`: low acceptance, resampled tokens appear) and a copy of the
+    target (`same`: every draft accepted), sharing one offline byte-level BPE tokenizer."""
+    from types import SimpleNamespace
+
+    from tests.tiny import build_tiny_model, build_tokenizer
+
+    root = tmp_path_factory.mktemp("tiny-pair")
+    tokenizer = build_tokenizer()
+    build_tiny_model(root / "target", arch="qwen2", seed=0, tokenizer=tokenizer)
+    build_tiny_model(root / "draft", arch="qwen2", seed=1, tokenizer=tokenizer)
+    build_tiny_model(root / "same", arch="qwen2", seed=0, tokenizer=tokenizer)
+    return SimpleNamespace(target=str(root / "target"), draft=str(root / "draft"), same=str(root / "same"))

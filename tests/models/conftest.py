@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from tests.isolation import specdec_home  # noqa: F401  (autouse)
 from tests.tiny import build_tiny_gguf, build_tiny_model, build_tokenizer
 
 

@@ -1,0 +1,106 @@
+"""Glue between loaded models and the engine, shared by chat, run and compare: the drafter and
+draft-length policy named on the command line, EOS ids, prompt encoding, and stop strings.
+
+The engine sees token ids only; everything that touches text lives here or above."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from specdec_cli.drafters import DraftModelDrafter, Drafter, NgramDrafter
+from specdec_cli.engine import AdaptiveK, DraftLengthPolicy, FixedK, SamplingParams, SpeculativeDecoder
+from specdec_cli.errors import InputError
+from specdec_cli.models import LoadedModel
+
+# End-of-turn tokens that chat templates close an assistant turn with. Some checkpoints (GGUF
+# conversions especially) list only one of them as EOS; generation must stop at any.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>")
+
+MAX_K = 16
+
+
+def parse_k(value: str | int) -> int | str:
+    """`auto` or a draft length 0..16 (0 = the target alone)."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return "auto"
+    if text.isdigit() and int(text) <= MAX_K:
+        return int(text)
+    raise InputError(f"invalid draft length {value!r}", f"use a number from 0 to {MAX_K}, or auto")
+
+
+def make_policy(k: int | str) -> DraftLengthPolicy:
+    return AdaptiveK() if k == "auto" else FixedK(int(k))
+
+
+def make_drafter(drafter: str, draft: LoadedModel | None) -> Drafter | None:
+    if drafter == "ngram":
+        return NgramDrafter()
+    if drafter == "model":
+        if draft is None:
+            raise InputError("the model drafter needs a draft model", "pass --draft NAME, or --drafter ngram")
+        return DraftModelDrafter(draft.model)
+    if drafter == "none":
+        return None
+    raise InputError(f"unknown drafter {drafter!r}", "use --drafter model or --drafter ngram")
+
+
+def eos_token_ids(model: LoadedModel) -> tuple[int, ...]:
+    vocab = model.tokenizer.get_vocab()
+    extra = (vocab[token] for token in END_OF_TURN_TOKENS if token in vocab)
+    return tuple(sorted(set(model.eos_token_ids) | set(extra)))
+
+
+def build_decoder(
+    target: LoadedModel, draft: LoadedModel | None, drafter: str, k: int | str
+) -> SpeculativeDecoder:
+    """drafter: "model", "ngram" or "none" (the target alone); k: an int or "auto"."""
+    chosen = make_drafter(drafter, draft) if k != 0 else None
+    return SpeculativeDecoder(target.model, chosen, make_policy(k) if chosen else FixedK(0), eos_token_ids(target))
+
+
+def sampling_params(temperature: float, top_p: float, top_k: int, seed: int | None) -> SamplingParams:
+    try:
+        return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    except ValueError as error:
+        raise InputError(str(error), "fix the sampling option") from None
+
+
+def encode_chat(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a conversation through the model's own chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise InputError("this model has no chat template", "give a raw prompt instead of messages")
+    ids = tokenizer.apply_chat_template(
+        list(messages), add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+    )
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
+def encode_completion(tokenizer, prompt: str) -> list[int]:
+    ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    if not ids:
+        raise InputError("the prompt is empty", "give at least one character of prompt")
+    return list(ids)
+
+
+@dataclass
+class StopStrings:
+    """A stop callback for the engine: True once the decoded output contains any stop string.
+    `cut(text)` then removes the stop string and what follows (as OpenAI's API does)."""
+
+    tokenizer: object
+    stops: tuple[str, ...]
+
+    def __call__(self, generated: list[int]) -> bool:
+        if not self.stops:
+            return False
+        # Only the tail can hold a new match: decode enough tokens to cover the longest stop string.
+        tail = self.tokenizer.decode(generated[-(max(map(len, self.stops)) + 8):], skip_special_tokens=False)
+        return any(stop in tail for stop in self.stops)
+
+    def cut(self, text: str) -> str:
+        positions = [text.find(stop) for stop in self.stops if stop in text]
+        return text[: min(positions)] if positions else text

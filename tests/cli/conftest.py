@@ -1,1 +1,0 @@
-from tests.isolation import specdec_home  # noqa: F401  (autouse)
