@@ -139,3 +139,60 @@ def load_choice(choice: ModelChoice, console: Console | None = None) -> tuple[Lo
     console.print(target.describe("target"), markup=False)
     console.print(draft.describe("draft") if draft else "draft: n-gram lookup", markup=False)
     return target, draft
+
+
+_DECODING = "Decoding"
+
+
+def _decoding(kind, *flags: str, help: str):
+    return Annotated[kind | None, typer.Option(*flags, help=help, rich_help_panel=_DECODING)]
+
+
+# Defaults are None: "take the profile's value" (see `decoding_settings`).
+KOption = _decoding(str, "--k", help="Draft length: a number (0 = target alone) or auto (adapts per step).")
+TemperatureOption = _decoding(float, "--temperature", "-t", help="0 = greedy (exactly the target's argmax sequence).")
+TopPOption = _decoding(float, "--top-p", help="Nucleus sampling: keep the smallest set of tokens with this mass.")
+TopKOption = _decoding(int, "--top-k", help="Keep only the K most likely tokens (0 = all).")
+SeedOption = _decoding(int, "--seed", help="Seed for sampling: same seed and input give the same output.")
+MaxNewTokensOption = _decoding(int, "--max-new-tokens", "-n", help="Stop after this many new tokens.")
+SystemOption = _decoding(str, "--system", help="System prompt for chat-template models.")
+
+
+@dataclass
+class DecodingSettings:
+    """The profile's decoding defaults merged with command-line flags (flags win)."""
+
+    k: int | str
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    max_new_tokens: int
+    system: str | None
+
+
+def decoding_settings(
+    profile: Profile,
+    k: str | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    max_new_tokens: int | None = None,
+    system: str | None = None,
+) -> DecodingSettings:
+    from specdec_cli.session import parse_k, sampling_params
+
+    settings = DecodingSettings(
+        k=parse_k(k if k is not None else profile.k),
+        temperature=temperature if temperature is not None else profile.temperature,
+        top_p=top_p if top_p is not None else profile.top_p,
+        top_k=top_k if top_k is not None else profile.top_k,
+        seed=seed,
+        max_new_tokens=max_new_tokens if max_new_tokens is not None else profile.max_new_tokens,
+        system=system if system is not None else profile.system,
+    )
+    if settings.max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens must be at least 1, got {settings.max_new_tokens}", "pass a positive number")
+    sampling_params(settings.temperature, settings.top_p, settings.top_k, seed)  # validates
+    return settings
