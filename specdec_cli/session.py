@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specdec_cli.drafters import DraftModelDrafter, Drafter, NgramDrafter
-from specdec_cli.engine import AdaptiveK, DraftLengthPolicy, FixedK, SamplingParams, SpeculativeDecoder
+from specdec_cli.drafters import CascadeDrafter, DraftModelDrafter, Drafter, NgramDrafter
+from specdec_cli.engine import CostModelK, DraftLengthPolicy, FixedK, SamplingParams, SpeculativeDecoder
 from specdec_cli.errors import InputError
 from specdec_cli.models import LoadedModel
 
@@ -30,20 +30,28 @@ def parse_k(value: str | int) -> int | str:
     raise InputError(f"invalid draft length {value!r}", f"use a number from 0 to {MAX_K}, or auto")
 
 
+DRAFTERS = ("model", "ngram", "cascade")
+
+
 def make_policy(k: int | str) -> DraftLengthPolicy:
-    return AdaptiveK() if k == "auto" else FixedK(int(k))
+    """auto: the cost model (k from measured acceptance and draft/verify costs, 0 when drafting
+    does not pay); a number: always that many."""
+    return CostModelK() if k == "auto" else FixedK(int(k))
 
 
 def make_drafter(drafter: str, draft: LoadedModel | None) -> Drafter | None:
-    if drafter == "ngram":
-        return NgramDrafter()
-    if drafter == "model":
-        if draft is None:
-            raise InputError("the model drafter needs a draft model", "pass --draft NAME, or --drafter ngram")
-        return DraftModelDrafter(draft.model)
+    """model: the draft model; ngram: prompt lookup; cascade: prompt lookup when it matches, else
+    the draft model; none: the target alone."""
     if drafter == "none":
         return None
-    raise InputError(f"unknown drafter {drafter!r}", "use --drafter model or --drafter ngram")
+    if drafter == "ngram":
+        return NgramDrafter()
+    if drafter not in DRAFTERS:
+        raise InputError(f"unknown drafter {drafter!r}", f"use one of: {', '.join(DRAFTERS)}")
+    if draft is None:
+        raise InputError(f"the {drafter} drafter needs a draft model", "pass --draft NAME, or --drafter ngram")
+    model_drafter = DraftModelDrafter(draft.model)
+    return CascadeDrafter(model_drafter) if drafter == "cascade" else model_drafter
 
 
 def eos_token_ids(model: LoadedModel) -> tuple[int, ...]:

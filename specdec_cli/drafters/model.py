@@ -2,46 +2,76 @@
 
 The cache follows the accepted sequence through `CachedModel.extend`'s shared-prefix rule, so after a
 step in which every draft was accepted, the draft's last token and the target's bonus token are fed
-together in the next step's first forward: no extra forward for the bonus token."""
+together in the next step's first forward: no extra forward for the bonus token.
+
+Two options cut wasted draft work, both lossless:
+- `token_ids`: the draft scores only this subset of the vocabulary (see subset_head.py);
+- `min_confidence`: stop drafting once the draft's own top probability falls below it (a token
+  the draft itself doubts is likely rejected, and every later draft token with it)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from specdec_cli.drafters.base import EMPTY_DRAFT, Draft, Drafter
+from specdec_cli.drafters.subset_head import SubsetHeadLM
 from specdec_cli.engine.kv import CachedModel
-from specdec_cli.engine.sampling import SamplingParams, logits_to_probs, sample
+from specdec_cli.engine.sampling import logits_to_probs, sample
+
+if TYPE_CHECKING:
+    from specdec_cli.engine.sampling import SamplingParams
 
 
 class DraftModelDrafter(Drafter):
     name = "model"
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.runner = CachedModel(model)
+    def __init__(
+        self, model: torch.nn.Module, token_ids: torch.Tensor | None = None, min_confidence: float = 0.0
+    ) -> None:
+        self.subset = token_ids.cpu() if token_ids is not None else None
+        self.runner = CachedModel(SubsetHeadLM(model, token_ids) if token_ids is not None else model)
+        self.full_vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.min_confidence = min_confidence
 
     def propose(
-        self, ids: Sequence[int], k: int, params: SamplingParams, generator: torch.Generator
+        self, ids: Sequence[int], k: int, params: "SamplingParams", generator: torch.Generator
     ) -> Draft:
         if k <= 0:
             return EMPTY_DRAFT
         sequence = list(ids)
         drafted: list[int] = []
         rows: list[torch.Tensor] = []
-        logits = self.runner.extend(sequence, 1)[-1]  # (V_draft,)
+        logits = self.runner.extend(sequence, 1)[-1]  # (V_draft,) or (|subset|,)
         for position in range(k):
             if params.greedy:
-                token = int(logits.argmax())
+                index = int(logits.argmax())
+                check = self.min_confidence and position
+                confidence = float(torch.softmax(logits.float(), -1)[index]) if check else 1.0
             else:
                 probs = logits_to_probs(logits, params)
-                token = sample(probs, generator)
-                rows.append(probs)
-            drafted.append(token)
+                index = sample(probs, generator)
+                confidence = float(probs[index])
+                rows.append(self._on_full_vocab(probs))
+            if position and confidence < self.min_confidence:
+                rows = rows[:position]
+                break
+            drafted.append(self._token_id(index))
             if position + 1 < k:
-                sequence.append(token)
+                sequence.append(drafted[-1])
                 logits = self.runner.extend(sequence, 1)[-1]
         return Draft(drafted, torch.stack(rows) if rows else None)
+
+    def _token_id(self, index: int) -> int:
+        return int(self.subset[index]) if self.subset is not None else index
+
+    def _on_full_vocab(self, probs: torch.Tensor) -> torch.Tensor:
+        """(V_draft,) probabilities: a subset head's mass scattered back, 0 outside the subset."""
+        if self.subset is None:
+            return probs
+        return torch.zeros(self.full_vocab_size, dtype=probs.dtype).index_copy_(0, self.subset, probs.cpu())
 
     def reset(self) -> None:
         self.runner.reset()

@@ -58,3 +58,113 @@ class AdaptiveK:
 
     def reset(self) -> None:
         self.k = self.start
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Expected tokens per step when each draft token is accepted with probability alpha, until the
+    first rejection, plus the target's own token: (1 - alpha^(gamma+1)) / (1 - alpha)."""
+    if alpha >= 1.0:
+        return gamma + 1.0
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+class CostModelK:
+    """Choose k to maximise expected tokens per second from what this sequence has shown so far.
+
+    - acceptance alpha: accepted / (accepted + rejections), counts decayed per step so the estimate
+      follows the text (code vs prose), started from a prior;
+    - cost of one draft token, and verify cost as a line in k (intercept + slope), from measured
+      seconds, decayed likewise.
+    k = 0 (plain decoding) wins when drafting does not pay; a probe step every `probe_every` steps
+    keeps alpha current so drafting resumes when the text becomes predictable again."""
+
+    def __init__(self, max_k: int = 10, prior_alpha: float = 0.6, prior_weight: float = 2.0,
+                 decay: float = 0.97, probe_every: int = 8, probe_k: int = 2) -> None:
+        self.max_k, self.prior_alpha, self.prior_weight = max_k, prior_alpha, prior_weight
+        self.decay, self.probe_every, self.probe_k = decay, probe_every, probe_k
+        self.reset()
+
+    def reset(self) -> None:
+        self.successes = self.prior_alpha * self.prior_weight
+        self.trials = self.prior_weight
+        self.draft_cost = _Mean()    # seconds per drafted token
+        self.verify = _Line()        # verify seconds as intercept + slope * k
+        self.steps_without_draft = 0
+        self.k = self.probe_k
+
+    @property
+    def alpha(self) -> float:
+        return min(self.successes / self.trials, 0.999)
+
+    def next_k(self) -> int:
+        return self.k
+
+    def update(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+        if drafted:
+            rejected = 1 if accepted < drafted else 0
+            self.successes = self.decay * self.successes + accepted
+            self.trials = self.decay * self.trials + accepted + rejected
+            self.draft_cost.add(draft_seconds / drafted, self.decay)
+        self.verify.add(drafted, verify_seconds, self.decay)
+        self.k = self._choose()
+
+    def _choose(self) -> int:
+        if not self.draft_cost.known or not self.verify.known:
+            return self.probe_k
+        best = max(range(self.max_k + 1), key=self.tokens_per_second)
+        if best == 0:
+            self.steps_without_draft += 1
+            if self.steps_without_draft >= self.probe_every:
+                self.steps_without_draft = 0
+                return self.probe_k
+        else:
+            self.steps_without_draft = 0
+        return best
+
+    def tokens_per_second(self, k: int) -> float:
+        seconds = k * self.draft_cost.value + self.verify.at(k)
+        return expected_tokens(self.alpha, k) / max(seconds, 1e-9)
+
+
+class _Mean:
+    """An exponentially decayed mean."""
+
+    def __init__(self) -> None:
+        self.total = self.weight = 0.0
+
+    @property
+    def known(self) -> bool:
+        return self.weight > 0
+
+    @property
+    def value(self) -> float:
+        return self.total / self.weight
+
+    def add(self, value: float, decay: float) -> None:
+        self.total = decay * self.total + value
+        self.weight = decay * self.weight + 1.0
+
+
+class _Line:
+    """y = intercept + slope * x by decayed least squares; slope 0 until two x values were seen,
+    and never negative (verifying more tokens never costs less)."""
+
+    def __init__(self) -> None:
+        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+    @property
+    def known(self) -> bool:
+        return self.n > 0
+
+    def add(self, x: float, y: float, decay: float) -> None:
+        self.n = decay * self.n + 1.0
+        self.sx = decay * self.sx + x
+        self.sy = decay * self.sy + y
+        self.sxx = decay * self.sxx + x * x
+        self.sxy = decay * self.sxy + x * y
+
+    def at(self, x: float) -> float:
+        mean_x, mean_y = self.sx / self.n, self.sy / self.n
+        spread = self.sxx / self.n - mean_x * mean_x
+        slope = max(0.0, (self.sxy / self.n - mean_x * mean_y) / spread) if spread > 1e-9 else 0.0
+        return mean_y + slope * (x - mean_x)

@@ -1,0 +1,46 @@
+"""Cascade: an n-gram match when the sequence has one (free), the draft model otherwise.
+
+Text that repeats its context (code edits, summaries, extraction, multi-turn chat) gets long free
+drafts from prompt lookup; everything else gets the draft model. The draft model's cache simply
+catches up on the tokens it skipped the next time it is asked."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from specdec_cli.drafters.base import Draft, Drafter
+from specdec_cli.drafters.model import DraftModelDrafter
+from specdec_cli.drafters.ngram import NgramDrafter
+
+if TYPE_CHECKING:
+    from specdec_cli.engine.sampling import SamplingParams
+
+
+class CascadeDrafter(Drafter):
+    name = "cascade"
+
+    def __init__(self, model_drafter: DraftModelDrafter, ngram: NgramDrafter | None = None,
+                 min_match: int = 2) -> None:
+        """min_match: the shortest n-gram match trusted over the draft model (1-gram matches are
+        too often coincidences)."""
+        self.model_drafter = model_drafter
+        self.ngram = ngram or NgramDrafter(max_n=4, min_n=min_match)
+        self.used_ngram = 0
+        self.used_model = 0
+
+    def propose(
+        self, ids: Sequence[int], k: int, params: "SamplingParams", generator: torch.Generator
+    ) -> Draft:
+        draft = self.ngram.propose(ids, k, params, generator)
+        if len(draft):
+            self.used_ngram += 1
+            return draft
+        self.used_model += 1
+        return self.model_drafter.propose(ids, k, params, generator)
+
+    def reset(self) -> None:
+        self.model_drafter.reset()
+        self.ngram.reset()

@@ -1,0 +1,42 @@
+"""A draft model whose output layer scores only a subset of the vocabulary (FR-Spec style).
+
+A 0.5B draft spends a quarter of its forward in a 151,936-row output layer. Scoring only the most
+frequent ids cuts that, and stays lossless: ids outside the subset get draft probability 0, which
+the acceptance rule handles like any other draft distribution (the target can still emit them).
+
+Without corpus statistics, a byte-level BPE's id order is its merge order, which follows frequency
+in the tokenizer's training data: the first N ids plus every special token are a usable subset."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+
+def frequent_token_ids(tokenizer, size: int, vocab_size: int) -> torch.Tensor:
+    """The first `size` ids plus the special / added tokens (EOS must stay draftable), ascending."""
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    special |= set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+    ids = set(range(min(size, vocab_size))) | {i for i in special if i < vocab_size}
+    return torch.tensor(sorted(ids), dtype=torch.long)
+
+
+class SubsetHeadLM(torch.nn.Module):
+    """Wraps a transformers causal LM: same body and cache, logits over `token_ids` only.
+    logits[..., j] scores token_ids[j]."""
+
+    def __init__(self, causal_lm: torch.nn.Module, token_ids: torch.Tensor) -> None:
+        super().__init__()
+        self.body = causal_lm.get_decoder()
+        head = causal_lm.get_output_embeddings()
+        self.config = causal_lm.config
+        self.full_vocab_size = head.weight.shape[0]
+        self.token_ids = token_ids.to(head.weight.device)
+        self.weight = torch.nn.Parameter(head.weight.detach()[self.token_ids].contiguous(), requires_grad=False)
+
+    def forward(self, input_ids, cache=None, use_cache=True, logits_to_keep=0, **kwargs):
+        hidden = self.body(input_ids=input_ids, cache=cache, use_cache=use_cache).last_hidden_state
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        return SimpleNamespace(logits=hidden @ self.weight.T)  # (1, n, |subset|)

@@ -1,0 +1,116 @@
+"""The speed levers stay lossless, and the cost-model policy chooses k as its model says."""
+
+import pytest
+import torch
+
+from specdec_cli.drafters import CascadeDrafter, DraftModelDrafter, NgramDrafter
+from specdec_cli.drafters.subset_head import SubsetHeadLM, frequent_token_ids
+from specdec_cli.engine import CostModelK, FixedK, SamplingParams, SpeculativeDecoder, expected_tokens
+
+from tests.conftest import hf_greedy
+
+PROMPT = [1] + [(5 * i + 3) % 60 + 3 for i in range(40)]
+NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def reference(llama_target):
+    return hf_greedy(llama_target, PROMPT, NEW_TOKENS)
+
+
+def generate(target, drafter, policy, max_new_tokens=NEW_TOKENS):
+    return SpeculativeDecoder(target, drafter, policy).generate(PROMPT, SamplingParams(), max_new_tokens)
+
+
+def test_subset_head_scores_only_the_subset(llama_target):
+    subset = torch.tensor([0, 3, 5, 40, 95])
+    head = SubsetHeadLM(llama_target, subset)
+    from transformers import DynamicCache
+
+    logits = head(torch.tensor([[1, 2, 3]]), cache=DynamicCache(config=llama_target.config), logits_to_keep=1).logits
+    with torch.no_grad():
+        full = llama_target(torch.tensor([[1, 2, 3]])).logits[:, -1:]
+    assert torch.allclose(logits, full[..., subset], atol=1e-5)
+
+
+def test_frequent_ids_keep_special_tokens():
+    class Tokenizer:
+        all_special_ids = [90, 2]
+        added_tokens_decoder = {91: None}
+
+    assert frequent_token_ids(Tokenizer(), 4, 96).tolist() == [0, 1, 2, 3, 90, 91]
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_subset_head_draft_is_lossless(llama_target, llama_near_draft, reference, k):
+    subset = torch.arange(0, 96, 2)  # half the vocabulary: the target's odd ids are never drafted
+    drafter = DraftModelDrafter(llama_near_draft, token_ids=subset)
+    result = generate(llama_target, drafter, FixedK(k))
+    assert result.tokens == reference
+    assert result.stats.accepted > 0
+
+
+def test_subset_head_sampling_gives_the_subset_zero_mass_outside(llama_near_draft):
+    subset = torch.arange(0, 96, 3)
+    drafter = DraftModelDrafter(llama_near_draft, token_ids=subset)
+    draft = drafter.propose(PROMPT, 4, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
+    assert draft.probs.shape == (4, 96)
+    outside = torch.ones(96, dtype=torch.bool)
+    outside[subset] = False
+    assert float(draft.probs[:, outside].sum()) == 0.0
+    assert torch.allclose(draft.probs.sum(-1), torch.ones(4))
+    assert all(token % 3 == 0 for token in draft.ids)
+
+
+def test_confidence_cut_drafts_less_and_stays_lossless(llama_target, llama_near_draft, reference):
+    full = generate(llama_target, DraftModelDrafter(llama_near_draft), FixedK(6))
+    cut = generate(llama_target, DraftModelDrafter(llama_near_draft, min_confidence=0.9), FixedK(6))
+    assert cut.tokens == full.tokens == reference
+    assert cut.stats.drafted < full.stats.drafted
+
+
+def test_cascade_is_lossless_and_uses_both_drafters(llama_target, llama_near_draft, reference):
+    drafter = CascadeDrafter(DraftModelDrafter(llama_near_draft))
+    result = generate(llama_target, drafter, FixedK(4))
+    assert result.tokens == reference
+    assert drafter.used_ngram > 0 and drafter.used_model > 0
+
+
+def test_cost_model_policy_is_lossless(llama_target, llama_near_draft, reference):
+    result = generate(llama_target, DraftModelDrafter(llama_near_draft), CostModelK())
+    assert result.tokens == reference
+
+
+def test_expected_tokens_formula():
+    assert expected_tokens(0.8, 4) == pytest.approx((1 - 0.8**5) / 0.2)
+    assert expected_tokens(0.0, 5) == 1.0 and expected_tokens(1.0, 3) == 4.0
+
+
+def feed(policy, alpha_pattern, draft_seconds_per_token, verify_seconds, steps=60):
+    """Simulate steps where the first `accepted(k)` of k drafts are accepted."""
+    for _ in range(steps):
+        k = policy.next_k()
+        accepted = alpha_pattern(k)
+        policy.update(k, accepted, k * draft_seconds_per_token, verify_seconds)
+    return policy
+
+
+def test_cost_model_drafts_long_when_everything_is_accepted_and_drafting_is_cheap():
+    policy = feed(CostModelK(max_k=8), lambda k: k, 0.005, 0.1)
+    assert policy.next_k() == 8
+
+
+def test_cost_model_falls_back_to_plain_decoding_and_keeps_probing():
+    policy = feed(CostModelK(probe_every=5, probe_k=2), lambda k: 0, 0.05, 0.1)
+    ks = [policy.next_k()]
+    for _ in range(10):
+        k = policy.next_k()
+        policy.update(k, 0, k * 0.05, 0.1)
+        ks.append(policy.next_k())
+    assert ks.count(0) >= 8 and 2 in ks
+
+
+def test_cost_model_prefers_shorter_drafts_when_drafting_is_expensive():
+    cheap = feed(CostModelK(), lambda k: min(k, 3), 0.002, 0.1)
+    dear = feed(CostModelK(), lambda k: min(k, 3), 0.04, 0.1)
+    assert 0 < dear.next_k() < cheap.next_k()
