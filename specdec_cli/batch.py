@@ -226,8 +226,10 @@ def _number(name: str, value: object, low: float, high: float | None, open_low: 
 
 
 def _stop(stop: object) -> tuple[str, ...]:
-    stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else [] if stop is None else None
-    if stops is None or not all(isinstance(each, str) for each in stops):
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(each, str) for each in stops):
         raise BadRecord(f'"stop" must be a string or a list of strings, got {_json_type(stop)}')
     if "" in stops:
         raise BadRecord('"stop" holds an empty string')
