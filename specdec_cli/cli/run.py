@@ -1,0 +1,145 @@
+"""`specdec run INPUT.jsonl -o OUTPUT.jsonl`: batch generation, one durable output record per input line.
+
+The work is in `specdec_cli.batch`; this module parses options, loads the models, and draws the
+progress bar and the closing table on stderr."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from specdec_cli import batch
+from specdec_cli.cli.app import error_console, report_errors
+from specdec_cli.cli.options import (
+    AllowPickleOption, DeviceOption, Draft4bitOption, DraftOption, DrafterOption, DtypeOption, KOption,
+    LoadIn4bitOption, LoadIn8bitOption, MaxNewTokensOption, ProfileOption, SeedOption, SystemOption,
+    Target4bitOption, TargetOption, TemperatureOption, TopKOption, TopPOption, TrustRemoteCodeOption,
+    choose_models, decoding_settings, load_choice,
+)
+from specdec_cli.errors import InputError
+
+_FILES = "Files"
+
+
+@report_errors
+def run_command(
+    input: Annotated[str, typer.Argument(metavar="INPUT", help="JSONL requests, one per line; - reads stdin.", show_default=False)],
+    output: Annotated[Path, typer.Option("--output", "-o", help="JSONL file for the results (one line per request, in input order).", rich_help_panel=_FILES, show_default=False)],
+    resume: Annotated[bool, typer.Option("--resume", help="Continue OUTPUT: skip the requests it already answers.", rich_help_panel=_FILES)] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUTPUT if it exists.", rich_help_panel=_FILES)] = False,
+    limit: Annotated[int | None, typer.Option("--limit", min=1, help="Only the first N requests of INPUT.", rich_help_panel=_FILES)] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no summary table.")] = False,
+    profile: ProfileOption = None,
+    target: TargetOption = None,
+    draft: DraftOption = None,
+    drafter: DrafterOption = None,
+    device: DeviceOption = None,
+    dtype: DtypeOption = None,
+    target_4bit: Target4bitOption = False,
+    draft_4bit: Draft4bitOption = False,
+    load_in_4bit: LoadIn4bitOption = False,
+    load_in_8bit: LoadIn8bitOption = False,
+    trust_remote_code: TrustRemoteCodeOption = False,
+    allow_pickle: AllowPickleOption = False,
+    k: KOption = None,
+    temperature: TemperatureOption = None,
+    top_p: TopPOption = None,
+    top_k: TopKOption = None,
+    seed: SeedOption = None,
+    max_new_tokens: MaxNewTokensOption = None,
+    system: SystemOption = None,
+) -> None:
+    """Generate for every request in a JSONL file: {"id", "prompt" | "messages", ...} lines, OpenAI
+    Batch API request lines, or both. Each record is on disk before the next request starts; after a
+    crash or Ctrl-C, rerun with --resume. Exit code 1 when any record failed."""
+    _check_paths(input, output, resume, overwrite)
+    requests = batch.read_requests(batch.read_input(input))[:limit]
+    choice = choose_models(profile, target, draft, drafter, device, dtype, target_4bit, draft_4bit,
+                           load_in_4bit, load_in_8bit, trust_remote_code, allow_pickle)
+    settings = decoding_settings(choice.profile, k, temperature, top_p, top_k, seed, max_new_tokens, system)
+    finished = batch.read_finished(output) if resume else []
+    pending = batch.pending_requests(requests, finished)
+    summary = batch.BatchSummary(
+        total=len(requests), skipped=len(requests) - len(pending), failed_before=sum(map(batch.record_failed, finished))
+    )
+    console = Console(stderr=True, highlight=False, soft_wrap=True, quiet=quiet)
+    generate = _model_generation(choice, settings, console) if any(r.error is None for r in pending) else _never
+    _run_with_progress(pending, generate, output, overwrite, summary, choice.target, console)
+    _print_summary(summary, console)
+    _exit_on_failures(summary, output)
+
+
+def _check_paths(source: str, output: Path, resume: bool, overwrite: bool) -> None:
+    if source != "-" and Path(source).resolve() == output.resolve():
+        raise InputError("INPUT and OUTPUT are the same file", "write the results to another file with -o")
+    batch.check_output(output, resume, overwrite)
+
+
+def _model_generation(choice, settings, console: Console) -> batch.ModelGeneration:
+    from specdec_cli.session import build_decoder
+
+    target, draft = load_choice(choice, console)
+    decoder = build_decoder(target, draft, choice.drafter, settings.k)
+    return batch.ModelGeneration(target.tokenizer, decoder, settings)
+
+
+def _never(request: batch.Request) -> batch.Completion:  # pragma: no cover - only error requests are pending
+    raise AssertionError("no request to generate for")
+
+
+def _run_with_progress(pending, generate, output: Path, replace: bool, summary: batch.BatchSummary, model: str,
+                       console: Console) -> None:
+    with batch.DurableWriter(output, replace) as writer, _progress_bar(console) as progress:
+        task = progress.add_task("records", total=summary.total, completed=summary.done, speed="", acceptance="")
+
+        def show(current: batch.BatchSummary) -> None:
+            progress.update(task, completed=current.done, speed=f"{current.tokens_per_second:.1f} tok/s",
+                            acceptance=f"accept {_percent(current.acceptance_rate)}")
+
+        try:
+            batch.run_batch(pending, generate, writer.write, summary, model, on_record=show)
+        except KeyboardInterrupt:
+            progress.stop()
+            error_console().print(
+                f"interrupted: {summary.done} of {summary.total} records are in {output} — "
+                "run the same command with --resume to finish", markup=False,
+            )
+            raise typer.Exit(130) from None
+
+
+def _progress_bar(console: Console) -> Progress:
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("{task.fields[speed]}"), TextColumn("{task.fields[acceptance]}"), TimeRemainingColumn(),
+        console=console, disable=console.quiet or not console.is_terminal,
+    )
+
+
+def _percent(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate:.0%}"
+
+
+def _print_summary(summary: batch.BatchSummary, console: Console) -> None:
+    table = Table(title="specdec run", show_header=False, title_justify="left")
+    table.add_row("records", f"{summary.done} of {summary.total}"
+                  + (f" ({summary.skipped} already done)" if summary.skipped else ""))
+    table.add_row("failed", str(summary.failed + summary.failed_before))
+    table.add_row("tokens", str(summary.completion_tokens))
+    table.add_row("speed", f"{summary.tokens_per_second:.1f} tok/s over {summary.seconds:.1f} s")
+    table.add_row("acceptance", _percent(summary.acceptance_rate))
+    console.print(table)
+
+
+def _exit_on_failures(summary: batch.BatchSummary, output: Path) -> None:
+    failed = summary.failed + summary.failed_before
+    if failed:
+        error_console().print(
+            f"{failed} of {summary.total} records failed — their lines in {output} have finish_reason "
+            '"error" (or an "error" object) saying why', markup=False,
+        )
+        raise typer.Exit(1)

@@ -1,0 +1,111 @@
+"""Reading input lines: both shapes, every malformed case, ids, duplicates (no model involved)."""
+
+import json
+
+import pytest
+
+from specdec_cli.batch import Request, parse_line, read_requests
+
+
+def parse(value, number=1) -> Request:
+    return parse_line(number, (value if isinstance(value, str) else json.dumps(value)).encode())
+
+
+def openai_line(url="/v1/chat/completions", **body):
+    return {"custom_id": "r1", "method": "POST", "url": url, "body": body}
+
+
+def test_a_prompt_record_with_every_option():
+    request = parse({"id": "a", "prompt": "def f(", "max_new_tokens": 7, "temperature": 0.5, "top_p": 0.9,
+                     "top_k": 40, "seed": 3, "stop": ["\n\n", "END"], "category": "kept out of the way"})
+    assert request == Request(1, "a", openai=False, chat=False, prompt="def f(", max_new_tokens=7, temperature=0.5,
+                              top_p=0.9, top_k=40, seed=3, stop=("\n\n", "END"))
+
+
+def test_a_messages_record_and_unset_options():
+    request = parse({"id": 7, "messages": [{"role": "user", "content": "Hi"}], "temperature": None, "stop": "x"})
+    assert request == Request(1, 7, openai=False, chat=True, messages=({"role": "user", "content": "Hi"},), stop=("x",))
+
+
+def test_an_openai_chat_line_maps_its_body():
+    request = parse(openai_line(model="gpt-4o", messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+                                max_tokens=5, temperature=0, top_p=1, seed=9, stop="\n", n=1, presence_penalty=0.1))
+    assert request == Request(1, "r1", openai=True, chat=True, messages=({"role": "user", "content": "ab"},),
+                              max_new_tokens=5, temperature=0.0, top_p=1.0, seed=9, stop=("\n",))
+
+
+def test_an_openai_completions_line_prefers_max_completion_tokens():
+    request = parse(openai_line("/v1/completions", prompt="The", max_tokens=5, max_completion_tokens=3, top_k=4))
+    assert (request.chat, request.prompt, request.max_new_tokens, request.top_k, request.error) == (False, "The", 3, 4, None)
+
+
+def test_a_record_without_an_id_gets_its_line_number():
+    assert parse({"prompt": "x"}, number=12).id == 12
+    assert parse({k: v for k, v in openai_line(messages=[{"role": "user", "content": "x"}]).items() if k != "custom_id"}, 4).id == 4
+
+
+@pytest.mark.parametrize(
+    ("line", "problem"),
+    [
+        ("{not json", "line 1: not valid JSON (Expecting property name enclosed in double quotes at column 2)"),
+        ('["a list"]', "line 1: expected a JSON object, got a list"),
+        ({"id": "a"}, 'line 1: no "prompt" or "messages"'),
+        ({"id": "a", "prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 'line 1: both "prompt" and "messages": give one'),
+        ({"id": "a", "prompt": 5}, 'line 1: "prompt" must be a string, got a number'),
+        ({"id": "a", "prompt": ""}, 'line 1: "prompt" is empty'),
+        ({"id": "a", "messages": []}, 'line 1: "messages" is empty'),
+        ({"id": "a", "messages": "hi"}, 'line 1: "messages" must be a list of {"role", "content"} objects, got a string'),
+        ({"id": "a", "messages": [{"content": "x"}]}, 'line 1: messages[0] must be an object with a "role" string'),
+        ({"id": "a", "messages": [{"role": "user", "content": None}]}, "line 1: messages[0].content must be a string or a list of text parts, got null"),
+        ({"id": "a", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "line 1: messages[0].content must be a string or a list of text parts, got a list"),
+        ({"id": ["a"], "prompt": "x"}, 'line 1: "id" must be a string or an integer, got a list'),
+        ({"id": True, "prompt": "x"}, 'line 1: "id" must be a string or an integer, got a boolean'),
+        ({"prompt": "x", "max_new_tokens": "5"}, 'line 1: "max_new_tokens" must be an integer, got a string'),
+        ({"prompt": "x", "max_new_tokens": 0}, 'line 1: "max_new_tokens" must be at least 1, got 0'),
+        ({"prompt": "x", "max_new_tokens": 2.5}, 'line 1: "max_new_tokens" must be an integer, got a number'),
+        ({"prompt": "x", "temperature": -1}, 'line 1: "temperature" must be at least 0, got -1'),
+        ({"prompt": "x", "temperature": "hot"}, 'line 1: "temperature" must be a number, got a string'),
+        ({"prompt": "x", "top_p": 0}, 'line 1: "top_p" must be in (0, 1], got 0'),
+        ({"prompt": "x", "top_k": -3}, 'line 1: "top_k" must be at least 0, got -3'),
+        ({"prompt": "x", "seed": 2**64}, f'line 1: "seed" must be at least 0 and at most {2**64 - 1}, got {2**64}'),
+        ({"prompt": "x", "stop": [1]}, 'line 1: "stop" must be a string or a list of strings, got a list'),
+        ({"prompt": "x", "stop": ""}, 'line 1: "stop" holds an empty string'),
+        (openai_line("/v1/embeddings", input="x"), "line 1: unsupported url '/v1/embeddings': use /v1/chat/completions or /v1/completions"),
+        ({**openai_line(messages=[{"role": "user", "content": "x"}]), "method": "GET"}, "line 1: unsupported method 'GET': OpenAI batch lines use \"POST\""),
+        ({**openai_line(), "body": "x"}, 'line 1: "body" must be an object, got a string'),
+        (openai_line(prompt="x"), 'line 1: /v1/chat/completions needs "messages" in "body", not "prompt"'),
+        (openai_line("/v1/completions", prompt=["a", "b"]), 'line 1: "prompt" must be a string, got a list'),
+        (openai_line(messages=[{"role": "user", "content": "x"}], n=2), 'line 1: "n" must be 1 (one completion per request), got 2'),
+        (openai_line(messages=[{"role": "user", "content": "x"}], max_tokens=0), 'line 1: "max_tokens" must be at least 1, got 0'),
+    ],
+)
+def test_a_malformed_line_carries_the_problem(line, problem):
+    request = parse(line)
+    assert request.error == problem
+
+
+def test_a_malformed_line_keeps_its_id_and_shape_when_it_can():
+    assert (parse({"id": "x", "prompt": 3}).id, parse(openai_line(prompt="x")).id) == ("x", "r1")
+    assert parse(openai_line(prompt="x")).openai and not parse("nope").openai
+    assert parse("nope", number=5).id == 5
+
+
+def test_read_requests_skips_blank_lines_but_counts_them():
+    requests = read_requests([b'{"prompt": "a"}', b"", b"   ", b'{"prompt": "b"}'])
+    assert [(r.line, r.id, r.prompt) for r in requests] == [(1, 1, "a"), (4, 4, "b")]
+
+
+def test_a_later_duplicate_id_is_an_error_and_the_first_runs():
+    requests = read_requests([b'{"id": "a", "prompt": "x"}', b'{"id": "b", "prompt": "y"}', b'{"id": "a", "prompt": "z"}'])
+    assert [r.error for r in requests] == [None, None, "line 3: duplicate id 'a' (first on line 1)"]
+    assert requests[2].id == "a"
+
+
+def test_ids_7_and_the_string_7_are_different():
+    requests = read_requests([b'{"id": 7, "prompt": "x"}', b'{"id": "7", "prompt": "y"}'])
+    assert [r.error for r in requests] == [None, None]
+
+
+def test_a_line_that_is_not_utf8_fails_alone_and_a_bom_is_ignored():
+    requests = read_requests(['\ufeff{"prompt": "a"}'.encode(), b'{"prompt": "\xff"}'])
+    assert [r.error for r in requests] == [None, "line 2: not UTF-8 (byte 13)"]

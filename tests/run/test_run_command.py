@@ -1,0 +1,229 @@
+"""`specdec run` end to end on the tiny saved pair (fp32): records checked against the target alone."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from specdec_cli import batch
+from specdec_cli.cli import app
+
+WIDE = {"COLUMNS": "200"}
+TIMINGS = ("seconds", "tokens_per_second", "created")
+
+MIXED = [
+    {"id": "z", "prompt": "def add(a, b):", "max_new_tokens": 6},
+    {"id": "a", "messages": [{"role": "user", "content": "Hello, how are you?"}]},
+    {"custom_id": "m", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "any", "messages": [{"role": "user", "content": "The quick brown fox"}], "max_tokens": 5}},
+    {"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"prompt": "for i in range(10):", "max_completion_tokens": 7}},
+    {"prompt": "Speculative decoding drafts"},
+]
+
+
+def jsonl(records) -> str:
+    return "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records)
+
+
+def read(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def without_timings(value):
+    if isinstance(value, dict):
+        return {key: without_timings(item) for key, item in value.items() if key not in TIMINGS}
+    if isinstance(value, list):
+        return [without_timings(item) for item in value]
+    return value
+
+
+@pytest.fixture
+def run(tiny_pair, tmp_path):
+    """Invoke `specdec run` on the tiny pair, greedy unless told otherwise (later flags win)."""
+    def invoke(*args, stdin=None):
+        defaults = ["--target", tiny_pair.target, "--draft", tiny_pair.draft, "--dtype", "float32", "--max-new-tokens", "8", "-t", "0"]
+        return CliRunner().invoke(app, ["run", *defaults, *map(str, args)], input=stdin, env=WIDE)
+    return invoke
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_pair):
+    """Greedy output of the target alone (HF generate), stopping at the end-of-turn ids as specdec does."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair.target, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair.target)
+    eos = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+
+    def greedy(prompt=None, messages=None, max_new_tokens=8):
+        ids = tokenizer(prompt)["input_ids"] if prompt else tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        with torch.no_grad():
+            output = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=max_new_tokens,
+                                    eos_token_id=eos, pad_token_id=eos[1])
+        new = output[0, len(ids):].tolist()
+        finish = "stop" if new[-1] in eos else "length"
+        return tokenizer.decode(new, skip_special_tokens=True), finish, len(ids), len(new)
+
+    return greedy
+
+
+def test_mixed_shapes_give_the_targets_own_output_in_input_order(run, tmp_path, reference, tiny_pair):
+    (tmp_path / "in.jsonl").write_text(jsonl(MIXED))
+    result = run(tmp_path / "in.jsonl", "-o", tmp_path / "out.jsonl")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == ""
+    z, a, m, b, five = read(tmp_path / "out.jsonl")
+    assert [z["id"], a["id"], m["custom_id"], b["custom_id"], five["id"]] == ["z", "a", "m", "b", 5]
+    for record, expected in ((z, reference("def add(a, b):", max_new_tokens=6)),
+                             (a, reference(messages=MIXED[1]["messages"])),
+                             (five, reference("Speculative decoding drafts"))):
+        assert (record["text"], record["finish_reason"], record["prompt_tokens"], record["completion_tokens"]) == expected
+        assert record["error"] is None and record["stats"]["drafted"] > 0
+    text, finish, prompt_tokens, completion_tokens = reference(messages=MIXED[2]["body"]["messages"], max_new_tokens=5)
+    body = m["response"]["body"]
+    assert (m["id"], m["error"], m["response"]["status_code"], body["object"], body["model"]) == (
+        "batch_req_3", None, 200, "chat.completion", tiny_pair.target)
+    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}]
+    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    assert set(m["specdec"]) == {"steps", "drafted", "accepted", "acceptance_rate", "tokens_per_step", "tokens_per_second", "seconds"}
+    text, finish, *_ = reference("for i in range(10):", max_new_tokens=7)
+    assert (b["response"]["body"]["object"], b["response"]["body"]["choices"][0]["text"]) == ("text_completion", text)
+
+
+
+def test_stdin_input_gives_the_same_records(run, tmp_path):
+    (tmp_path / "in.jsonl").write_text(jsonl(MIXED[:2]))
+    assert run(tmp_path / "in.jsonl", "-o", tmp_path / "from-file.jsonl").exit_code == 0
+    result = run("-", "-o", tmp_path / "from-stdin.jsonl", stdin=jsonl(MIXED[:2]))
+    assert result.exit_code == 0, result.output
+    assert without_timings(read(tmp_path / "from-stdin.jsonl")) == without_timings(read(tmp_path / "from-file.jsonl"))
+
+
+def test_limit_runs_only_the_first_records(run, tmp_path):
+    (tmp_path / "in.jsonl").write_text(jsonl(MIXED))
+    result = run(tmp_path / "in.jsonl", "-o", tmp_path / "out.jsonl", "--limit", "2")
+    assert result.exit_code == 0, result.output
+    assert [r["id"] for r in read(tmp_path / "out.jsonl")] == ["z", "a"]
+    assert "records    │ 2 of 2" in result.stderr
+
+
+def test_malformed_lines_become_error_records_and_the_batch_goes_on(run, tmp_path):
+    lines = [MIXED[0], "{oops", {"id": "e", "messages": []},
+             {"custom_id": "u", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}}, MIXED[4]]
+    (tmp_path / "in.jsonl").write_text(jsonl(lines))
+    result = run(tmp_path / "in.jsonl", "-o", tmp_path / "out.jsonl")
+    assert result.exit_code == 1
+    records = read(tmp_path / "out.jsonl")
+    assert [r["finish_reason"] for r in records[:3]] == ["length", "error", "error"]
+    assert [records[1]["error"], records[2]["error"]] == ["line 2: not valid JSON (Expecting property name enclosed in double quotes at column 2)", 'line 3: "messages" is empty']
+    assert records[3]["error"] == {"code": "invalid_request", "message": "line 4: unsupported url '/v1/embeddings': use /v1/chat/completions or /v1/completions"}
+    assert records[4]["id"] == 5 and records[4]["text"]
+    assert "failed     │ 3" in result.stderr
+    assert result.stderr.strip().endswith(f'3 of 5 records failed — their lines in {tmp_path / "out.jsonl"} have finish_reason "error" (or an "error" object) saying why')
+
+
+def test_a_file_of_only_bad_lines_needs_no_model(run, tmp_path):
+    (tmp_path / "in.jsonl").write_text("nope\n")
+    result = CliRunner().invoke(app, ["run", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--target", str(tmp_path / "absent")])
+    assert result.exit_code == 1
+    assert read(tmp_path / "out.jsonl")[0]["error"] == "line 1: not valid JSON (Expecting value at column 1)"
+
+
+def test_an_existing_output_is_refused_and_left_alone(run, tmp_path):
+    (tmp_path / "in.jsonl").write_text(jsonl(MIXED[:1]))
+    (tmp_path / "out.jsonl").write_text('{"id": "precious"}\n')
+    result = run(tmp_path / "in.jsonl", "-o", tmp_path / "out.jsonl")
+    assert result.exit_code == 2
+    assert result.stderr == f"error: {tmp_path / 'out.jsonl'} already exists — pass --resume to continue it (same settings), or --overwrite to replace it\n"
+    assert (tmp_path / "out.jsonl").read_text() == '{"id": "precious"}\n'
+
+
+def test_overwrite_replaces_the_output(run, tmp_path):
+    (tmp_path / "in.jsonl").write_text(jsonl(MIXED[:1]))
+    (tmp_path / "out.jsonl").write_text('{"id": "old"}\n')
+    assert run(tmp_path / "in.jsonl", "-o", tmp_path / "out.jsonl", "--overwrite").exit_code == 0
+    assert [r["id"] for r in read(tmp_path / "out.jsonl")] == ["z"]
+
+
+def test_resume_repairs_a_torn_last_line_and_finishes_the_batch(run, tmp_path):
+    (tmp_path / "in.jsonl").write_text(jsonl(MIXED))
+    assert run(tmp_path / "in.jsonl", "-o", tmp_path / "full.jsonl").exit_code == 0
+    full = (tmp_path / "full.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "out.jsonl").write_text(full[0] + full[1] + full[2][:40])  # a crash in the middle of line 3
+    result = run(tmp_path / "in.jsonl", "-o", tmp_path / "out.jsonl", "--resume")
+    assert result.exit_code == 0, result.output
+    assert "records    │ 5 of 5 (2 already done)" in result.stderr
+    resumed = read(tmp_path / "out.jsonl")
+    assert resumed[:2] == [json.loads(line) for line in full[:2]]  # untouched
+    assert without_timings(resumed) == without_timings([json.loads(line) for line in full])
+
+
+def test_resume_with_nothing_left_loads_no_model_and_changes_nothing(run, tmp_path):
+    (tmp_path / "in.jsonl").write_text(jsonl(MIXED[:2]))
+    assert run(tmp_path / "in.jsonl", "-o", tmp_path / "out.jsonl").exit_code == 0
+    before = (tmp_path / "out.jsonl").read_bytes()
+    result = run(tmp_path / "in.jsonl", "-o", tmp_path / "out.jsonl", "--resume")
+    assert result.exit_code == 0
+    assert "target:" not in result.stderr
+    assert (tmp_path / "out.jsonl").read_bytes() == before
+
+
+def test_same_input_and_seed_give_the_same_file(run, tmp_path):
+    sampled = [{"id": "s1", "prompt": "Hello", "temperature": 1.5, "seed": 5},
+               {"id": "s2", "prompt": "Hello", "temperature": 1.5, "seed": 5},
+               {"id": "s3", "prompt": "Hello", "temperature": 1.5, "seed": 6},
+               {"id": "g", "prompt": "Hello", "temperature": 1.5}]  # takes --seed
+    (tmp_path / "in.jsonl").write_text(jsonl(sampled))
+    first = run(tmp_path / "in.jsonl", "-o", tmp_path / "one.jsonl", "--seed", "1")
+    second = run(tmp_path / "in.jsonl", "-o", tmp_path / "two.jsonl", "--seed", "1")
+    assert first.exit_code == second.exit_code == 0
+    one, two = read(tmp_path / "one.jsonl"), read(tmp_path / "two.jsonl")
+    assert without_timings(one) == without_timings(two)
+    assert one[0]["text"] == one[1]["text"] != one[2]["text"]  # a record's seed alone decides its text
+
+
+def test_a_stop_string_ends_the_record_and_is_cut(run, tmp_path, reference):
+    text, *_ = reference("def add(a, b):", max_new_tokens=8)
+    stop = next(char for char in text[2:] if char != "\ufffd" and char.strip())
+    (tmp_path / "in.jsonl").write_text(jsonl([{"id": "s", "prompt": "def add(a, b):", "stop": [stop]}]))
+    result = run(tmp_path / "in.jsonl", "-o", tmp_path / "out.jsonl")
+    assert result.exit_code == 0, result.output
+    record = read(tmp_path / "out.jsonl")[0]
+    assert (record["text"], record["finish_reason"]) == (text[: text.index(stop)], "stop")
+
+
+def test_ctrl_c_keeps_the_finished_records_and_says_how_to_resume(run, tmp_path, monkeypatch):
+    calls = []
+    original = batch.ModelGeneration.__call__
+
+    def interrupted_on_the_third(self, request):
+        calls.append(request.id)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return original(self, request)
+
+    monkeypatch.setattr(batch.ModelGeneration, "__call__", interrupted_on_the_third)
+    (tmp_path / "in.jsonl").write_text(jsonl(MIXED))
+    result = run(tmp_path / "in.jsonl", "-o", tmp_path / "out.jsonl")
+    assert result.exit_code == 130
+    assert [r["id"] for r in read(tmp_path / "out.jsonl")] == ["z", "a"]
+    assert result.stderr.strip().endswith(
+        f"interrupted: 2 of 5 records are in {tmp_path / 'out.jsonl'} — run the same command with --resume to finish")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["missing.jsonl", "-o", "out.jsonl"], "error: cannot read missing.jsonl: No such file or directory — check the input path"),
+        (["in.jsonl", "-o", "in.jsonl"], "error: INPUT and OUTPUT are the same file — write the results to another file with -o"),
+        (["in.jsonl", "-o", "out.jsonl", "--temperature", "-1"], "error: temperature must be >= 0, got -1.0 — fix the sampling option"),
+    ],
+)
+def test_command_line_mistakes_are_one_line(run, tmp_path, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "in.jsonl").write_text(jsonl(MIXED[:1]))
+    result = run(*args)
+    assert result.exit_code == 2
+    assert result.stderr == message + "\n"
