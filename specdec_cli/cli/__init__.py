@@ -1,8 +1,10 @@
 """Command-line interface: one module per command, joined here."""
 
+from specdec_cli.cli import chat as _chat
 from specdec_cli.cli import profiles as _profiles
 from specdec_cli.cli.app import app, main
 
 app.add_typer(_profiles.app, name="profiles")
+app.command("chat")(_chat.chat)
 
 __all__ = ["app", "main"]
