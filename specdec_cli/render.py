@@ -60,7 +60,7 @@ def stats_line(numbers: Mapping[str, float], label: str = "", note: str = "") ->
     `numbers` holds new_tokens, tokens_per_second, drafted, accepted, acceptance_rate,
     tokens_per_step, draft_seconds and verify_seconds (as `GenerationStats.as_dict()` gives them)."""
     fields = [
-        f"{numbers['new_tokens']} tokens",
+        f"{numbers['new_tokens']} token{'' if numbers['new_tokens'] == 1 else 's'}",
         f"{numbers['tokens_per_second']:.1f} tok/s",
         _drafting(numbers),
         f"{numbers['tokens_per_step']:.2f} tokens/step",

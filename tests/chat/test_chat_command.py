@@ -39,7 +39,7 @@ def expected_replies(make_conversation, messages: list[str]) -> list:
 def stats_pattern(stats: dict, note: str = "") -> str:
     drafting = f"{round(100 * stats['acceptance_rate'])}% accepted \\({stats['accepted']}/{stats['drafted']} drafted\\)"
     tail = re.escape(f" · {note}") if note else ""
-    return (f"{stats['new_tokens']} tokens · {TOK_S} · {drafting} · {stats['tokens_per_step']:.2f} tokens/step"
+    return (f"{stats['new_tokens']} token{'' if stats['new_tokens'] == 1 else 's'} · {TOK_S} · {drafting} · {stats['tokens_per_step']:.2f} tokens/step"
             f" · {TIMES}{tail}")
 
 
@@ -93,7 +93,7 @@ def test_help_lists_every_command_and_how_to_write_several_lines(chat):
 def test_stats_gives_the_session_totals(chat):
     result = chat("Hello, how are you?\ndef add(a, b):\n/stats\n")
     lines = result.stdout.splitlines()
-    per_reply = [int(line.split(" tokens")[0]) for line in lines if re.match(r"\d+ tokens · ", line)]
+    per_reply = [int(line.split(" token")[0]) for line in lines if re.match(r"\d+ tokens? · ", line)]
     assert len(per_reply) == 2
     assert re.fullmatch(f"session, 2 replies: {sum(per_reply)} tokens · {TOK_S} · .* · {TIMES}", lines[-1])
 
@@ -150,7 +150,7 @@ def test_a_bad_command_is_one_line_and_the_chat_goes_on(chat, line, complaint):
     assert result.exit_code == 0
     assert result.stderr.splitlines()[-1] == complaint
     assert "Traceback" not in result.output
-    assert re.search(r"\d+ tokens · ", result.stdout)  # the next message still got its reply
+    assert re.search(r"\d+ tokens? · ", result.stdout)  # the next message still got its reply
 
 
 def test_a_bad_model_is_one_line_and_exit_2(tiny_pair, tmp_path):

@@ -120,16 +120,42 @@ def test_ctrl_c_keeps_the_partial_reply_and_the_next_turn_is_exact(make_conversa
     assert turns[1] == from_scratch(loaded.target, messages[:3], 16)
 
 
-def test_the_target_as_its_own_draft_gives_only_accepted_and_bonus_tokens(make_conversation):
+def styles_on_a_terminal(pieces) -> dict[str, set[str]]:
+    """Print the pieces as the chat does on a colour terminal; SGR codes in force -> the texts printed with them."""
+    from specdec_cli.chat.loop import Screen
+    from tests.chat.ansi import styled_runs, terminal
+
+    console = terminal()
+    screen = Screen(console, console, styled=True, interactive=False)
+    for piece in pieces:
+        screen.piece(piece)
+    found: dict[str, set[str]] = {}
+    for codes, text in styled_runs(console.export_text(styles=True)):
+        found.setdefault(codes, set()).add(text)
+    return found
+
+
+def code_of(provenance: str) -> str:
+    from specdec_cli.chat.text import Piece
+
+    (code,) = styles_on_a_terminal([Piece("x", provenance)])
+    return code
+
+
+def test_the_target_as_its_own_draft_shows_only_accepted_and_bonus_styles(make_conversation):
     conversation = make_conversation("same", k=4, max_new_tokens=24)
     pieces = list(conversation.reply(QUESTIONS[0]))
-    origins = {piece.provenance for piece in pieces}
-    assert origins <= {"accepted", "bonus"} and "accepted" in origins
+    assert {piece.provenance for piece in pieces} <= {"accepted", "bonus"}
+    styles = styles_on_a_terminal(pieces)
+    assert set(styles) <= {code_of("accepted"), code_of("bonus")} and code_of("accepted") in styles
 
 
-def test_a_mismatched_draft_gives_resampled_tokens(make_conversation):
+def test_a_mismatched_draft_shows_resampled_tokens_in_their_style(make_conversation):
     conversation = make_conversation("draft", k=4, max_new_tokens=24)
-    assert "resampled" in {piece.provenance for piece in conversation.reply(QUESTIONS[0])}
+    pieces = list(conversation.reply(QUESTIONS[0]))
+    resampled = {piece.text for piece in pieces if piece.provenance == "resampled"}
+    assert resampled
+    assert resampled <= styles_on_a_terminal(pieces)[code_of("resampled")]
 
 
 def test_reset_forgets_history_and_caches(make_conversation):

@@ -56,3 +56,7 @@ def test_reply_text_goes_out_unchanged():
     console = terminal()
     console.print(render.token("\tif x:\r\n  ", "accepted", styled=False), end="")
     assert console.export_text() == "\tif x:\r\n  "
+
+
+def test_stats_line_says_1_token_not_1_tokens():
+    assert render.stats_line({**NUMBERS, "new_tokens": 1}).plain.startswith("1 token · ")
