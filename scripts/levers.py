@@ -1,0 +1,99 @@
+"""Measure each speed lever against the target alone, interleaved prompt by prompt in one process.
+
+    python scripts/levers.py [--n-per-category 1] [--max-new-tokens 64] [--dtype bfloat16] [--only a,b]
+
+Prints one row per configuration: speedup (total baseline seconds / total seconds), acceptance,
+tokens per step, and how many prompts gave output identical to the baseline (greedy)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from specdec_cli.drafters import CascadeDrafter, DraftModelDrafter, NgramDrafter
+from specdec_cli.drafters.subset_head import frequent_token_ids
+from specdec_cli.engine import AdaptiveK, CostModelK, FixedK, GenerationStats, SamplingParams, SpeculativeDecoder
+from specdec_cli.models import load_pair
+from specdec_cli.session import encode_chat, eos_token_ids
+
+QUESTIONS = Path(__file__).resolve().parents[1].parent / "shared/prompts/spec_bench_questions.jsonl"
+
+
+def spec_bench(n_per_category: int) -> list[tuple[str, str]]:
+    taken: dict[str, int] = defaultdict(int)
+    prompts = []
+    for line in QUESTIONS.read_text().splitlines():
+        record = json.loads(line)
+        if taken[record["category"]] < n_per_category:
+            taken[record["category"]] += 1
+            prompts.append((record["category"], record["turns"][0]))
+    return prompts
+
+
+def configurations(target, draft):
+    subset = frequent_token_ids(draft.tokenizer, 32768, draft.vocab_size)
+    model = lambda **kw: DraftModelDrafter(draft.model, **kw)  # noqa: E731
+    return {
+        "target": lambda: (None, FixedK(0)),
+        "model k=3": lambda: (model(), FixedK(3)),
+        "model k=5": lambda: (model(), FixedK(5)),
+        "model adaptive": lambda: (model(), AdaptiveK()),
+        "model cost": lambda: (model(), CostModelK()),
+        "model cost +fr32k": lambda: (model(token_ids=subset), CostModelK()),
+        "model cost +conf.4": lambda: (model(min_confidence=0.4), CostModelK()),
+        "model cost +fr32k +conf.4": lambda: (model(token_ids=subset, min_confidence=0.4), CostModelK()),
+        "ngram k=4": lambda: (NgramDrafter(), FixedK(4)),
+        "cascade cost": lambda: (CascadeDrafter(model()), CostModelK()),
+        "cascade cost +fr32k +conf.4": lambda: (
+            CascadeDrafter(model(token_ids=subset, min_confidence=0.4)), CostModelK()),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--n-per-category", type=int, default=1)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--only", default="")
+    parser.add_argument("--limit", type=int, default=0, help="only the first N prompts")
+    args = parser.parse_args()
+    target, draft = load_pair("demo:qwen2.5-coder-1.5b", "demo:qwen2.5-coder-0.5b", dtype=args.dtype)
+    eos = eos_token_ids(target)
+    configs = configurations(target, draft)
+    if args.only:
+        wanted = ["target"] + args.only.split(",")
+        configs = {name: make for name, make in configs.items() if name in wanted}
+    prompts = [encode_chat(target.tokenizer, [{"role": "user", "content": q}]) for _, q in spec_bench(args.n_per_category)]
+    prompts = prompts[: args.limit] if args.limit else prompts
+    seconds, stats, identical = defaultdict(float), defaultdict(GenerationStats), defaultdict(int)
+    for name, make in configs.items():  # warm-up
+        drafter, policy = make()
+        SpeculativeDecoder(target.model, drafter, policy, eos).generate(prompts[0], SamplingParams(), 8)
+    for number, prompt in enumerate(prompts):
+        baseline_tokens = None
+        for name, make in configs.items():
+            drafter, policy = make()
+            decoder = SpeculativeDecoder(target.model, drafter, policy, eos)
+            started = time.perf_counter()
+            result = decoder.generate(prompt, SamplingParams(), args.max_new_tokens)
+            seconds[name] += time.perf_counter() - started
+            stats[name].merge(result.stats)
+            baseline_tokens = baseline_tokens if baseline_tokens is not None else result.tokens
+            identical[name] += result.tokens == baseline_tokens
+        print(f"prompt {number + 1}/{len(prompts)} done", flush=True)
+    base = seconds["target"]
+    print(f"\n{'configuration':32} {'speedup':>8} {'tok/s':>7} {'accept':>7} {'tok/step':>8} {'identical':>9}")
+    for name in configs:
+        s = stats[name]
+        print(f"{name:32} {base / seconds[name]:8.2f} {s.new_tokens / seconds[name]:7.2f} "
+              f"{s.acceptance_rate:7.2f} {s.tokens_per_step:8.2f} {identical[name]:4}/{len(prompts)}")
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    main()

@@ -1,0 +1,123 @@
+"""A chat conversation on one speculative decoder: the history, the decoding settings, the totals.
+
+One `SpeculativeDecoder` lives as long as the conversation. Each turn renders the whole conversation
+through the chat template and hands it to the decoder, whose caches keep the prefix it shares with
+the previous turn: only the new tokens are fed. No Rich here: replies come out as `Piece`s."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from specdec_cli.chat.history import History, Message, write_jsonl
+from specdec_cli.chat.text import Piece, ReplyText
+from specdec_cli.engine import GenerationStats
+from specdec_cli.errors import InputError
+from specdec_cli.models import LoadedModel
+from specdec_cli.session import build_decoder, encode_chat, make_drafter, make_policy, parse_k, sampling_params
+
+if TYPE_CHECKING:
+    from specdec_cli.cli.options import DecodingSettings
+
+
+class Conversation:
+    def __init__(
+        self, target: LoadedModel, draft: LoadedModel | None, drafter: str, settings: DecodingSettings
+    ) -> None:
+        if not getattr(target.tokenizer, "chat_template", None):
+            raise InputError(
+                f"{target.name} has no chat template", "chat needs an instruct/chat model; use `specdec run` for plain completion"
+            )
+        self.target = target
+        self.draft = draft
+        self.drafter_name = drafter
+        self.settings = replace(settings)
+        self.decoder = build_decoder(target, draft, drafter, settings.k)
+        self.history = History(system=settings.system)
+        self.totals = GenerationStats()  # every reply of the session, across /reset
+        self.replies = 0
+        self._saved: set[Path] = set()  # files this session wrote, which /save may overwrite
+
+    # ---- a turn -------------------------------------------------------------------------------
+
+    def prompt_ids(self) -> list[int]:
+        return encode_chat(self.target.tokenizer, self.history.template_messages())
+
+    def reply(self, user_text: str) -> Iterator[Piece]:
+        """Stream the reply to `user_text`, one piece of text per token. However the stream ends —
+        finished, closed early, or interrupted (Ctrl-C) — the reply as far as it went joins the history."""
+        self.history.messages.append(Message("user", user_text))
+        try:
+            prompt = self.prompt_ids()
+        except BaseException:
+            self.history.messages.pop()
+            raise
+        text = ReplyText(self.target.tokenizer)
+        stats = GenerationStats()
+        finish_reason = "interrupted"
+        started = time.perf_counter()
+        try:
+            for event in self.decoder.stream(prompt, self.sampling(), self.settings.max_new_tokens):
+                stats.add_step(event)
+                yield from text.push(event.tokens, event.provenance)
+                finish_reason = event.finish_reason or finish_reason
+        finally:
+            stats.seconds = time.perf_counter() - started
+            self._record(text.shown, finish_reason, stats)
+
+    def _record(self, content: str, finish_reason: str, stats: GenerationStats) -> None:
+        self.history.messages.append(Message("assistant", content, finish_reason, stats.as_dict()))
+        self.totals.merge(stats)
+        self.replies += 1
+
+    @property
+    def last_reply(self) -> Message | None:
+        messages = self.history.messages
+        return messages[-1] if messages and messages[-1].role == "assistant" else None
+
+    def sampling(self):
+        settings = self.settings
+        return sampling_params(settings.temperature, settings.top_p, settings.top_k, settings.seed)
+
+    # ---- what the slash commands change -------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget the history and both models' caches (the system prompt and the totals stay)."""
+        self.history.messages.clear()
+        self.decoder.reset()
+
+    def set_system(self, text: str | None) -> None:
+        """A new system prompt for the whole conversation (the next turn re-feeds from where it changed)."""
+        self.history.system = text or None
+
+    def set_k(self, value: str) -> int | str:
+        k = parse_k(value)
+        if k != 0 and self.decoder.drafter is None:
+            self.decoder.drafter = make_drafter(self.drafter_name, self.draft)
+        self.decoder.policy = make_policy(k)
+        self.settings.k = k
+        return k
+
+    def set_temperature(self, value: str) -> float:
+        try:
+            temperature = float(value)
+        except ValueError:
+            raise InputError(f"invalid temperature {value!r}", "use a number, e.g. /temp 0.7 (0 = greedy)") from None
+        settings = self.settings
+        sampling_params(temperature, settings.top_p, settings.top_k, settings.seed)  # validates
+        settings.temperature = temperature
+        return temperature
+
+    def save(self, path: Path) -> int:
+        """Write the transcript as JSON lines; returns the number of lines. Never overwrites a file
+        this session did not write itself."""
+        path = path.expanduser()
+        if path.exists() and path.resolve() not in self._saved:
+            raise InputError(f"{path} already exists", "pick a new file name (or remove that file first)")
+        records = self.history.records()
+        write_jsonl(path, records)
+        self._saved.add(path.resolve())
+        return len(records)

@@ -1,0 +1,126 @@
+"""The interactive loop: read a message (or a slash command), stream the reply, print its stats."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from rich.console import Console
+from rich.text import Text
+
+from specdec_cli import render
+from specdec_cli.chat.commands import CONTINUATION, is_command, run_command
+from specdec_cli.chat.conversation import Conversation
+from specdec_cli.chat.history import Message
+from specdec_cli.chat.text import Piece
+from specdec_cli.errors import SpecdecError
+
+ReadLine = Callable[[str], str]  # like `input`: shows the prompt, returns a line; EOFError at the end
+
+PROMPT = "> "
+MORE = "... "
+
+
+class Screen:
+    """Where the chat prints: replies and notices on `console`, errors on `errors`. When `styled` is
+    False everything is plain text (no colours, no legend)."""
+
+    def __init__(self, console: Console, errors: Console, styled: bool, interactive: bool) -> None:
+        self.console = console
+        self.errors = errors
+        self.styled = styled
+        self.interactive = interactive  # a person types: show prompts and the greeting
+
+    def greet(self) -> None:
+        if self.styled:
+            self.console.print(render.legend())
+        if self.interactive:
+            self.console.print(render.notice("/help for commands · end a line with \\ to go on · Ctrl-D to quit"))
+
+    def piece(self, piece: Piece) -> None:
+        self.console.print(render.token(piece.text, piece.provenance, self.styled), end="")
+
+    def end_reply(self, reply: Message, max_new_tokens: int) -> None:
+        if not reply.content.endswith("\n"):
+            self.console.print()
+        self.console.print(render.stats_line(reply.stats, note=_note(reply.finish_reason, max_new_tokens)))
+
+    def totals(self, conversation: Conversation) -> None:
+        label = f"session, {conversation.replies} {'reply' if conversation.replies == 1 else 'replies'}"
+        self.console.print(render.stats_line(conversation.totals.as_dict(), label=label))
+
+    def notice(self, message: str) -> None:
+        self.console.print(render.notice(message))
+
+    def error(self, error: SpecdecError) -> None:
+        self.errors.print(Text.assemble(("error:", "bold red"), " ", error.one_line()))
+
+
+def _note(finish_reason: str | None, max_new_tokens: int) -> str:
+    if finish_reason == "interrupted":
+        return "interrupted"
+    if finish_reason == "length":
+        return f"cut at {max_new_tokens} tokens (--max-new-tokens)"
+    return ""
+
+
+def read_message(read_line: ReadLine, interactive: bool) -> str | None:
+    """One message; a line ending in a backslash goes on on the next line. None at end of input."""
+    lines: list[str] = []
+    while True:
+        prompt = (MORE if lines else PROMPT) if interactive else ""
+        try:
+            line = read_line(prompt)
+        except EOFError:
+            return "\n".join(lines) if lines else None
+        if not line.endswith(CONTINUATION):
+            return "\n".join([*lines, line])
+        lines.append(line[: -len(CONTINUATION)])
+
+
+def stream_reply(conversation: Conversation, screen: Screen, user_text: str) -> None:
+    """Print the reply as it is verified; Ctrl-C stops it and keeps what was shown."""
+    replies_before = conversation.replies
+    pieces = conversation.reply(user_text)
+    try:
+        for piece in pieces:
+            screen.piece(piece)
+    except KeyboardInterrupt:
+        pieces.close()  # records the reply so far, if the interrupt came while printing
+    if conversation.replies > replies_before:  # not interrupted before the reply began
+        screen.end_reply(conversation.last_reply, conversation.settings.max_new_tokens)
+
+
+def handle(conversation: Conversation, screen: Screen, message: str) -> bool:
+    """Act on one message; False when the chat should end."""
+    if not message.strip():
+        return True
+    try:
+        if not is_command(message):
+            stream_reply(conversation, screen, message)
+            return True
+        outcome = run_command(conversation, message)
+    except SpecdecError as error:
+        screen.error(error)
+        return True
+    if outcome.notice:
+        screen.notice(outcome.notice)
+    if outcome.totals:
+        screen.totals(conversation)
+    return not outcome.exit
+
+
+def run_chat(conversation: Conversation, screen: Screen, read_line: ReadLine = input) -> None:
+    """The loop, until /exit, end of input (Ctrl-D) or Ctrl-C at the prompt."""
+    screen.greet()
+    while True:
+        try:
+            message = read_message(read_line, screen.interactive)
+        except KeyboardInterrupt:
+            screen.console.print()
+            return
+        if message is None:
+            if screen.interactive:
+                screen.console.print()
+            return
+        if not handle(conversation, screen, message):
+            return

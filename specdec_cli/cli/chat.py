@@ -1,0 +1,69 @@
+"""`specdec chat`: an interactive chat whose tokens show what the draft got right."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from specdec_cli.chat import Conversation, Screen, run_chat
+from specdec_cli.cli import options
+from specdec_cli.cli.app import error_console, report_errors
+
+NoColorOption = Annotated[bool, typer.Option("--no-color", help="Plain text, no colours (also: NO_COLOR, or stdout not a terminal).")]
+
+
+def _screen(no_color: bool) -> Screen:
+    console = Console(highlight=False, soft_wrap=True, markup=False, emoji=False)
+    styled = console.is_terminal and not console.no_color and not no_color
+    if not styled:
+        console = Console(highlight=False, soft_wrap=True, markup=False, emoji=False, color_system=None)
+    return Screen(console, error_console(), styled=styled, interactive=sys.stdin.isatty())
+
+
+def _enable_line_editing() -> None:
+    try:
+        import readline  # noqa: F401  (importing it gives `input` arrow keys and history)
+    except ImportError:  # pragma: no cover - platforms without readline
+        pass
+
+
+@report_errors
+def chat(
+    profile: options.ProfileOption = None,
+    target: options.TargetOption = None,
+    draft: options.DraftOption = None,
+    drafter: options.DrafterOption = None,
+    device: options.DeviceOption = None,
+    dtype: options.DtypeOption = None,
+    target_4bit: options.Target4bitOption = False,
+    draft_4bit: options.Draft4bitOption = False,
+    load_in_4bit: options.LoadIn4bitOption = False,
+    load_in_8bit: options.LoadIn8bitOption = False,
+    trust_remote_code: options.TrustRemoteCodeOption = False,
+    allow_pickle: options.AllowPickleOption = False,
+    k: options.KOption = None,
+    temperature: options.TemperatureOption = None,
+    top_p: options.TopPOption = None,
+    top_k: options.TopKOption = None,
+    seed: options.SeedOption = None,
+    max_new_tokens: options.MaxNewTokensOption = None,
+    system: options.SystemOption = None,
+    no_color: NoColorOption = False,
+) -> None:
+    """Chat with a model. Tokens are coloured by where they came from: accepted draft tokens, the
+    target's corrections, bonus tokens. Type /help in the chat for commands; a line ending in \\ goes
+    on on the next line. Input may be piped: `echo hi | specdec chat`."""
+    choice = options.choose_models(
+        profile, target, draft, drafter, device, dtype, target_4bit, draft_4bit,
+        load_in_4bit, load_in_8bit, trust_remote_code, allow_pickle,
+    )
+    settings = options.decoding_settings(choice.profile, k, temperature, top_p, top_k, seed, max_new_tokens, system)
+    loaded_target, loaded_draft = options.load_choice(choice)
+    conversation = Conversation(loaded_target, loaded_draft, choice.drafter, settings)
+    screen = _screen(no_color)
+    if screen.interactive:
+        _enable_line_editing()
+    run_chat(conversation, screen)

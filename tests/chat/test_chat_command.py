@@ -1,0 +1,166 @@
+"""`specdec chat` end to end with scripted input on the tiny pair (greedy, fp32, fixed k)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+from specdec_cli.cli import app
+
+TOK_S = r"\d+\.\d tok/s"
+TIMES = r"draft \d+\.\d\ds, verify \d+\.\d\ds"
+ANSI = "\x1b["
+
+
+@pytest.fixture
+def chat(tiny_pair):
+    """chat(input, *flags, env=None) -> CliRunner result of `specdec chat` on target + low-acceptance draft."""
+
+    def run(user_input: str, *flags: str, env: dict | None = None):
+        arguments = ["chat", "--target", tiny_pair.target, "--draft", tiny_pair.draft, "--dtype", "float32",
+                     "--device", "cpu", "--temperature", "0", "--k", "3", "--max-new-tokens", "12", *flags]
+        environment = {"NO_COLOR": None, "FORCE_COLOR": None, **(env or {})}
+        return CliRunner().invoke(app, arguments, input=user_input, env=environment)
+
+    return run
+
+
+def expected_replies(make_conversation, messages: list[str]) -> list:
+    """The same conversation held directly: its replies, as the command should print them."""
+    conversation = make_conversation("draft", k=3, max_new_tokens=12)
+    for message in messages:
+        "".join(piece.text for piece in conversation.reply(message))
+    return [m for m in conversation.history.messages if m.role == "assistant"]
+
+
+def stats_pattern(stats: dict, note: str = "") -> str:
+    drafting = f"{round(100 * stats['acceptance_rate'])}% accepted \\({stats['accepted']}/{stats['drafted']} drafted\\)"
+    tail = re.escape(f" · {note}") if note else ""
+    return (f"{stats['new_tokens']} token{'' if stats['new_tokens'] == 1 else 's'} · {TOK_S} · {drafting} · {stats['tokens_per_step']:.2f} tokens/step"
+            f" · {TIMES}{tail}")
+
+
+def transcript_pattern(replies) -> str:
+    parts = []
+    for reply in replies:
+        ending = "" if reply.content.endswith("\n") else "\n"
+        note = "cut at 12 tokens (--max-new-tokens)" if reply.finish_reason == "length" else ""
+        parts.append(re.escape(reply.content + ending) + stats_pattern(reply.stats, note) + "\n")
+    return "".join(parts)
+
+
+def test_a_piped_chat_prints_each_reply_and_its_stats_line(chat, make_conversation):
+    result = chat("Hello, how are you?\ndef add(a, b):\n")
+    assert result.exit_code == 0, result.output
+    replies = expected_replies(make_conversation, ["Hello, how are you?", "def add(a, b):"])
+    assert re.fullmatch(transcript_pattern(replies), result.stdout), result.stdout
+    assert ANSI not in result.stdout  # not a terminal: plain text, no legend, no prompts
+
+
+def test_a_line_ending_in_backslash_continues_the_message(chat, make_conversation):
+    result = chat("def add(a, b): \\\n    return a + b\n")
+    replies = expected_replies(make_conversation, ["def add(a, b): \n    return a + b"])
+    assert re.fullmatch(transcript_pattern(replies), result.stdout), result.stdout
+
+
+def test_on_a_colour_terminal_tokens_are_styled_after_a_legend(chat):
+    result = chat("Hello, how are you?\n", env={"FORCE_COLOR": "1"})
+    assert result.exit_code == 0
+    first_line = re.sub(r"\x1b\[[0-9;]*m", "", result.stdout.splitlines()[0])
+    assert first_line == "tokens: accepted draft · target's correction · bonus token · plain: target alone"
+    assert result.stdout.count(ANSI) > 6
+
+
+@pytest.mark.parametrize("plain", [("--no-color",), ("NO_COLOR",)])
+def test_no_color_and_NO_COLOR_give_plain_text_on_a_terminal(chat, plain):
+    flags, env = ((), {"FORCE_COLOR": "1", "NO_COLOR": "1"}) if plain == ("NO_COLOR",) else (plain, {"FORCE_COLOR": "1"})
+    result = chat("Hello, how are you?\n", *flags, env=env)
+    assert result.exit_code == 0 and result.stdout.strip()
+    assert ANSI not in result.stdout and "tokens: accepted draft" not in result.stdout
+
+
+def test_help_lists_every_command_and_how_to_write_several_lines(chat):
+    result = chat("/help\n")
+    assert result.exit_code == 0
+    for command in ("/help", "/reset", "/system TEXT", "/k N|auto", "/temp X", "/stats", "/save FILE", "/exit"):
+        assert command in result.stdout
+    assert "End a line with \\ to continue" in result.stdout
+
+
+def test_stats_gives_the_session_totals(chat):
+    result = chat("Hello, how are you?\ndef add(a, b):\n/stats\n")
+    lines = result.stdout.splitlines()
+    per_reply = [int(line.split(" token")[0]) for line in lines if re.match(r"\d+ tokens? · ", line)]
+    assert len(per_reply) == 2
+    assert re.fullmatch(f"session, 2 replies: {sum(per_reply)} tokens · {TOK_S} · .* · {TIMES}", lines[-1])
+
+
+def test_reset_starts_the_conversation_again(chat):
+    result = chat("Hello, how are you?\n/reset\nHello, how are you?\n")
+    chunks = result.stdout.split("conversation cleared\n")
+    assert len(chunks) == 2
+    first_reply, second_reply = (re.sub(TOK_S + "|" + TIMES, "", chunk) for chunk in chunks)
+    assert first_reply == second_reply  # the same question on a fresh conversation: the same answer
+
+
+def test_system_k_and_temp_are_acknowledged(chat):
+    result = chat("/system You are terse.\n/system\n/k 0\n/k auto\n/temp 0.5\n/temp 0\nHello\n")
+    assert result.stdout.splitlines()[:6] == [
+        "system prompt set", "system prompt removed", "draft length 0 (target alone)", "draft length auto",
+        "temperature 0.5", "temperature 0 (greedy)",
+    ]
+    assert result.exit_code == 0
+
+
+def test_k_zero_means_nothing_is_drafted(chat):
+    result = chat("/k 0\nHello\n")
+    assert re.search(r"\d+ tokens · .* · nothing drafted · 1\.00 tokens/step", result.stdout)
+
+
+def test_save_writes_json_lines(chat, tmp_path):
+    path = tmp_path / "chat.jsonl"
+    result = chat(f"Hello\n/save {path}\n", "--system", "Be brief.")
+    assert result.exit_code == 0
+    assert f"saved 3 messages to {path}" in result.stdout
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    assert [record["role"] for record in records] == ["system", "user", "assistant"]
+    assert records[1]["content"] == "Hello" and records[0]["content"] == "Be brief."
+    assert records[2]["content"] in result.stdout
+
+
+def test_exit_ends_the_chat_and_later_lines_are_not_read(chat):
+    result = chat("/exit\nHello\n")
+    assert result.exit_code == 0 and result.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("line", "complaint"),
+    [
+        ("/k 99", "error: invalid draft length '99' — use a number from 0 to 16, or auto"),
+        ("/temp hot", "error: invalid temperature 'hot' — use a number, e.g. /temp 0.7 (0 = greedy)"),
+        ("/save /proc/no/such/place.jsonl", "error: cannot write /proc/no/such/place.jsonl: No such file or directory — pick a folder you can write to"),
+        ("/dance", "error: unknown command /dance — type /help for the list"),
+    ],
+)
+def test_a_bad_command_is_one_line_and_the_chat_goes_on(chat, line, complaint):
+    result = chat(f"{line}\nHello\n")
+    assert result.exit_code == 0
+    assert result.stderr.splitlines()[-1] == complaint
+    assert "Traceback" not in result.output
+    assert re.search(r"\d+ tokens? · ", result.stdout)  # the next message still got its reply
+
+
+def test_a_bad_model_is_one_line_and_exit_2(tiny_pair, tmp_path):
+    result = CliRunner().invoke(app, ["chat", "--target", str(tmp_path / "missing"), "--dtype", "float32"], input="Hello\n")
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: ") and len(result.stderr.strip().splitlines()) == 1
+    assert result.stdout == ""
+
+
+def test_a_bad_decoding_option_fails_before_loading_anything(chat):
+    result = chat("Hello\n", "--k", "many")
+    assert result.exit_code == 2
+    assert result.stderr.strip() == "error: invalid draft length 'many' — use a number from 0 to 16, or auto"
