@@ -71,12 +71,12 @@ class CachedModel:
             output = self.model(
                 input_ids=new_ids, cache=self.cache, use_cache=True, logits_to_keep=n_logits
             )
+            self.ids.extend(ids[start:])
         except BaseException:
             # An interrupted forward (Ctrl-C) may have appended to some layers only.
             self._truncate_layers(start)
             raise
         self.forwards += 1
-        self.ids.extend(ids[start:])
         return output.logits[0, -n_logits:]  # (n_logits, V)
 
     def _layers(self) -> list:
