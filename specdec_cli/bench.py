@@ -227,7 +227,7 @@ class Benchmark:
                 self._warm_up(counter)
                 for done, (prompt, repeat, index) in enumerate(self.order, start=1):
                     config = self.configs[index]
-                    run = self._run(config, self.prompt_ids[prompt], self.settings.max_new_tokens, counter)
+                    run = self._counted_run(config, self.prompt_ids[prompt], self.settings.max_new_tokens, counter)
                     run.prompt_index, run.repeat = prompt, repeat
                     self.runs.append(run)
                     if on_progress:
@@ -241,13 +241,19 @@ class Benchmark:
         of single-token forwards of each model for the cost ratio c."""
         first_prompt = self.prompt_ids[0]
         for config in self.configs:
-            before = dict(counter.counts)
-            self._run(config, first_prompt, WARMUP_TOKENS, counter)
-            self.models_used[config.name] = [role for role in counter.counts if counter.counts[role] > before[role]]
+            self._counted_run(config, first_prompt, WARMUP_TOKENS, counter)
         seconds = {role: forward_seconds(model, first_prompt) for role, model in self._models.items()}
         self.warmup = {f"{role}_forward_seconds": value for role, value in seconds.items()}
         if "draft" in seconds:
             self.warmup["c_forward"] = seconds["draft"] / seconds["target"]
+
+    def _counted_run(self, config: Configuration, prompt_ids: list[int], max_new_tokens: int, counter: ForwardCounter) -> Run:
+        """A run that also notes which models it ran (a drafter may call the draft model only sometimes)."""
+        before = dict(counter.counts)
+        run = self._run(config, prompt_ids, max_new_tokens, counter)
+        used = self.models_used.setdefault(config.name, [])
+        used += [role for role in counter.counts if counter.counts[role] > before[role] and role not in used]
+        return run
 
     def _run(self, config: Configuration, prompt_ids: list[int], max_new_tokens: int, counter: ForwardCounter) -> Run:
         if config.kind in (HF_ASSISTED, HF_LOOKUP):
@@ -397,7 +403,7 @@ def _drafting_fields(runs: list[Run]) -> dict:
 def theory(runs: list[Run], baseline: list[Run], measured: float | None) -> dict | None:
     """α = accepted / drafted, γ = mean drafted per step, c = the seconds of drafting one token over
     the seconds of one baseline target step (both after the prefill step, measured in this run), the
-    expected speedup and the efficiency measured / expected. None when nothing was drafted."""
+    expected speedup and the efficiency measured / expected. None when nothing was drafted after the prefill."""
     drafted = sum(run.drafted or 0 for run in runs)
     if not drafted or any(run.drafted is None for run in runs):
         return None
@@ -408,7 +414,9 @@ def theory(runs: list[Run], baseline: list[Run], measured: float | None) -> dict
         sum(run.drafted - run.prefill["drafted"] for run in runs),
     )
     target_step = target_step_seconds(baseline)
-    c = draft_cost / target_step if draft_cost is not None and target_step else 0.0
+    if draft_cost is None or not target_step:  # everything was drafted in the prefill step: no cost to compare
+        return None
+    c = draft_cost / target_step
     expected = expected_speedup(alpha, gamma, c)
     efficiency = measured / expected if measured is not None else None
     return {"alpha": alpha, "gamma": gamma, "c": c, "expected_speedup": expected, "efficiency": efficiency}
