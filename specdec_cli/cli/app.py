@@ -9,6 +9,7 @@ from typing import Annotated, Callable, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from specdec_cli import __version__
 from specdec_cli.errors import SpecdecError
@@ -42,7 +43,8 @@ def report_errors(command: F) -> F:
         except SpecdecError as error:
             if _state["debug"]:
                 raise
-            error_console().print(f"[bold red]error:[/] {error.one_line()}", markup=True)
+            # escape: hints like `pip install 'specdec[demo]'` hold brackets that Rich would read as markup
+            error_console().print(f"[bold red]error:[/] {escape(error.one_line())}", markup=True)
             raise typer.Exit(2) from None
         except KeyboardInterrupt:
             if _state["debug"]:

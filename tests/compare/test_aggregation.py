@@ -1,0 +1,78 @@
+"""Table rows computed from hand-made runs: speedup, spread, acceptance by position, lossless count, theory."""
+
+import pytest
+
+from specdec_cli.bench import BASELINE, SPECDEC, Configuration, Run, summary_row, target_step_seconds
+
+BASE = Configuration("target alone", BASELINE)
+SPEC = Configuration("model k=2", SPECDEC, "model", 2)
+
+
+def base_run(prompt, tokens, seconds):
+    return Run("target alone", prompt, 0, tokens, seconds, steps=len(tokens), finish_reason="length", working_bytes=0,
+               drafted=0, accepted=0, draft_seconds=0.0, verify_seconds=seconds,
+               prefill={"drafted": 0, "draft_seconds": 0.0, "verify_seconds": seconds / len(tokens)})
+
+
+def spec_run(prompt, tokens, seconds, steps, drafted, accepted, drafted_at, accepted_at, draft_seconds, working=0):
+    return Run("model k=2", prompt, 0, tokens, seconds, steps, "length", working, drafted, accepted, drafted_at,
+               accepted_at, draft_seconds, seconds - draft_seconds,
+               prefill={"drafted": 2, "draft_seconds": 0.1, "verify_seconds": 0.2})
+
+
+BASELINE_RUNS = [base_run(0, [1, 2, 3, 4, 5, 6], 6.0), base_run(1, [7, 8, 9, 10, 11, 12], 3.0)]
+SPEC_RUNS = [
+    spec_run(0, [1, 2, 3, 4, 5, 6], 3.0, steps=3, drafted=6, accepted=3, drafted_at=[3, 3], accepted_at=[2, 1],
+             draft_seconds=1.1, working=2048),
+    spec_run(1, [7, 8, 9, 10, 11, 99], 2.0, steps=3, drafted=6, accepted=3, drafted_at=[3, 3], accepted_at=[2, 1],
+             draft_seconds=0.9, working=1024),
+]
+
+
+def test_speedup_is_throughput_over_the_baselines_with_its_spread():
+    row = summary_row(SPEC, SPEC_RUNS, BASELINE_RUNS, greedy=True, memory_bytes=10_000)
+    assert row["tokens_per_second"] == pytest.approx(12 / 5.0)
+    assert row["speedup"] == pytest.approx((12 / 5.0) / (12 / 9.0))  # equal tokens: 9 s / 5 s
+    assert (row["speedup_min"], row["speedup_max"]) == (pytest.approx(1.5), pytest.approx(2.0))
+    assert row["median_tokens_per_second"] == pytest.approx((2.0 + 3.0) / 2)
+    assert row["tokens_per_step"] == pytest.approx(2.0)
+
+
+def test_acceptance_by_position_and_the_draft_share():
+    row = summary_row(SPEC, SPEC_RUNS, BASELINE_RUNS, greedy=True, memory_bytes=0)
+    assert row["acceptance_rate"] == pytest.approx(0.5)
+    assert row["acceptance_at"] == [pytest.approx(4 / 6), pytest.approx(2 / 6), None, None]
+    assert row["draft_share"] == pytest.approx(2.0 / 5.0)
+
+
+def test_a_single_different_token_shows_in_the_identical_count():
+    row = summary_row(SPEC, SPEC_RUNS, BASELINE_RUNS, greedy=True, memory_bytes=0)
+    assert (row["identical"], row["compared"]) == (1, 2)
+
+
+def test_sampled_runs_have_no_identical_count():
+    row = summary_row(SPEC, SPEC_RUNS, BASELINE_RUNS, greedy=False, memory_bytes=0)
+    assert row["identical"] is None
+
+
+def test_memory_is_the_weights_plus_the_largest_working_peak():
+    assert summary_row(SPEC, SPEC_RUNS, BASELINE_RUNS, greedy=True, memory_bytes=10_000)["memory_bytes"] == 12_048
+
+
+def test_the_baseline_row_has_no_drafting_columns_or_theory():
+    row = summary_row(BASE, BASELINE_RUNS, BASELINE_RUNS, greedy=True, memory_bytes=0)
+    assert (row["speedup"], row["identical"], row["compared"]) == (pytest.approx(1.0), 2, 2)
+    assert (row["acceptance_rate"], row["draft_share"], row["theory"]) == (None, None, None)
+
+
+def test_theory_uses_the_runs_own_alpha_gamma_and_cost_ratio():
+    # target step after prefill: (6 - 1) s / 5 steps and (3 - 0.5) s / 5 steps -> 7.5 s / 10 steps
+    assert target_step_seconds(BASELINE_RUNS) == pytest.approx(0.75)
+    theory = summary_row(SPEC, SPEC_RUNS, BASELINE_RUNS, greedy=True, memory_bytes=0)["theory"]
+    draft_cost = (1.1 - 0.1 + 0.9 - 0.1) / (6 - 2 + 6 - 2)  # seconds per drafted token after the prefill step
+    assert theory["alpha"] == pytest.approx(0.5)
+    assert theory["gamma"] == pytest.approx(2.0)
+    assert theory["c"] == pytest.approx(draft_cost / 0.75)
+    expected = (1 - 0.5**3) / (0.5 * (2 * theory["c"] + 1))
+    assert theory["expected_speedup"] == pytest.approx(expected)
+    assert theory["efficiency"] == pytest.approx((9 / 5) / expected)

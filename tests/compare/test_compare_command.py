@@ -1,0 +1,117 @@
+"""`specdec compare` end to end on tiny saved models, and its one-line errors."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from specdec_cli.cli import app
+
+WIDE = {"COLUMNS": "250"}
+
+
+def spec_bench_file(path):
+    rows = [
+        {"question_id": 1, "category": "coding", "turns": ["def add(a, b):", "explain"]},
+        {"question_id": 2, "category": "coding", "turns": ["for i in range(10):", "again"]},
+        {"question_id": 3, "category": "writing", "turns": ["Hello, how are you today?"]},
+        {"question_id": 4, "category": "math", "turns": ["The quick brown fox"]},
+    ]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def invoke(*args, env=None):
+    return CliRunner().invoke(app, ["compare", *map(str, args)], env={**WIDE, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def compared(tiny_pair, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("compare")
+    result = invoke(
+        "--target", tiny_pair.target, "--draft", tiny_pair.same, "--dtype", "float32", "--device", "cpu",
+        "--prompts", spec_bench_file(folder / "q.jsonl"), "--category", "coding", "--category", "writing",
+        "--n-prompts", "1", "--drafter", "model,ngram", "--k", "2", "--max-new-tokens", "8", "--with-hf",
+        "--by-category", "--json", folder / "out.json", "--plot", folder / "out.png",
+        env={"SPECDEC_HOME": str(folder / "home")},
+    )
+    return result, folder
+
+
+def table_rows(text):
+    return [[cell.strip() for cell in line.split("│")[1:-1]] for line in text.splitlines() if line.startswith("│")]
+
+
+def test_the_table_has_a_row_per_configuration_then_a_group_per_category(compared):
+    result, _ = compared
+    assert result.exit_code == 0, result.output
+    names = ["target alone", "model k=2", "ngram k=2", "HF assisted", "HF prompt lookup (10)"]
+    rows = table_rows(result.stdout)
+    assert [row[0] for row in rows[:5]] == names
+    assert [row[0] for row in rows[5:17]] == ["coding", *names, "writing", *names]
+    assert all(row[-1] == "2/2" for row in rows[:5])  # greedy, .same draft: every output equals the baseline's
+    assert all(row[-1] == "1/1" for row in rows[6:11] + rows[12:17])
+    by_name = {row[0]: row for row in rows[:5]}
+    assert by_name["target alone"][3] == "×1.00"
+    assert by_name["model k=2"][5] == "1.00"  # acceptance
+    assert by_name["model k=2"][7] == "1.00/1.00/–/–"
+    assert by_name["HF assisted"][5] == "–"
+
+
+def test_the_theory_table_sits_beside_the_measurement(compared):
+    result, _ = compared
+    theory = {row[0]: row for row in table_rows(result.stdout) if len(row) == 7}
+    assert "model k=2" in theory and set(theory) <= {"model k=2", "ngram k=2"}  # rows that drafted after the prefill
+    # α, γ: 8 tokens in steps of 2 drafts + 1, 2 + 1, then 1 + 1 (the budget caps the last draft): 5 drafts / 3 steps
+    assert theory["model k=2"][1:3] == ["1.00", "1.67"]
+
+
+def test_the_json_holds_the_selected_prompts_and_every_run(compared):
+    _, folder = compared
+    report = json.loads((folder / "out.json").read_text())
+    assert [(p["id"], p["category"]) for p in report["prompts"]] == [("1", "coding"), ("3", "writing")]
+    assert len(report["runs"]) == 2 * 5
+    assert [(r["prompt_index"], r["configuration"]) for r in report["runs"]] == [(p, name) for p, _, name in report["order"]]
+    baseline = {r["prompt_index"]: r["tokens"] for r in report["runs"] if r["configuration"] == "target alone"}
+    hf = {r["prompt_index"]: r["tokens"] for r in report["runs"] if r["configuration"] == "HF assisted"}
+    assert hf == baseline and all(len(tokens) == 8 for tokens in baseline.values())
+    assert report["environment"]["draft"].endswith("same")
+
+
+def test_the_plot_is_a_png(compared):
+    _, folder = compared
+    assert (folder / "out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_progress_and_notes_go_to_stderr(compared):
+    result, folder = compared
+    assert f"wrote {folder / 'out.json'}" in result.stderr
+    assert "target alone" not in result.stderr.replace("target: ", "")
+
+
+@pytest.mark.parametrize(
+    ("args", "complaint"),
+    [
+        (["--prompts", "{tmp}/none.jsonl"], "no prompt file"),
+        (["--category", "poetry"], "no prompts in category 'poetry' — choose from: chat, code"),
+        (["--k", "2,seven"], "invalid draft length 'seven'"),
+        (["--json", "{tmp}/no/such/dir/out.json"], "no folder"),
+        (["--repeats", "0"], "--repeats must be at least 1"),
+        (["--n-prompts", "0"], "--n-prompts must be at least 1"),
+    ],
+)
+def test_mistakes_are_one_line_errors_before_any_model_loads(tmp_path, args, complaint):
+    result = invoke("--target", tmp_path / "not-loaded", *[a.format(tmp=tmp_path) for a in args])
+    assert result.exit_code == 2
+    assert complaint in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
+
+
+def test_plot_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a))
+    result = invoke("--target", tmp_path / "not-loaded", "--plot", tmp_path / "out.png")
+    assert result.exit_code == 2
+    assert "--plot needs matplotlib — pip install 'specdec[plot]'" in result.stderr

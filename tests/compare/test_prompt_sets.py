@@ -1,0 +1,88 @@
+"""Prompt files: the three line kinds, categories, --n-prompts per category, and one-line errors."""
+
+import json
+
+import pytest
+
+from specdec_cli.errors import InputError
+from specdec_cli.prompts import builtin_prompts, read_prompt_file, select_prompts
+
+
+def write_lines(path, records):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def spec_bench_lines():
+    """Spec-Bench's shape: MT-bench rows with two turns, then a category of single-turn rows."""
+    rows = [{"question_id": 81 + i, "category": "writing", "turns": [f"write {i}", "now rewrite it"]} for i in range(3)]
+    rows += [{"question_id": 131 + i, "category": "coding", "turns": [f"code {i}", "again"]} for i in range(3)]
+    rows += [{"question_id": 200 + i, "category": "translation", "turns": [f"translate {i}"]} for i in range(4)]
+    return rows
+
+
+def test_spec_bench_lines_give_the_first_turn_as_a_user_message(tmp_path):
+    prompts = read_prompt_file(write_lines(tmp_path / "q.jsonl", spec_bench_lines()))
+    assert len(prompts) == 10
+    assert (prompts[0].id, prompts[0].category, prompts[0].text, prompts[0].as_user_turn) == ("81", "writing", "write 0", True)
+
+
+def test_n_prompts_is_per_category_in_file_order(tmp_path):
+    prompts = read_prompt_file(write_lines(tmp_path / "q.jsonl", spec_bench_lines()))
+    chosen = select_prompts(prompts, per_category=2)
+    assert [(p.category, p.id) for p in chosen] == [
+        ("writing", "81"), ("writing", "82"), ("coding", "131"), ("coding", "132"), ("translation", "200"), ("translation", "201"),
+    ]
+
+
+def test_categories_choose_prompts(tmp_path):
+    prompts = read_prompt_file(write_lines(tmp_path / "q.jsonl", spec_bench_lines()))
+    chosen = select_prompts(prompts, ["coding", "translation"], per_category=1)
+    assert [p.id for p in chosen] == ["131", "200"]
+
+
+def test_an_unknown_category_names_the_available_ones(tmp_path):
+    prompts = read_prompt_file(write_lines(tmp_path / "q.jsonl", spec_bench_lines()))
+    with pytest.raises(InputError) as caught:
+        select_prompts(prompts, ["poetry"])
+    assert caught.value.one_line() == "no prompts in category 'poetry' — choose from: writing, coding, translation"
+
+
+def test_prompt_and_messages_lines(tmp_path):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    path = write_lines(tmp_path / "p.jsonl", [{"prompt": "def add(", "category": "code"}, "", {"messages": messages}])
+    raw, chat = read_prompt_file(path)
+    assert (raw.text, raw.as_user_turn, raw.category, raw.id) == ("def add(", False, "code", "1")
+    assert (chat.messages, chat.category, chat.id) == (tuple(messages), "default", "3")
+
+
+@pytest.mark.parametrize(
+    ("line", "complaint"),
+    [
+        ("{not json", "line 2 of {path} is not valid JSON"),
+        ('["a list"]', "line 2 of {path} is not a JSON object"),
+        ('{"text": "wrong key"}', "line 2 of {path} has no usable prompt"),
+        ('{"messages": [{"content": "no role"}]}', "line 2 of {path} has no usable prompt"),
+    ],
+)
+def test_a_bad_line_is_named_by_its_number(tmp_path, line, complaint):
+    path = write_lines(tmp_path / "bad.jsonl", [{"prompt": "fine"}, line])
+    with pytest.raises(InputError, match=complaint.format(path=path)):
+        read_prompt_file(path)
+
+
+def test_a_missing_or_empty_file_is_an_input_error(tmp_path):
+    with pytest.raises(InputError, match="no prompt file"):
+        read_prompt_file(tmp_path / "nope.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(InputError, match="holds no prompts"):
+        read_prompt_file(tmp_path / "empty.jsonl")
+
+
+def test_the_builtin_set_has_two_prompts_in_each_of_six_categories():
+    prompts = builtin_prompts()
+    categories = [p.category for p in prompts]
+    assert {c: categories.count(c) for c in categories} == {
+        "chat": 2, "code": 2, "summarisation": 2, "qa": 2, "translation": 2, "math": 2,
+    }
+    assert len({p.id for p in prompts}) == 12 and all(p.as_user_turn and p.text for p in prompts)
