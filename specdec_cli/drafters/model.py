@@ -32,8 +32,8 @@ class DraftModelDrafter(Drafter):
         self, model: torch.nn.Module, token_ids: torch.Tensor | None = None, min_confidence: float = 0.0
     ) -> None:
         self.subset = token_ids.cpu() if token_ids is not None else None
-        self.runner = CachedModel(SubsetHeadLM(model, token_ids) if token_ids is not None else model)
-        self.full_vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.head = SubsetHeadLM(model, token_ids) if token_ids is not None else None
+        self.runner = CachedModel(self.head or model)
         self.min_confidence = min_confidence
 
     def propose(
@@ -71,7 +71,7 @@ class DraftModelDrafter(Drafter):
         """(V_draft,) probabilities: a subset head's mass scattered back, 0 outside the subset."""
         if self.subset is None:
             return probs
-        return torch.zeros(self.full_vocab_size, dtype=probs.dtype).index_copy_(0, self.subset, probs.cpu())
+        return torch.zeros(self.head.full_vocab_size, dtype=probs.dtype).index_copy_(0, self.subset, probs.cpu())
 
     def reset(self) -> None:
         self.runner.reset()

@@ -106,8 +106,9 @@ def test_the_report_holds_every_raw_run_and_the_environment(low_acceptance):
 
 
 def test_an_identical_draft_is_always_accepted(identical_pair):
-    benchmark = measured(identical_pair, ["model"], ["auto"], with_hf=False)
-    row = {row["configuration"]: row for row in benchmark.summary()}["model k=auto"]
+    # A fixed k: on tiny models a draft costs as much as the target, so k=auto may rightly not draft.
+    benchmark = measured(identical_pair, ["model"], ["4"], with_hf=False)
+    row = {row["configuration"]: row for row in benchmark.summary()}["model k=4"]
     assert row["acceptance_rate"] == 1.0 and row["acceptance_at"][:3] == [1.0, 1.0, 1.0]
     assert (row["identical"], row["compared"]) == (2, 2)
     assert row["theory"]["alpha"] == 1.0
