@@ -48,6 +48,8 @@ def configurations(target, draft):
         "model cost +conf.4": lambda: (model(min_confidence=0.4), CostModelK()),
         "model cost +fr32k +conf.4": lambda: (model(token_ids=subset, min_confidence=0.4), CostModelK()),
         "ngram k=4": lambda: (NgramDrafter(), FixedK(4)),
+        "ngram k=8": lambda: (NgramDrafter(), FixedK(8)),
+        "cascade k=3": lambda: (CascadeDrafter(model()), FixedK(3)),
         "cascade cost": lambda: (CascadeDrafter(model()), CostModelK()),
         "cascade cost +fr32k +conf.4": lambda: (
             CascadeDrafter(model(token_ids=subset, min_confidence=0.4)), CostModelK()),

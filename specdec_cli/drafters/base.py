@@ -25,6 +25,8 @@ class Draft:
     ids: list[int]                     # (k,) proposed continuation
     probs: torch.Tensor | None = None  # (k, V_draft) distribution each id was drawn from; None = point mass
     parents: list[int] | None = None   # tree drafts only; None = a chain
+    free: bool = False                 # drafted at no model cost (lookup): the draft-length policy,
+                                       # which prices draft-model tokens, does not learn from it
 
     def __len__(self) -> int:
         return len(self.ids)

@@ -1,5 +1,7 @@
 """Cascade: an n-gram match when the sequence has one (free), the draft model otherwise.
 
+Every step tries the lookup, also when the draft-length policy chose k = 0 for the draft model.
+
 Text that repeats its context (code edits, summaries, extraction, multi-turn chat) gets long free
 drafts from prompt lookup; everything else gets the draft model. The draft model's cache simply
 catches up on the tokens it skipped the next time it is asked."""
@@ -23,18 +25,21 @@ class CascadeDrafter(Drafter):
     name = "cascade"
 
     def __init__(self, model_drafter: DraftModelDrafter, ngram: NgramDrafter | None = None,
-                 min_match: int = 2) -> None:
+                 min_match: int = 2, lookup_k: int = 8) -> None:
         """min_match: the shortest n-gram match trusted over the draft model (1-gram matches are
-        too often coincidences)."""
+        too often coincidences). lookup_k: tokens proposed from a match, whatever k the policy
+        chose for the draft model — a lookup costs nothing and verifying 8 tokens costs about
+        as much as verifying 1, so a match is used at full length."""
         self.model_drafter = model_drafter
         self.ngram = ngram or NgramDrafter(max_n=4, min_n=min_match)
+        self.lookup_k = lookup_k
         self.used_ngram = 0
         self.used_model = 0
 
     def propose(
         self, ids: Sequence[int], k: int, params: "SamplingParams", generator: torch.Generator
     ) -> Draft:
-        draft = self.ngram.propose(ids, k, params, generator)
+        draft = self.ngram.propose(ids, self.lookup_k, params, generator)
         if len(draft):
             self.used_ngram += 1
             return draft

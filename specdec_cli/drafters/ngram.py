@@ -39,7 +39,7 @@ class NgramDrafter(Drafter):
         start = self.lookup(ids)
         if start is None:
             return EMPTY_DRAFT
-        return Draft(list(ids[start : start + k]))
+        return Draft(list(ids[start : start + k]), free=True)
 
     def lookup(self, ids: Sequence[int]) -> int | None:
         """Where the continuation of the longest matching suffix n-gram starts, or None."""

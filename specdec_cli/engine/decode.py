@@ -201,7 +201,8 @@ class SpeculativeDecoder:
         provenance = [Provenance.ACCEPTED] * verdict.accepted + [_provenance_of_next(draft, verdict)]
         tokens, provenance, finish_reason = self._trim(tokens, provenance, remaining)
         draft_seconds, verify_seconds = drafted_at - started, verified_at - drafted_at
-        self.policy.update(len(draft), verdict.accepted, draft_seconds, verify_seconds)
+        if not draft.free:
+            self.policy.update(len(draft), verdict.accepted, draft_seconds, verify_seconds)
         if self.drafter is not None:
             self.drafter.update(ids + tokens, len(draft), verdict.accepted)
         return StepEvent(
@@ -213,9 +214,14 @@ class SpeculativeDecoder:
     ) -> Draft:
         # A step emits at most k + 1 tokens: drafting past what may still be emitted is wasted work.
         k = min(self.policy.next_k(), remaining - 1)
-        if self.drafter is None or k <= 0:
+        if self.drafter is None or remaining <= 1:
             return EMPTY_DRAFT
-        return self.drafter.propose(ids, k, params, generator)
+        # Called with k = 0 too: a drafter with a free source (the cascade's lookup) may still propose.
+        draft = self.drafter.propose(ids, k, params, generator)
+        if len(draft) > remaining - 1:
+            draft = Draft(draft.ids[: remaining - 1], None if draft.probs is None else draft.probs[: remaining - 1],
+                          free=draft.free)
+        return draft
 
     def _verify(
         self, ids: list[int], draft: Draft, params: SamplingParams, generator: torch.Generator

@@ -71,39 +71,56 @@ def expected_tokens(alpha: float, gamma: int) -> float:
 class CostModelK:
     """Choose k to maximise expected tokens per second from what this sequence has shown so far.
 
-    - acceptance alpha: accepted / (accepted + rejections), counts decayed per step so the estimate
-      follows the text (code vs prose), started from a prior;
+    - acceptance by draft position: a_i = P(draft token i accepted | tokens 1..i-1 accepted), from
+      decayed counts with a prior. Acceptance is bursty — a draft that got the first tokens right
+      tends to get the next ones right too — so a_i usually rises with i, and a single i.i.d. rate
+      would choose drafts that are too short. Positions never tried take the deepest known rate.
+      Expected tokens for k: 1 + sum_{i<=k} prod_{j<=i} a_j.
     - cost of one draft token, and verify cost as a line in k (intercept + slope), from measured
       seconds, decayed likewise.
-    k = 0 (plain decoding) wins when drafting does not pay; a probe step every `probe_every` steps
-    keeps alpha current so drafting resumes when the text becomes predictable again."""
+    k = 0 (plain decoding) wins when drafting does not pay. Every `probe_every`-th step drafts two
+    tokens past the best k (at least `probe_k`), so deeper positions stay measured and drafting
+    resumes when the text becomes predictable again."""
 
     def __init__(self, max_k: int = 10, prior_alpha: float = 0.6, prior_weight: float = 2.0,
-                 decay: float = 0.97, probe_every: int = 8, probe_k: int = 2) -> None:
+                 decay: float = 0.97, probe_every: int = 8, probe_k: int = 3) -> None:
         self.max_k, self.prior_alpha, self.prior_weight = max_k, prior_alpha, prior_weight
         self.decay, self.probe_every, self.probe_k = decay, probe_every, probe_k
         self.reset()
 
     def reset(self) -> None:
-        self.successes = self.prior_alpha * self.prior_weight
-        self.trials = self.prior_weight
+        self.reached = [0.0] * self.max_k   # decayed count of steps that drafted position i+1 with 1..i accepted
+        self.kept = [0.0] * self.max_k      # ... and in which position i+1 was accepted too
         self.draft_cost = _Mean()    # seconds per drafted token
         self.verify = _Line()        # verify seconds as intercept + slope * k
-        self.steps_without_draft = 0
+        self.steps_since_probe = 0
         self.k = self.probe_k
+
+    def acceptance_by_position(self) -> list[float]:
+        # Each position's prior is the rate of the position before it: rarely tried positions
+        # follow the deepest well-measured one instead of falling back to a fixed guess.
+        rates, previous = [], self.prior_alpha
+        for reached, kept in zip(self.reached, self.kept):
+            previous = min((kept + previous * self.prior_weight) / (reached + self.prior_weight), 0.999)
+            rates.append(previous)
+        return rates
 
     @property
     def alpha(self) -> float:
-        return min(self.successes / self.trials, 0.999)
+        """The first position's acceptance rate."""
+        return self.acceptance_by_position()[0]
 
     def next_k(self) -> int:
         return self.k
 
     def update(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
         if drafted:
-            rejected = 1 if accepted < drafted else 0
-            self.successes = self.decay * self.successes + accepted
-            self.trials = self.decay * self.trials + accepted + rejected
+            for position in range(self.max_k):
+                self.reached[position] *= self.decay
+                self.kept[position] *= self.decay
+            for position in range(min(accepted + 1, drafted, self.max_k)):
+                self.reached[position] += 1.0
+                self.kept[position] += 1.0 if position < accepted else 0.0
             self.draft_cost.add(draft_seconds / drafted, self.decay)
         self.verify.add(drafted, verify_seconds, self.decay)
         self.k = self._choose()
@@ -112,18 +129,23 @@ class CostModelK:
         if not self.draft_cost.known or not self.verify.known:
             return self.probe_k
         best = max(range(self.max_k + 1), key=self.tokens_per_second)
-        if best == 0:
-            self.steps_without_draft += 1
-            if self.steps_without_draft >= self.probe_every:
-                self.steps_without_draft = 0
-                return self.probe_k
-        else:
-            self.steps_without_draft = 0
+        self.steps_since_probe += 1
+        if self.steps_since_probe >= self.probe_every:
+            # Explore: positions past the chosen k are otherwise never measured again.
+            self.steps_since_probe = 0
+            return min(self.max_k, max(best + 2, self.probe_k))
         return best
+
+    def expected_tokens(self, k: int) -> float:
+        total, survive = 1.0, 1.0
+        for rate in self.acceptance_by_position()[:k]:
+            survive *= rate
+            total += survive
+        return total
 
     def tokens_per_second(self, k: int) -> float:
         seconds = k * self.draft_cost.value + self.verify.at(k)
-        return expected_tokens(self.alpha, k) / max(seconds, 1e-9)
+        return self.expected_tokens(k) / max(seconds, 1e-9)
 
 
 class _Mean:

@@ -114,3 +114,36 @@ def test_cost_model_prefers_shorter_drafts_when_drafting_is_expensive():
     cheap = feed(CostModelK(), lambda k: min(k, 3), 0.002, 0.1)
     dear = feed(CostModelK(), lambda k: min(k, 3), 0.04, 0.1)
     assert 0 < dear.next_k() < cheap.next_k()
+
+
+def test_cascade_looks_up_even_when_the_policy_says_no_draft(llama_target, llama_near_draft, reference):
+    drafter = CascadeDrafter(DraftModelDrafter(llama_near_draft), lookup_k=6)
+    result = generate(llama_target, drafter, FixedK(0))
+    assert result.tokens == reference
+    assert drafter.used_ngram > 0 and result.stats.drafted > 0
+    assert max(result.stats.drafted_at and range(len(result.stats.drafted_at))) + 1 <= 6
+
+
+def test_free_lookup_drafts_do_not_train_the_policy(llama_target, reference):
+    class Recording(FixedK):
+        def update(self, drafted, accepted, draft_seconds, verify_seconds):
+            self.updates = getattr(self, "updates", 0) + 1
+
+    policy = Recording(4)
+    result = generate(llama_target, NgramDrafter(), policy)
+    assert result.tokens == reference
+    lookups = sum(1 for _ in range(result.stats.steps))  # every step is either a lookup or plain
+    assert getattr(policy, "updates", 0) < lookups
+
+
+def test_cost_model_learns_that_acceptance_rises_with_depth():
+    """Bursty acceptance: half the drafts fail at once, the other half are right to the end."""
+    import random
+
+    coin, policy = random.Random(0), CostModelK()
+    for _ in range(200):
+        k = policy.next_k()
+        policy.update(k, k if coin.random() < 0.5 else 0, k * 0.03, 0.1)
+    rates = policy.acceptance_by_position()
+    assert rates[0] < 0.6 and min(rates[1:4]) > 0.9
+    assert policy.next_k() >= 4  # an i.i.d. rate of ~0.5 would stop at 1 or 2
