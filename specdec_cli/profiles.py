@@ -14,7 +14,7 @@ from specdec_cli.errors import ProfileError
 from specdec_cli.models.paths import specdec_home
 
 DEFAULT_PROFILE = "demo"
-DRAFTERS = ("model", "ngram")
+DRAFTERS = ("model", "ngram", "cascade")
 QUANTIZATIONS = (None, "4bit", "8bit")
 
 
@@ -23,7 +23,7 @@ class Profile:
     name: str
     target: str
     draft: str | None = None  # None when drafter == "ngram"
-    drafter: str = "model"  # "model" | "ngram"
+    drafter: str = "model"  # "model" | "ngram" | "cascade" (lookup when it matches, else the draft model)
     description: str = ""
     dtype: str = "auto"
     device: str = "auto"
@@ -90,8 +90,8 @@ def _check_keys(path: Path, data: dict) -> None:
 def _check_drafter(path: Path, drafter: str, draft: str | None) -> None:
     if drafter not in DRAFTERS:
         raise _bad(path, f"drafter must be one of {', '.join(DRAFTERS)}, not {drafter!r}")
-    if drafter == "model" and not draft:
-        raise _bad(path, 'drafter "model" needs a `draft`, or set drafter = "ngram"')
+    if drafter != "ngram" and not draft:
+        raise _bad(path, f'drafter "{drafter}" needs a `draft`, or set drafter = "ngram"')
 
 
 def _check_numbers(path: Path, profile: Profile) -> None:

@@ -21,7 +21,7 @@ def test_the_shipped_profiles_parse():
 
 def test_the_default_is_the_offline_demo_pair():
     profile = load_profile(DEFAULT_PROFILE)
-    assert (profile.target, profile.draft, profile.drafter) == ("demo:qwen2.5-coder-1.5b", "demo:qwen2.5-coder-0.5b", "model")
+    assert (profile.target, profile.draft, profile.drafter) == ("demo:qwen2.5-coder-1.5b", "demo:qwen2.5-coder-0.5b", "cascade")
     assert profile.k == "auto"
     assert profile.path.name == "demo.toml"
 

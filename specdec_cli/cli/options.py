@@ -26,7 +26,7 @@ def _flag(flag: str, help: str):
 ProfileOption = _text("--profile", "-p", help=f"Named model pair (see `specdec profiles list`). Default: {DEFAULT_PROFILE}.")
 TargetOption = _text("--target", help="Target model: hub id org/name[@rev], local folder, .gguf file or demo:NAME.")
 DraftOption = _text("--draft", help="Draft model (same forms as --target); implies --drafter model.")
-DrafterOption = _text("--drafter", help="model: a draft model guesses; ngram: guesses come from text already seen.")
+DrafterOption = _text("--drafter", help="model: a draft model guesses; ngram: guesses come from text already seen; cascade: ngram when it matches, else the draft model.")
 DeviceOption = _text("--device", help="auto, cpu, cuda, cuda:N or mps (auto: cuda, then mps, then cpu).")
 DtypeOption = _text("--dtype", help="auto, bfloat16, float16 or float32.")
 Target4bitOption = _flag("--target-4bit", help="Load the target in 4-bit (nf4).")
@@ -44,7 +44,7 @@ class ModelChoice:
     profile: Profile
     target: str
     draft: str | None
-    drafter: str  # "model" | "ngram"
+    drafter: str  # "model" | "ngram" | "cascade"
     device: str
     dtype: str
     target_quantization: str | None
@@ -63,14 +63,14 @@ def _base_profile(profile: str | None, target: str | None, draft: str | None) ->
 
 
 def _drafter_and_draft(base: Profile, draft: str | None, drafter: str | None) -> tuple[str, str | None]:
-    if drafter not in (None, "model", "ngram"):
-        raise InputError(f"unknown drafter {drafter!r}", "use --drafter model or --drafter ngram")
+    if drafter not in (None, "model", "ngram", "cascade"):
+        raise InputError(f"unknown drafter {drafter!r}", "use --drafter model, ngram or cascade")
     if draft is not None and drafter == "ngram":
         raise InputError("--draft and --drafter ngram contradict each other", "drop one of them")
-    chosen_drafter = drafter or ("model" if draft is not None else base.drafter)
+    chosen_drafter = drafter or ("model" if draft is not None and base.drafter == "ngram" else base.drafter)
     chosen_draft = None if chosen_drafter == "ngram" else (draft or base.draft)
-    if chosen_drafter == "model" and chosen_draft is None:
-        raise InputError("--drafter model needs a draft model", "pass --draft NAME, or use --drafter ngram")
+    if chosen_drafter != "ngram" and chosen_draft is None:
+        raise InputError(f"--drafter {chosen_drafter} needs a draft model", "pass --draft NAME, or use --drafter ngram")
     return chosen_drafter, chosen_draft
 
 

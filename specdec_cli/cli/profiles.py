@@ -35,7 +35,9 @@ def _estimate_gb(profile: Profile) -> str:
 
 
 def _draft_label(profile: Profile) -> str:
-    return profile.draft if profile.drafter == "model" else "(n-gram)"
+    if profile.drafter == "ngram":
+        return "(n-gram)"
+    return f"{profile.draft} (+ n-gram)" if profile.drafter == "cascade" else profile.draft
 
 
 @app.command("list")

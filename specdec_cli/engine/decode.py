@@ -158,7 +158,7 @@ class SpeculativeDecoder:
         generated: list[int] = []
         generator = make_generator(params.seed)
         while len(generated) < max_new_tokens:
-            event = self._step(ids, params, generator, max_new_tokens - len(generated))
+            event = self._step(ids, params, generator, max_new_tokens - len(generated), first=not generated)
             generated.extend(event.tokens)
             ids.extend(event.tokens)
             if event.finish_reason is None and stop is not None and stop(generated):
@@ -190,7 +190,8 @@ class SpeculativeDecoder:
         return GenerationResult(tokens, provenance, finish_reason, stats)
 
     def _step(
-        self, ids: list[int], params: SamplingParams, generator: torch.Generator, remaining: int
+        self, ids: list[int], params: SamplingParams, generator: torch.Generator, remaining: int,
+        first: bool = False,
     ) -> StepEvent:
         started = time.perf_counter()
         draft = self._draft(ids, params, generator, remaining)
@@ -202,7 +203,9 @@ class SpeculativeDecoder:
         tokens, provenance, finish_reason = self._trim(tokens, provenance, remaining)
         draft_seconds, verify_seconds = drafted_at - started, verified_at - drafted_at
         if not draft.free:
-            self.policy.update(len(draft), verdict.accepted, draft_seconds, verify_seconds)
+            # The first step also prefills the prompt: its seconds say nothing of a step's cost.
+            timed = (None, None) if first else (draft_seconds, verify_seconds)
+            self.policy.update(len(draft), verdict.accepted, *timed)
         if self.drafter is not None:
             self.drafter.update(ids + tokens, len(draft), verdict.accepted)
         return StepEvent(

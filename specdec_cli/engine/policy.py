@@ -12,7 +12,8 @@ from typing import Protocol
 class DraftLengthPolicy(Protocol):
     def next_k(self) -> int: ...
 
-    def update(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None: ...
+    def update(self, drafted: int, accepted: int, draft_seconds: float | None, verify_seconds: float | None) -> None:
+        """Seconds are None for a step whose timing is not representative (it prefilled a prompt)."""
 
     def reset(self) -> None: ...
 
@@ -24,7 +25,7 @@ class FixedK:
     def next_k(self) -> int:
         return self.k
 
-    def update(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+    def update(self, drafted: int, accepted: int, draft_seconds: float | None, verify_seconds: float | None) -> None:
         pass
 
     def reset(self) -> None:
@@ -48,7 +49,7 @@ class AdaptiveK:
     def next_k(self) -> int:
         return self.k
 
-    def update(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+    def update(self, drafted: int, accepted: int, draft_seconds: float | None, verify_seconds: float | None) -> None:
         if drafted == 0:
             return
         if accepted == drafted:
@@ -113,7 +114,7 @@ class CostModelK:
     def next_k(self) -> int:
         return self.k
 
-    def update(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+    def update(self, drafted: int, accepted: int, draft_seconds: float | None, verify_seconds: float | None) -> None:
         if drafted:
             for position in range(self.max_k):
                 self.reached[position] *= self.decay
@@ -121,8 +122,10 @@ class CostModelK:
             for position in range(min(accepted + 1, drafted, self.max_k)):
                 self.reached[position] += 1.0
                 self.kept[position] += 1.0 if position < accepted else 0.0
-            self.draft_cost.add(draft_seconds / drafted, self.decay)
-        self.verify.add(drafted, verify_seconds, self.decay)
+            if draft_seconds is not None:
+                self.draft_cost.add(draft_seconds / drafted, self.decay)
+        if verify_seconds is not None:
+            self.verify.add(drafted, verify_seconds, self.decay)
         self.k = self._choose()
 
     def _choose(self) -> int:

@@ -12,7 +12,7 @@ def choose(**flags):
 def test_no_model_options_means_the_demo_profile():
     choice = choose()
     assert choice.profile.name == "demo"
-    assert (choice.target, choice.draft, choice.drafter) == ("demo:qwen2.5-coder-1.5b", "demo:qwen2.5-coder-0.5b", "model")
+    assert (choice.target, choice.draft, choice.drafter) == ("demo:qwen2.5-coder-1.5b", "demo:qwen2.5-coder-0.5b", "cascade")
     assert (choice.device, choice.dtype, choice.target_quantization, choice.draft_quantization) == ("auto", "auto", None, None)
     assert (choice.trust_remote_code, choice.allow_pickle) == (False, False)
 

@@ -13,7 +13,7 @@ def test_profiles_list_shows_every_profile_with_its_pair_and_estimate():
     result = run("profiles", "list")
     assert result.exit_code == 0, result.output
     rows = {line.split("│")[1].strip(): [cell.strip() for cell in line.split("│")[2:6]] for line in result.stdout.splitlines() if line.startswith("│")}
-    assert rows["demo (default)"][:2] == ["demo:qwen2.5-coder-1.5b", "demo:qwen2.5-coder-0.5b"]
+    assert rows["demo (default)"][:2] == ["demo:qwen2.5-coder-1.5b", "demo:qwen2.5-coder-0.5b (+ n-gram)"]
     assert rows["demo-ngram"][1] == "(n-gram)"
     assert rows["qwen2.5-7b-4bit"] == ["Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct", "target 4bit", "~6.6 GB"]
     assert rows["llama-3.1-8b"][0] == "meta-llama/Llama-3.1-8B-Instruct"
