@@ -93,6 +93,8 @@ def compare_command(
     benchmark = bench.Benchmark(target_model, draft_model, configs, chosen_prompts, bench_settings)
     _measure(benchmark, json_path)
     console = Console()
+    if not console.is_terminal:  # a file or a pipe: keep the whole table instead of folding it to 80 columns
+        console = Console(width=200)
     console.print(measurement_table(benchmark, by_category))
     console.print(theory_table(benchmark.summary(), benchmark.warmup))
     if json_path:
