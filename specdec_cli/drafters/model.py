@@ -54,11 +54,11 @@ class DraftModelDrafter(Drafter):
                 probs = logits_to_probs(logits, params)
                 index = sample(probs, generator)
                 confidence = float(probs[index])
-                rows.append(self._on_full_vocab(probs))
             if position and confidence < self.min_confidence:
-                rows = rows[:position]
                 break
             drafted.append(self._token_id(index))
+            if not params.greedy:
+                rows.append(self._on_full_vocab(probs))
             if position + 1 < k:
                 sequence.append(drafted[-1])
                 logits = self.runner.extend(sequence, 1)[-1]
