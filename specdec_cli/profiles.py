@@ -15,7 +15,7 @@ from specdec_cli.models.paths import specdec_home
 
 DEFAULT_PROFILE = "demo"
 DRAFTERS = ("model", "ngram", "cascade")
-QUANTIZATIONS = (None, "4bit", "8bit")
+QUANTIZATIONS = (None, "4bit", "8bit", "int8")
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class Profile:
     description: str = ""
     dtype: str = "auto"
     device: str = "auto"
-    target_quantization: str | None = None  # None | "4bit" | "8bit"
+    target_quantization: str | None = None  # None | "4bit" | "8bit" | "int8"
     draft_quantization: str | None = None
     k: str | int = "auto"  # draft length: "auto" (adaptive) or a fixed number of tokens
     temperature: float = 0.7
@@ -96,7 +96,7 @@ def _check_drafter(path: Path, drafter: str, draft: str | None) -> None:
 
 def _check_numbers(path: Path, profile: Profile) -> None:
     if profile.target_quantization not in QUANTIZATIONS or profile.draft_quantization not in QUANTIZATIONS:
-        raise _bad(path, 'quantization must be "4bit" or "8bit" (or left out)')
+        raise _bad(path, 'quantization must be "4bit", "8bit" or "int8" (or left out)')
     if profile.k != "auto" and not (isinstance(profile.k, int) and profile.k >= 1):
         raise _bad(path, f'k must be "auto" or a positive integer, not {profile.k!r}')
     if not (profile.temperature >= 0 and 0 < profile.top_p <= 1 and profile.top_k >= 0):

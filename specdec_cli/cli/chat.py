@@ -42,6 +42,7 @@ def chat(
     draft_4bit: options.Draft4bitOption = False,
     load_in_4bit: options.LoadIn4bitOption = False,
     load_in_8bit: options.LoadIn8bitOption = False,
+    draft_int8: options.DraftInt8Option = None,
     trust_remote_code: options.TrustRemoteCodeOption = False,
     allow_pickle: options.AllowPickleOption = False,
     k: options.KOption = None,
@@ -58,7 +59,7 @@ def chat(
     on on the next line. Input may be piped: `echo hi | specdec chat`."""
     choice = options.choose_models(
         profile, target, draft, drafter, device, dtype, target_4bit, draft_4bit,
-        load_in_4bit, load_in_8bit, trust_remote_code, allow_pickle,
+        load_in_4bit, load_in_8bit, trust_remote_code, allow_pickle, draft_int8=draft_int8,
     )
     settings = options.decoding_settings(choice.profile, k, temperature, top_p, top_k, seed, max_new_tokens, system)
     loaded_target, loaded_draft = options.load_choice(choice)

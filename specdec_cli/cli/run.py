@@ -16,7 +16,7 @@ from rich.table import Table
 from specdec_cli import batch
 from specdec_cli.cli.app import error_console, report_errors
 from specdec_cli.cli.options import (
-    AllowPickleOption, DeviceOption, Draft4bitOption, DraftOption, DrafterOption, DtypeOption, KOption,
+    AllowPickleOption, DeviceOption, Draft4bitOption, DraftInt8Option, DraftOption, DrafterOption, DtypeOption, KOption,
     LoadIn4bitOption, LoadIn8bitOption, MaxNewTokensOption, ProfileOption, SeedOption, SystemOption,
     Target4bitOption, TargetOption, TemperatureOption, TopKOption, TopPOption, TrustRemoteCodeOption,
     choose_models, decoding_settings, load_choice,
@@ -44,6 +44,7 @@ def run_command(
     draft_4bit: Draft4bitOption = False,
     load_in_4bit: LoadIn4bitOption = False,
     load_in_8bit: LoadIn8bitOption = False,
+    draft_int8: DraftInt8Option = None,
     trust_remote_code: TrustRemoteCodeOption = False,
     allow_pickle: AllowPickleOption = False,
     k: KOption = None,
@@ -60,7 +61,7 @@ def run_command(
     _check_paths(input, output, resume, overwrite)
     requests = batch.read_requests(batch.read_input(input))[:limit]
     choice = choose_models(profile, target, draft, drafter, device, dtype, target_4bit, draft_4bit,
-                           load_in_4bit, load_in_8bit, trust_remote_code, allow_pickle)
+                           load_in_4bit, load_in_8bit, trust_remote_code, allow_pickle, draft_int8=draft_int8)
     settings = decoding_settings(choice.profile, k, temperature, top_p, top_k, seed, max_new_tokens, system)
     finished = batch.read_finished(output) if resume else []
     pending = batch.pending_requests(requests, finished)

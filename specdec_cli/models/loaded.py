@@ -15,7 +15,7 @@ from specdec_cli.errors import ModelLoadError
 from specdec_cli.models import preflight
 from specdec_cli.models.device import dtype_name, resolve_device, resolve_dtype
 from specdec_cli.models.progress import status
-from specdec_cli.models.quant import check_quantization, quantization_config
+from specdec_cli.models.quant import check_quantization, quantization_config, quantize_int8_dynamic
 from specdec_cli.models.resolve import ModelSource, check_weight_format, resolve, weights_folder
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ class LoadedModel:
     source: str  # resolved local path / hub id@rev
     device: torch.device
     dtype: torch.dtype  # compute dtype
-    quantization: str | None  # None | "4bit" | "8bit"
+    quantization: str | None  # None | "4bit" | "8bit" | "int8"
     eos_token_ids: tuple[int, ...]  # generation_config.eos_token_id ∪ tokenizer.eos_token_id
     vocab_size: int  # rows of the output layer (logits width)
 
@@ -69,8 +69,8 @@ def _first_line(error: Exception) -> str:
 
 
 def _plan(spec, device, dtype, quantization, trust_remote_code, allow_pickle, progress) -> _Plan:
-    check_quantization(quantization)
     chosen_device = resolve_device(device)
+    check_quantization(quantization, chosen_device)
     chosen_dtype = resolve_dtype(dtype, chosen_device)
     source = resolve(spec, progress)
     return _Plan(source, chosen_device, chosen_dtype, quantization, trust_remote_code, allow_pickle, progress)
@@ -133,13 +133,16 @@ def _load_weights(plan: _Plan, tokenizer) -> LoadedModel:
     folder = weights_folder(plan.source, plan.dtype, plan.allow_pickle, plan.progress)
     with status(f"loading {plan.source.spec} ...", plan.progress):
         model = _from_pretrained(plan, folder).eval()
+    if plan.quantization == "int8":
+        with status(f"quantising {plan.source.spec} to int8 ...", plan.progress):
+            model = quantize_int8_dynamic(model)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         name=plan.source.spec,
         source=plan.source.location,
         device=plan.device,
-        dtype=plan.dtype,
+        dtype=torch.float32 if plan.quantization == "int8" else plan.dtype,
         quantization=plan.quantization,
         eos_token_ids=eos_token_ids(model, tokenizer),
         vocab_size=output_rows(model),

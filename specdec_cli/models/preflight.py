@@ -87,6 +87,10 @@ def estimate_weight_bytes(config, dtype: torch.dtype, quantization: str | None) 
     """Bytes the weights of `config`'s model take at `dtype`; with 4bit/8bit the Linear layers
     (not the embeddings or the output layer, which bitsandbytes keeps) shrink accordingly."""
     linear, other = _parameter_counts(config)
+    if quantization == "int8":
+        # int8 Linear layers; the rest in fp32, plus an int8 copy of the output layer (a tied
+        # embedding is counted once in `other`, and the output layer is of its size).
+        return int(linear + other * (4 + 1))
     full_width = torch.empty(0, dtype=dtype).element_size()
     linear_width = _BYTES_PER_WEIGHT.get(quantization, full_width)
     return int(linear * linear_width + other * full_width)

@@ -13,7 +13,7 @@ def test_no_model_options_means_the_demo_profile():
     choice = choose()
     assert choice.profile.name == "demo"
     assert (choice.target, choice.draft, choice.drafter) == ("demo:qwen2.5-coder-1.5b", "demo:qwen2.5-coder-0.5b", "cascade")
-    assert (choice.device, choice.dtype, choice.target_quantization, choice.draft_quantization) == ("auto", "auto", None, None)
+    assert (choice.device, choice.dtype, choice.target_quantization, choice.draft_quantization) == ("auto", "auto", None, "int8")
     assert (choice.trust_remote_code, choice.allow_pickle) == (False, False)
 
 
@@ -137,3 +137,50 @@ def test_the_shared_options_reach_the_loader(tmp_path):
     result = CliRunner().invoke(_command_app(), ["--target", str(tmp_path / "tiny"), "--device", "cpu", "--dtype", "float32"])
     assert result.exit_code == 0, result.output
     assert f"target: {tmp_path / 'tiny'} · cpu · float32" in result.stderr
+
+
+def test_draft_int8_sets_the_draft_only_and_wins_over_load_in_4bit():
+    choice = choose(profile="qwen2.5-7b", draft_int8=True, load_in_4bit=True)
+    assert (choice.target_quantization, choice.draft_quantization) == ("4bit", "int8")
+
+
+def test_no_draft_int8_drops_a_profiles_int8_draft(tmp_path, monkeypatch):
+    from specdec_cli.profiles import Profile
+
+    profile = Profile(name="p", target="org/big", draft="org/small", drafter="model", draft_quantization="int8")
+    monkeypatch.setattr("specdec_cli.cli.options.load_profile", lambda name: profile)
+    assert choose(profile="p").draft_quantization == "int8"
+    assert choose(profile="p", draft_int8=False).draft_quantization is None
+
+
+def test_draft_4bit_and_draft_int8_contradict():
+    with pytest.raises(InputError, match="contradict"):
+        choose(profile="qwen2.5-7b", draft_4bit=True, draft_int8=True)
+
+
+def test_a_profiles_int8_draft_is_dropped_with_a_note_on_a_gpu(monkeypatch):
+    import io
+
+    import torch
+    from rich.console import Console
+
+    from specdec_cli.cli import options
+
+    from specdec_cli.profiles import Profile
+
+    profile = Profile(name="p", target="org/big", draft="org/small", drafter="model", draft_quantization="int8")
+    monkeypatch.setattr(options, "load_profile", lambda name: profile)
+    monkeypatch.setattr(options, "resolve_device", lambda device: torch.device("cuda"))
+    loaded = {}
+    monkeypatch.setattr(options, "load_pair", lambda *args, **kwargs: loaded.update(kwargs) or (_Named(), _Named()))
+    out = io.StringIO()
+    options.load_choice(choose(profile="p"), Console(file=out))
+    assert loaded["draft_quantization"] is None
+    assert "int8 draft runs on the CPU only" in out.getvalue()
+    options.load_choice(choose(profile="p", draft_int8=True), Console(file=io.StringIO()))
+    assert loaded["draft_quantization"] == "int8"  # asked for explicitly: the loader refuses it with a hint
+
+
+class _Named:
+    def describe(self, role):
+        return role

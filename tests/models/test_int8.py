@@ -1,0 +1,64 @@
+"""int8 through torch's dynamic quantisation: loaded for real, CPU only, and lossless as a draft."""
+
+import copy
+
+import pytest
+import torch
+
+from specdec_cli.drafters import DraftModelDrafter
+from specdec_cli.engine import FixedK, SamplingParams, SpeculativeDecoder
+from specdec_cli.errors import ModelLoadError
+from specdec_cli.models import load_model
+from specdec_cli.models.preflight import estimate_weight_bytes
+from specdec_cli.models.quant import check_quantization, quantize_int8_dynamic
+
+from tests.conftest import hf_greedy
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+DynamicLinear = torch.ao.nn.quantized.dynamic.Linear
+
+
+def test_int8_load_quantises_every_linear_layer_and_runs(llama_folder):
+    loaded = load_model(str(llama_folder), device="cpu", dtype="bfloat16", quantization="int8", progress=False)
+    quantised = [name for name, module in loaded.model.named_modules() if isinstance(module, DynamicLinear)]
+    assert len(quantised) == 2 * 7 + 1  # q, k, v, o, gate, up, down in each of the 2 layers, and the output layer
+    assert not any(isinstance(module, torch.nn.Linear) for module in loaded.model.modules())
+    assert (loaded.quantization, loaded.dtype, loaded.vocab_size) == ("int8", torch.float32, 300)
+    with torch.no_grad():
+        logits = loaded.model(torch.tensor([[1, 2, 3, 4]])).logits  # (B, T, V)
+    assert logits.shape == (1, 4, 300) and torch.isfinite(logits).all()
+    assert loaded.describe("draft").endswith("· float32 · int8")
+
+
+def test_int8_is_refused_off_the_cpu_with_what_to_do():
+    with pytest.raises(ModelLoadError) as raised:
+        check_quantization("int8", torch.device("cuda"))
+    assert "CPU only" in str(raised.value) and "--draft-4bit" in raised.value.hint
+    check_quantization("int8", torch.device("cpu"))  # no error
+
+
+def test_int8_memory_estimate_counts_int8_layers_and_fp32_rest(llama_folder):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(llama_folder)
+    fp32 = estimate_weight_bytes(config, torch.float32, None)
+    int8 = estimate_weight_bytes(config, torch.bfloat16, "int8")
+    assert int8 < fp32  # the Linear layers shrink 4x; the fp32 embedding and an int8 output layer stay
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_an_int8_draft_is_lossless(llama_target, llama_near_draft, k):
+    prompt = [1] + [(7 * i + 2) % 60 + 3 for i in range(30)]
+    draft = quantize_int8_dynamic(copy.deepcopy(llama_near_draft))
+    result = SpeculativeDecoder(llama_target, DraftModelDrafter(draft), FixedK(k)).generate(prompt, SamplingParams(), 40)
+    assert result.tokens == hf_greedy(llama_target, prompt, 40)
+    assert result.stats.accepted > 0  # the quantised near-copy still agrees with the target often
+
+
+def test_the_benchmark_counts_an_int8_models_packed_weights(llama_folder):
+    from specdec_cli.bench import _weight_bytes
+
+    loaded = load_model(str(llama_folder), device="cpu", dtype="float32", quantization="int8", progress=False)
+    linear = sum(module.weight().numel() for module in loaded.model.modules() if isinstance(module, DynamicLinear))
+    parameters = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    assert _weight_bytes(loaded.model) >= parameters + linear  # one byte per int8 weight on top of the fp32 rest
