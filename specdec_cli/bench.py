@@ -119,7 +119,10 @@ class Run:
     accepted_at: list[int] = field(default_factory=list)
     draft_seconds: float | None = None
     verify_seconds: float | None = None
-    prefill: dict | None = None  # the first step (the prompt's prefill): drafted, draft_seconds, verify_seconds
+    prefill: dict | None = None  # the first step (the prompt's prefill): drafted, draft_seconds, verify_seconds, free
+    lookup_steps: int = 0  # steps whose draft was free (prompt lookup); included in steps/drafted/accepted
+    lookup_drafted: int = 0
+    lookup_accepted: int = 0
 
 
 class MemoryProbe:
@@ -276,7 +279,9 @@ class Benchmark:
             config.name, -1, -1, tokens, seconds, stats.steps, finish_reason, self._probe.peak(),
             stats.drafted, stats.accepted, stats.drafted_at, stats.accepted_at, stats.draft_seconds,
             stats.verify_seconds,
-            {"drafted": first.drafted, "draft_seconds": first.draft_seconds, "verify_seconds": first.verify_seconds},
+            {"drafted": first.drafted, "draft_seconds": first.draft_seconds, "verify_seconds": first.verify_seconds,
+             "free": first.free},
+            stats.lookup_steps, stats.lookup_drafted, stats.lookup_accepted,
         )
 
     def _run_hf(self, config: Configuration, prompt_ids: list[int], max_new_tokens: int, counter: ForwardCounter) -> Run:
@@ -401,25 +406,53 @@ def _drafting_fields(runs: list[Run]) -> dict:
 
 
 def theory(runs: list[Run], baseline: list[Run], measured: float | None) -> dict | None:
-    """α = accepted / drafted, γ = mean drafted per step, c = the seconds of drafting one token over
-    the seconds of one baseline target step (both after the prefill step, measured in this run), the
-    expected speedup and the efficiency measured / expected. None when nothing was drafted after the prefill."""
+    """The expected speedup from the run's own α, γ and c, and the efficiency measured / expected.
+
+    Steps are of two sources. Model steps (a draft model's drafts, or none at all): α = accepted /
+    drafted, γ = mean drafted per step, c = the seconds of drafting one token over the seconds of one
+    baseline target step (both after the prefill step, measured in this run). Lookup steps (free drafts,
+    c = 0) get their own α and γ. The expectation weighs each source's tokens per step and cost per step
+    by its share of steps; without lookup steps it is Leviathan et al.'s formula. None when nothing
+    was drafted."""
     drafted = sum(run.drafted or 0 for run in runs)
     if not drafted or any(run.drafted is None for run in runs):
         return None
-    alpha = sum(run.accepted for run in runs) / drafted
-    gamma = drafted / sum(run.steps for run in runs)
+    model = _source(
+        sum(run.steps - run.lookup_steps for run in runs),
+        sum(run.drafted - run.lookup_drafted for run in runs),
+        sum(run.accepted - run.lookup_accepted for run in runs),
+    )
+    lookup = _source(sum(run.lookup_steps for run in runs), sum(run.lookup_drafted for run in runs),
+                     sum(run.lookup_accepted for run in runs))
+    model_drafted_after_prefill = sum(
+        run.drafted - run.lookup_drafted - (0 if run.prefill.get("free") else run.prefill["drafted"]) for run in runs
+    )
     draft_cost = _ratio(
-        sum(run.draft_seconds - run.prefill["draft_seconds"] for run in runs),
-        sum(run.drafted - run.prefill["drafted"] for run in runs),
+        sum(run.draft_seconds - run.prefill["draft_seconds"] for run in runs if run.drafted > run.lookup_drafted),
+        model_drafted_after_prefill,
     )
     target_step = target_step_seconds(baseline)
-    if draft_cost is None or not target_step:  # everything was drafted in the prefill step: no cost to compare
+    if not target_step or (model["drafted"] and draft_cost is None):  # no decode-step cost to compare
         return None
-    c = draft_cost / target_step
-    expected = expected_speedup(alpha, gamma, c)
-    efficiency = measured / expected if measured is not None else None
-    return {"alpha": alpha, "gamma": gamma, "c": c, "expected_speedup": expected, "efficiency": efficiency}
+    c = draft_cost / target_step if draft_cost is not None else 0.0
+    steps = model["steps"] + lookup["steps"]
+    tokens = sum(source["steps"] * source["tokens_per_step"] for source in (model, lookup))
+    cost = model["steps"] * (model["gamma"] * c + 1) + lookup["steps"]
+    expected = tokens / cost if steps else None
+    efficiency = _ratio(measured, expected)
+    return {
+        "alpha": sum(run.accepted for run in runs) / drafted, "gamma": drafted / sum(run.steps for run in runs),
+        "c": c, "model": model, "lookup": lookup, "expected_speedup": expected, "efficiency": efficiency,
+    }
+
+
+def _source(steps: int, drafted: int, accepted: int) -> dict:
+    """α, γ and the i.i.d. expectation of tokens per step of one source of drafts."""
+    alpha = accepted / drafted if drafted else 0.0
+    gamma = drafted / steps if steps else 0.0
+    tokens_per_step = gamma + 1 if alpha == 1.0 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    return {"steps": steps, "drafted": drafted, "accepted": accepted, "alpha": alpha, "gamma": gamma,
+            "tokens_per_step": tokens_per_step}
 
 
 def target_step_seconds(baseline: list[Run]) -> float | None:
@@ -541,8 +574,16 @@ def forward_seconds(model: torch.nn.Module, prompt_ids: list[int], repeats: int 
 
 
 def _weight_bytes(model: torch.nn.Module) -> int:
+    """Parameters and buffers, plus the packed weights of int8 (torch dynamic) Linear layers, which are neither."""
     tensors = list(model.parameters()) + list(model.buffers())
-    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+    packed = [module.weight() for module in model.modules() if isinstance(module, _dynamic_linear())]
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors + packed)
+
+
+def _dynamic_linear() -> type:
+    from torch.ao.nn.quantized.dynamic import Linear
+
+    return Linear
 
 
 def environment(target: LoadedModel, draft: LoadedModel | None) -> dict:

@@ -17,7 +17,7 @@ from rich.table import Table
 from specdec_cli import bench
 from specdec_cli.cli.app import error_console, report_errors
 from specdec_cli.cli.options import (
-    AllowPickleOption, DeviceOption, Draft4bitOption, DraftOption, DtypeOption, LoadIn4bitOption,
+    AllowPickleOption, DeviceOption, Draft4bitOption, DraftInt8Option, DraftOption, DtypeOption, LoadIn4bitOption,
     LoadIn8bitOption, MaxNewTokensOption, ProfileOption, Target4bitOption, TargetOption,
     TemperatureOption, TrustRemoteCodeOption, choose_models, decoding_settings, load_choice,
 )
@@ -61,6 +61,7 @@ def compare_command(
     drafter: DrafterListOption = None, device: DeviceOption = None, dtype: DtypeOption = None,
     target_4bit: Target4bitOption = False, draft_4bit: Draft4bitOption = False,
     load_in_4bit: LoadIn4bitOption = False, load_in_8bit: LoadIn8bitOption = False,
+    draft_int8: DraftInt8Option = None,
     trust_remote_code: TrustRemoteCodeOption = False, allow_pickle: AllowPickleOption = False,
     prompts: PromptsOption = None, category: CategoryOption = None, n_prompts: NPromptsOption = None,
     k: KListOption = None, max_new_tokens: MaxNewTokensOption = None, temperature: TemperatureOption = None,
@@ -73,7 +74,7 @@ def compare_command(
     drafters = _split(drafter)
     choice = choose_models(
         profile, target, draft, _drafter_for_choice(drafters), device, dtype, target_4bit, draft_4bit,
-        load_in_4bit, load_in_8bit, trust_remote_code, allow_pickle,
+        load_in_4bit, load_in_8bit, trust_remote_code, allow_pickle, draft_int8=draft_int8,
     )
     settings = decoding_settings(
         choice.profile, temperature=temperature if temperature is not None else 0.0,
@@ -203,19 +204,26 @@ def _caption(benchmark: bench.Benchmark) -> str:
 
 def theory_table(rows: list[dict], warmup: dict) -> Table:
     table = Table(
-        "configuration", "α", "γ", "c", "expected", "measured", "efficiency",
+        "configuration", "α", "γ", "c", "lookup steps", "expected", "measured", "efficiency",
         title="theory: expected = (1 - α^(γ+1)) / ((1 - α)(γc + 1))",
         caption="α accepted/drafted · γ mean drafted per step · c = seconds to draft one token / one target step "
-                "(both measured in this run, prefill left out)" + _forward_note(warmup),
+                "(both measured in this run, prefill left out). Lookup steps (free drafts: share of steps, their α "
+                "and γ) enter with c = 0; expected = (tokens per step of both sources) / (cost of both), weighed by "
+                "steps." + _forward_note(warmup),
         caption_justify="left",
     )
     for row in rows:
         theory = row["theory"]
         if theory is None:
             continue
+        model, lookup = theory["model"], theory["lookup"]
+        steps = model["steps"] + lookup["steps"]
+        lookup_cell = (f"{lookup['steps'] / steps:.0%} · α {lookup['alpha']:.2f} · γ {lookup['gamma']:.1f}"
+                       if lookup["steps"] else "–")
         table.add_row(
-            escape(row["configuration"]), f"{theory['alpha']:.2f}", f"{theory['gamma']:.2f}", f"{theory['c']:.3f}",
-            f"×{theory['expected_speedup']:.2f}", _fixed(row["speedup"], "×{:.2f}"), _fixed(theory["efficiency"], "{:.0%}"),
+            escape(row["configuration"]), f"{model['alpha']:.2f}", f"{model['gamma']:.2f}", f"{theory['c']:.3f}",
+            lookup_cell, _fixed(theory["expected_speedup"], "×{:.2f}"), _fixed(row["speedup"], "×{:.2f}"),
+            _fixed(theory["efficiency"], "{:.0%}"),
         )
     return table
 

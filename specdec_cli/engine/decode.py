@@ -43,6 +43,7 @@ class StepEvent:
     draft_seconds: float
     verify_seconds: float
     finish_reason: str | None  # "stop" (EOS or the stop callback), "length", or None to go on
+    free: bool = False  # the draft cost nothing (a lookup drafter's)
 
 
 @dataclass
@@ -56,6 +57,9 @@ class GenerationStats:
     verify_seconds: float = 0.0
     drafted_at: list[int] = field(default_factory=list)   # drafted_at[i]: steps that drafted position i+1
     accepted_at: list[int] = field(default_factory=list)  # accepted_at[i]: steps that kept position i+1
+    lookup_steps: int = 0     # steps whose draft was free (a lookup); included in the totals above
+    lookup_drafted: int = 0
+    lookup_accepted: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -78,9 +82,14 @@ class GenerationStats:
         self.verify_seconds += event.verify_seconds
         _grow(self.drafted_at, event.drafted)
         _grow(self.accepted_at, event.accepted)
+        if event.free and event.drafted:
+            self.lookup_steps += 1
+            self.lookup_drafted += event.drafted
+            self.lookup_accepted += event.accepted
 
     def merge(self, other: "GenerationStats") -> None:
-        for name in ("new_tokens", "steps", "drafted", "accepted", "seconds", "draft_seconds", "verify_seconds"):
+        for name in ("new_tokens", "steps", "drafted", "accepted", "seconds", "draft_seconds", "verify_seconds",
+                     "lookup_steps", "lookup_drafted", "lookup_accepted"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_at, other.drafted_at), (self.accepted_at, other.accepted_at)):
             mine.extend([0] * (len(theirs) - len(mine)))
@@ -101,6 +110,9 @@ class GenerationStats:
             "verify_seconds": round(self.verify_seconds, 4),
             "accepted_at_position": list(self.accepted_at),
             "drafted_at_position": list(self.drafted_at),
+            "lookup_steps": self.lookup_steps,
+            "lookup_drafted": self.lookup_drafted,
+            "lookup_accepted": self.lookup_accepted,
         }
 
 
@@ -209,7 +221,8 @@ class SpeculativeDecoder:
         if self.drafter is not None:
             self.drafter.update(ids + tokens, len(draft), verdict.accepted)
         return StepEvent(
-            tokens, provenance, len(draft), verdict.accepted, draft_seconds, verify_seconds, finish_reason
+            tokens, provenance, len(draft), verdict.accepted, draft_seconds, verify_seconds, finish_reason,
+            draft.free,
         )
 
     def _draft(
@@ -256,5 +269,5 @@ def _provenance_of_next(draft: Draft, verdict: Verdict) -> Provenance:
 def _with_finish(event: StepEvent, reason: str) -> StepEvent:
     return StepEvent(
         event.tokens, event.provenance, event.drafted, event.accepted,
-        event.draft_seconds, event.verify_seconds, reason,
+        event.draft_seconds, event.verify_seconds, reason, event.free,
     )

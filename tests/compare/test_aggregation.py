@@ -76,3 +76,32 @@ def test_theory_uses_the_runs_own_alpha_gamma_and_cost_ratio():
     expected = (1 - 0.5**3) / (0.5 * (2 * theory["c"] + 1))
     assert theory["expected_speedup"] == pytest.approx(expected)
     assert theory["efficiency"] == pytest.approx((9 / 5) / expected)
+
+
+def test_theory_gives_lookup_steps_their_own_alpha_and_no_draft_cost():
+    cascade = Configuration("cascade k=2", SPECDEC, "cascade", 2)
+    # 6 steps: 3 model steps (6 drafted, 3 kept), 2 lookup steps (8 drafted, 4 kept), 1 plain step.
+    run = Run("cascade k=2", 0, 0, list(range(14)), 3.0, 6, "length", 0, 14, 7, [5, 5], [3, 2], 1.1, 1.9,
+              prefill={"drafted": 2, "draft_seconds": 0.1, "verify_seconds": 0.2, "free": False},
+              lookup_steps=2, lookup_drafted=8, lookup_accepted=4)
+    theory = summary_row(cascade, [run], BASELINE_RUNS[:1], greedy=True, memory_bytes=0)["theory"]
+    model, lookup = theory["model"], theory["lookup"]
+    assert (model["steps"], model["alpha"], model["gamma"]) == (4, pytest.approx(0.5), pytest.approx(1.5))
+    assert (lookup["steps"], lookup["alpha"], lookup["gamma"]) == (2, pytest.approx(0.5), pytest.approx(4.0))
+    c = ((1.1 - 0.1) / (6 - 2)) / 1.0  # model-drafted tokens after the prefill; the target's step is 5 s / 5 steps
+    assert theory["c"] == pytest.approx(c)
+    model_tokens = (1 - 0.5**2.5) / 0.5   # i.i.d. tokens per step at α 0.5, γ 1.5
+    lookup_tokens = (1 - 0.5**5) / 0.5
+    expected = (4 * model_tokens + 2 * lookup_tokens) / (4 * (1.5 * c + 1) + 2 * 1)
+    assert theory["expected_speedup"] == pytest.approx(expected)
+
+
+def test_theory_of_a_lookup_only_drafter_has_no_draft_cost():
+    ngram = Configuration("ngram k=4", SPECDEC, "ngram", 4)
+    run = Run("ngram k=4", 0, 0, list(range(8)), 3.0, 5, "length", 0, 4, 3, [1] * 4, [1] * 3, 0.001, 2.9,
+              prefill={"drafted": 0, "draft_seconds": 0.0, "verify_seconds": 0.2, "free": False},
+              lookup_steps=1, lookup_drafted=4, lookup_accepted=3)
+    theory = summary_row(ngram, [run], BASELINE_RUNS[:1], greedy=True, memory_bytes=0)["theory"]
+    assert theory["c"] == 0.0
+    expected = (4 * 1 + 1 * (1 - 0.75**5) / 0.25) / 5  # 4 plain steps + one lookup step, each costing one target step
+    assert theory["expected_speedup"] == pytest.approx(expected)

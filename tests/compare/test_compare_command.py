@@ -60,7 +60,7 @@ def test_the_table_has_a_row_per_configuration_then_a_group_per_category(compare
 
 def test_the_theory_table_sits_beside_the_measurement(compared):
     result, _ = compared
-    theory = {row[0]: row for row in table_rows(result.stdout) if len(row) == 7}
+    theory = {row[0]: row for row in table_rows(result.stdout) if len(row) == 8}
     assert "model k=2" in theory and set(theory) <= {"model k=2", "ngram k=2"}  # rows that drafted after the prefill
     # α, γ: 8 tokens in steps of 2 drafts + 1, 2 + 1, then 1 + 1 (the budget caps the last draft): 5 drafts / 3 steps
     assert theory["model k=2"][1:3] == ["1.00", "1.67"]
