@@ -1,0 +1,89 @@
+"""Python overhead of a speculative step: the wall time of a step that is not spent inside a model
+forward, as a share of one verification forward.
+
+    python scripts/step_overhead.py [--profile demo] [--drafter cascade] [--k auto] [--prompts 3] [--max-new-tokens 96]
+
+Forward hooks on the target's and the draft's top-level modules time every forward; everything
+else in a step (drafting logic, acceptance, cache bookkeeping, the policy) is overhead. Prints the
+overhead per step in ms and in % of the mean target forward, and the Python functions with the
+most own time outside the models (cProfile)."""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import time
+from pathlib import Path
+
+import torch
+
+from specdec_cli.cli.options import choose_models, load_choice
+from specdec_cli.engine import SamplingParams
+from specdec_cli.session import build_decoder, encode_chat, parse_k
+
+QUESTIONS = Path(__file__).resolve().parents[1].parent / "shared/prompts/spec_bench_questions.jsonl"
+
+
+class ForwardClock:
+    """Sums the seconds spent inside a module's forward (top level only)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+        self._started = 0.0
+        module.register_forward_pre_hook(self._pre)
+        module.register_forward_hook(self._post)
+
+    def _pre(self, *_args) -> None:
+        self._started = time.perf_counter()
+
+    def _post(self, *_args) -> None:
+        self.seconds += time.perf_counter() - self._started
+        self.calls += 1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", default="demo")
+    parser.add_argument("--drafter", default=None)
+    parser.add_argument("--k", default="auto")
+    parser.add_argument("--prompts", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--draft-int8", action=argparse.BooleanOptionalAction, default=None)
+    args = parser.parse_args()
+    choice = choose_models(args.profile, None, None, args.drafter, None, None, draft_int8=args.draft_int8)
+    target, draft = load_choice(choice)
+    questions = [json.loads(line)["turns"][0] for line in QUESTIONS.read_text().splitlines()]
+    prompts = [encode_chat(target.tokenizer, [{"role": "user", "content": q}]) for q in questions[:: 40][: args.prompts]]
+    clocks = [ForwardClock(target.model)] + ([ForwardClock(draft.model)] if draft else [])
+    profiler = cProfile.Profile()
+    steps, wall = 0, 0.0
+    for prompt in prompts:
+        decoder = build_decoder(target, draft, choice.drafter, parse_k(args.k))
+        stream = decoder.stream(prompt, SamplingParams(), args.max_new_tokens)
+        next(stream)  # the first step also prefills: not a typical step
+        for clock in clocks:
+            clock.seconds, clock.calls = 0.0, 0
+        started = time.perf_counter()
+        profiler.enable()
+        for _event in stream:
+            steps += 1
+        profiler.disable()
+        wall += time.perf_counter() - started
+        forward_seconds = sum(clock.seconds for clock in clocks)
+        target_forward = clocks[0].seconds / max(clocks[0].calls, 1)
+        overhead = wall - forward_seconds
+        print(f"prompt: {steps} steps so far; this prompt: forwards {forward_seconds:.2f}s of {wall:.2f}s")
+        wall, forward_seconds = 0.0, 0.0
+        per_step = overhead / max(steps, 1)
+        print(f"  overhead {1000 * per_step:.2f} ms/step = {100 * per_step / target_forward:.1f}% of a target "
+              f"forward ({1000 * target_forward:.0f} ms)")
+        steps = 0
+    print("\nPython functions with the most own time (all prompts, forwards included):")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
+
+
+if __name__ == "__main__":
+    main()
