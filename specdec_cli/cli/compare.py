@@ -5,6 +5,7 @@ Thin: options → bench.Benchmark → Rich tables (stdout), progress (stderr), -
 from __future__ import annotations
 
 import importlib.util
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -130,12 +131,18 @@ def _measure(benchmark: bench.Benchmark, json_path: Path | None) -> None:
     """Run it with a progress bar on stderr; on Ctrl-C keep what was measured in --json."""
     total = len(benchmark.order)
     n_prompts = len(benchmark.prompts)
+    per_prompt = len(benchmark.configs) * benchmark.settings.repeats
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=error_console(), transient=True) as progress:
+    console = error_console()
+    started = time.perf_counter()
+    with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("warming up", total=total)
 
         def advance(done: int, _total: int, prompt: int, config: bench.Configuration) -> None:
             progress.update(task, completed=done, description=f"prompt {prompt + 1}/{n_prompts} · {config.name}")
+            if not console.is_terminal and done % per_prompt == 0:  # no live bar: one line per prompt instead
+                console.print(f"prompt {prompt + 1}/{n_prompts} measured ({done}/{total} runs, "
+                              f"{time.perf_counter() - started:.0f} s)", markup=False)
 
         try:
             benchmark.measure(advance)

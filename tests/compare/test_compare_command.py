@@ -89,6 +89,13 @@ def test_progress_and_notes_go_to_stderr(compared):
     assert "target alone" not in result.stderr.replace("target: ", "")
 
 
+def test_without_a_terminal_progress_is_one_line_per_prompt(compared):
+    result, _ = compared
+    lines = [line for line in result.stderr.splitlines() if line.startswith("prompt ")]
+    assert [line.split(" (")[0] for line in lines] == ["prompt 1/2 measured", "prompt 2/2 measured"]
+    assert lines[-1].split(" (")[1].startswith("10/10 runs")
+
+
 @pytest.mark.parametrize(
     ("args", "complaint"),
     [
