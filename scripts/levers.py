@@ -85,6 +85,10 @@ def configurations(target, draft):
         "cascade cost int8": lambda: (CascadeDrafter(model8()), CostModelK()),
         "cascade+ext k=3 int8": lambda: (ExtendedCascade(model8()), FixedK(3)),
         "cascade k=3 int8": lambda: (CascadeDrafter(model8()), FixedK(3)),
+        "cascade cost int8 +conf.4": lambda: (CascadeDrafter(model8(min_confidence=0.4)), CostModelK()),
+        "cascade cost16 int8 +conf.4": lambda: (CascadeDrafter(model8(min_confidence=0.4)), CostModelK(max_k=16)),
+        "cascade k=20 int8 +conf.4": lambda: (CascadeDrafter(model8(min_confidence=0.4)), FixedK(20)),
+        "cascade k=12 int8 +conf.3": lambda: (CascadeDrafter(model8(min_confidence=0.3)), FixedK(12)),
         "ngram k=4": lambda: (NgramDrafter(), FixedK(4)),
         "ngram k=8": lambda: (NgramDrafter(), FixedK(8)),
         "cascade k=3": lambda: (CascadeDrafter(model()), FixedK(3)),
@@ -101,8 +105,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--only", default="")
     parser.add_argument("--limit", type=int, default=0, help="only the first N prompts")
+    parser.add_argument("--upcast-fp32", action="store_true",
+                        help="run the target (and the bf16 draft) in float32, loaded at --dtype (identity checks)")
     args = parser.parse_args()
     target, draft = load_pair("demo:qwen2.5-coder-1.5b", "demo:qwen2.5-coder-0.5b", dtype=args.dtype)
+    if args.upcast_fp32:
+        target.model.float()
+        draft.model.float()
     eos = eos_token_ids(target)
     configs = configurations(target, draft)
     if args.only:
