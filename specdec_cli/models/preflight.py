@@ -66,9 +66,10 @@ def check_tokenizers_compatible(target_tokenizer, draft_tokenizer, target_name: 
 # ---- memory -----------------------------------------------------------------------------------
 
 
-def _parameter_counts(config) -> tuple[int, int]:
-    """(weights in quantisable Linear layers, all other weights) of the model `config` describes,
-    counted on the meta device so nothing is allocated."""
+def _parameter_counts(config) -> tuple[int, int, int]:
+    """(weights in quantisable Linear layers, all other weights, weights of an output layer that is not
+    tied to the input embedding) of the model `config` describes, counted on the meta device so nothing
+    is allocated."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -80,17 +81,19 @@ def _parameter_counts(config) -> tuple[int, int]:
         if isinstance(module, torch.nn.Linear) and module is not output_layer
     )
     total = sum(parameter.numel() for parameter in model.parameters())
-    return linear, total - linear
+    tied = output_layer.weight is model.get_input_embeddings().weight
+    return linear, total - linear, 0 if tied else output_layer.weight.numel()
 
 
 def estimate_weight_bytes(config, dtype: torch.dtype, quantization: str | None) -> int:
     """Bytes the weights of `config`'s model take at `dtype`; with 4bit/8bit the Linear layers
     (not the embeddings or the output layer, which bitsandbytes keeps) shrink accordingly."""
-    linear, other = _parameter_counts(config)
+    linear, other, untied_head = _parameter_counts(config)
     if quantization == "int8":
-        # int8 Linear layers; the rest in fp32, plus an int8 copy of the output layer (a tied
-        # embedding is counted once in `other`, and the output layer is of its size).
-        return int(linear + other * (4 + 1))
+        # Every Linear in int8, the output layer too (a tied one gets an int8 copy beside the embedding,
+        # an untied one is replaced); everything else in fp32.
+        head = untied_head or config.vocab_size * config.hidden_size
+        return int(linear + head + 4 * (other - untied_head))
     full_width = torch.empty(0, dtype=dtype).element_size()
     linear_width = _BYTES_PER_WEIGHT.get(quantization, full_width)
     return int(linear * linear_width + other * full_width)

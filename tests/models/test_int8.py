@@ -37,13 +37,20 @@ def test_int8_is_refused_off_the_cpu_with_what_to_do():
     check_quantization("int8", torch.device("cpu"))  # no error
 
 
-def test_int8_memory_estimate_counts_int8_layers_and_fp32_rest(llama_folder):
+@pytest.mark.parametrize("tied", [True, False])
+def test_int8_memory_estimate_is_what_the_quantised_model_holds(tmp_path, tied):
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(llama_folder)
-    fp32 = estimate_weight_bytes(config, torch.float32, None)
-    int8 = estimate_weight_bytes(config, torch.bfloat16, "int8")
-    assert int8 < fp32  # the Linear layers shrink 4x; the fp32 embedding and an int8 output layer stay
+    from tests.tiny import build_tiny_model
+
+    build_tiny_model(tmp_path, arch="llama")
+    config = AutoConfig.from_pretrained(tmp_path)
+    config.tie_word_embeddings = tied
+    config.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path), device="cpu", dtype="float32", quantization="int8", progress=False)
+    parameters = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    packed = sum(m.weight().numel() for m in loaded.model.modules() if isinstance(m, DynamicLinear))
+    assert estimate_weight_bytes(config, torch.bfloat16, "int8") == parameters + packed  # no biases in llama
 
 
 @pytest.mark.parametrize("k", [1, 3, 6])
