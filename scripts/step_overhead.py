@@ -59,7 +59,6 @@ def main() -> None:
     prompts = [encode_chat(target.tokenizer, [{"role": "user", "content": q}]) for q in questions[:: 40][: args.prompts]]
     clocks = [ForwardClock(target.model)] + ([ForwardClock(draft.model)] if draft else [])
     profiler = cProfile.Profile()
-    steps, wall = 0, 0.0
     for prompt in prompts:
         decoder = build_decoder(target, draft, choice.drafter, parse_k(args.k))
         stream = decoder.stream(prompt, SamplingParams(), args.max_new_tokens)
@@ -68,19 +67,15 @@ def main() -> None:
             clock.seconds, clock.calls = 0.0, 0
         started = time.perf_counter()
         profiler.enable()
-        for _event in stream:
-            steps += 1
+        steps = sum(1 for _event in stream)
         profiler.disable()
-        wall += time.perf_counter() - started
+        wall = time.perf_counter() - started
         forward_seconds = sum(clock.seconds for clock in clocks)
         target_forward = clocks[0].seconds / max(clocks[0].calls, 1)
-        overhead = wall - forward_seconds
-        print(f"prompt: {steps} steps so far; this prompt: forwards {forward_seconds:.2f}s of {wall:.2f}s")
-        wall, forward_seconds = 0.0, 0.0
-        per_step = overhead / max(steps, 1)
+        per_step = (wall - forward_seconds) / max(steps, 1)
+        print(f"prompt: {steps} steps after the prefill, forwards {forward_seconds:.2f}s of {wall:.2f}s")
         print(f"  overhead {1000 * per_step:.2f} ms/step = {100 * per_step / target_forward:.1f}% of a target "
               f"forward ({1000 * target_forward:.0f} ms)")
-        steps = 0
     print("\nPython functions with the most own time (all prompts, forwards included):")
     pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from specdec_cli.engine import GenerationStats, SamplingParams
+from specdec_cli.engine import GenerationStats, SamplingParams, expected_tokens
 from specdec_cli.errors import InputError
 from specdec_cli.models import LoadedModel
 from specdec_cli.prompts import Prompt
@@ -85,8 +85,7 @@ def expected_speedup(alpha: float, gamma: float, c: float) -> float:
     one target forward): (1 - α^(γ+1)) / ((1 - α)(γc + 1)). At α = 1 it is the limit (γ + 1) / (γc + 1)."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-    tokens_per_step = gamma + 1 if alpha == 1.0 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
-    return tokens_per_step / (gamma * c + 1)
+    return expected_tokens(alpha, gamma) / (gamma * c + 1)
 
 
 def identical_prompts(baseline: dict[tuple[int, int], list[int]], other: dict[tuple[int, int], list[int]]) -> tuple[int, int]:
@@ -450,9 +449,8 @@ def _source(steps: int, drafted: int, accepted: int) -> dict:
     """α, γ and the i.i.d. expectation of tokens per step of one source of drafts."""
     alpha = accepted / drafted if drafted else 0.0
     gamma = drafted / steps if steps else 0.0
-    tokens_per_step = gamma + 1 if alpha == 1.0 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
     return {"steps": steps, "drafted": drafted, "accepted": accepted, "alpha": alpha, "gamma": gamma,
-            "tokens_per_step": tokens_per_step}
+            "tokens_per_step": expected_tokens(alpha, gamma)}
 
 
 def target_step_seconds(baseline: list[Run]) -> float | None:
@@ -575,15 +573,11 @@ def forward_seconds(model: torch.nn.Module, prompt_ids: list[int], repeats: int 
 
 def _weight_bytes(model: torch.nn.Module) -> int:
     """Parameters and buffers, plus the packed weights of int8 (torch dynamic) Linear layers, which are neither."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
     tensors = list(model.parameters()) + list(model.buffers())
-    packed = [module.weight() for module in model.modules() if isinstance(module, _dynamic_linear())]
+    packed = [module.weight() for module in model.modules() if isinstance(module, DynamicLinear)]
     return sum(tensor.numel() * tensor.element_size() for tensor in tensors + packed)
-
-
-def _dynamic_linear() -> type:
-    from torch.ao.nn.quantized.dynamic import Linear
-
-    return Linear
 
 
 def environment(target: LoadedModel, draft: LoadedModel | None) -> dict:

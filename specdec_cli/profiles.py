@@ -12,10 +12,10 @@ from pathlib import Path
 
 from specdec_cli.errors import ProfileError
 from specdec_cli.models.paths import specdec_home
+from specdec_cli.models.quant import QUANTIZATIONS
 
 DEFAULT_PROFILE = "demo"
 DRAFTERS = ("model", "ngram", "cascade")
-QUANTIZATIONS = (None, "4bit", "8bit", "int8")
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from specdec_cli.drafters import CascadeDrafter, DraftModelDrafter, Drafter, Ngr
 from specdec_cli.engine import CostModelK, DraftLengthPolicy, FixedK, SamplingParams, SpeculativeDecoder
 from specdec_cli.errors import InputError
 from specdec_cli.models import LoadedModel
+from specdec_cli.profiles import DRAFTERS
 
 # End-of-turn tokens that chat templates close an assistant turn with. Some checkpoints (GGUF
 # conversions especially) list only one of them as EOS; generation must stop at any.
@@ -28,9 +29,6 @@ def parse_k(value: str | int) -> int | str:
     if text.isdigit() and int(text) <= MAX_K:
         return int(text)
     raise InputError(f"invalid draft length {value!r}", f"use a number from 0 to {MAX_K}, or auto")
-
-
-DRAFTERS = ("model", "ngram", "cascade")
 
 
 def make_policy(k: int | str) -> DraftLengthPolicy:

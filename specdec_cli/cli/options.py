@@ -12,7 +12,7 @@ from rich.console import Console
 from specdec_cli.errors import InputError
 from specdec_cli.models import LoadedModel, load_pair
 from specdec_cli.models.device import resolve_device
-from specdec_cli.profiles import DEFAULT_PROFILE, Profile, load_profile
+from specdec_cli.profiles import DEFAULT_PROFILE, DRAFTERS, Profile, load_profile
 
 _MODELS = "Models"
 
@@ -69,7 +69,7 @@ def _base_profile(profile: str | None, target: str | None, draft: str | None) ->
 
 
 def _drafter_and_draft(base: Profile, draft: str | None, drafter: str | None) -> tuple[str, str | None]:
-    if drafter not in (None, "model", "ngram", "cascade"):
+    if drafter is not None and drafter not in DRAFTERS:
         raise InputError(f"unknown drafter {drafter!r}", "use --drafter model, ngram or cascade")
     if draft is not None and drafter == "ngram":
         raise InputError("--draft and --drafter ngram contradict each other", "drop one of them")

@@ -61,7 +61,7 @@ class AdaptiveK:
         self.k = self.start
 
 
-def expected_tokens(alpha: float, gamma: int) -> float:
+def expected_tokens(alpha: float, gamma: float) -> float:
     """Expected tokens per step when each draft token is accepted with probability alpha, until the
     first rejection, plus the target's own token: (1 - alpha^(gamma+1)) / (1 - alpha)."""
     if alpha >= 1.0:
@@ -105,11 +105,6 @@ class CostModelK:
             previous = min((kept + previous * self.prior_weight) / (reached + self.prior_weight), 0.999)
             rates.append(previous)
         return rates
-
-    @property
-    def alpha(self) -> float:
-        """The first position's acceptance rate."""
-        return self.acceptance_by_position()[0]
 
     def next_k(self) -> int:
         return self.k
