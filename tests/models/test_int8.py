@@ -69,3 +69,29 @@ def test_the_benchmark_counts_an_int8_models_packed_weights(llama_folder):
     linear = sum(module.weight().numel() for module in loaded.model.modules() if isinstance(module, DynamicLinear))
     parameters = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     assert _weight_bytes(loaded.model) >= parameters + linear  # one byte per int8 weight on top of the fp32 rest
+
+
+def test_a_subset_head_over_an_int8_model_scores_the_same_rows(llama_near_draft):
+    from transformers import DynamicCache
+
+    from specdec_cli.drafters.subset_head import SubsetHeadLM
+
+    int8 = quantize_int8_dynamic(copy.deepcopy(llama_near_draft))
+    subset = torch.tensor([0, 3, 5, 40, 95])
+    head = SubsetHeadLM(int8, subset)
+    assert isinstance(head.head, torch.ao.nn.quantized.dynamic.Linear)
+    ids = torch.tensor([[1, 2, 3]])
+    logits = head(ids, cache=DynamicCache(config=int8.config), logits_to_keep=1).logits
+    with torch.no_grad():
+        full = int8(ids, logits_to_keep=1).logits  # the same rows of input: int8 scales activations per call
+    assert torch.allclose(logits, full[..., subset], atol=1e-4)
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_an_int8_draft_with_a_subset_head_is_lossless(llama_target, llama_near_draft, k):
+    prompt = [1] + [(7 * i + 2) % 60 + 3 for i in range(30)]
+    int8 = quantize_int8_dynamic(copy.deepcopy(llama_near_draft))
+    drafter = DraftModelDrafter(int8, token_ids=torch.arange(0, 96, 2))
+    result = SpeculativeDecoder(llama_target, drafter, FixedK(k)).generate(prompt, SamplingParams(), 40)
+    assert result.tokens == hf_greedy(llama_target, prompt, 40)
+    assert result.stats.accepted > 0
