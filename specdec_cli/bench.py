@@ -38,6 +38,7 @@ from specdec_cli.session import build_decoder, encode_chat, encode_completion, e
 
 SCHEMA = "specdec.compare/1"
 BASELINE, SPECDEC, HF_ASSISTED, HF_LOOKUP = "baseline", "specdec", "hf-assisted", "hf-lookup"
+TARGET, DRAFT, PLAIN_DRAFT = "target", "draft", "plain draft"  # the roles of the loaded models
 HF_LOOKUP_TOKENS = 10  # prompt_lookup_num_tokens (HF's docs' value); max_matching_ngram_size stays HF's default, 2
 WARMUP_TOKENS = 8
 POSITIONS = 4  # acceptance is reported at draft positions 1..POSITIONS
@@ -53,15 +54,22 @@ class Configuration:
     kind: str  # BASELINE | SPECDEC | HF_ASSISTED | HF_LOOKUP
     drafter: str = "none"  # a name `session.build_decoder` knows; "none" for the baseline and HF
     k: int | str = 0
+    assistant: str = DRAFT  # HF assisted: which loaded draft it is given (DRAFT or PLAIN_DRAFT)
 
 
-def configurations(drafters: Sequence[str], ks: Sequence[int | str], with_hf: bool, has_draft: bool) -> list[Configuration]:
+def configurations(drafters: Sequence[str], ks: Sequence[int | str], with_hf: bool, has_draft: bool,
+                   plain_draft: str | None = None) -> list[Configuration]:
     """The baseline, every drafter × k (k = 0 is the baseline itself; repeats dropped), then HF's peers
-    (assisted generation only when there is a draft model)."""
+    (assisted generation only when there is a draft model). `plain_draft` names the quantisation that
+    only specdec applies to the draft (int8): HF assisted then runs twice, with the draft as HF users
+    load it and with ours, so that our quantisation lever is not credited to the engine."""
     chosen = [Configuration("target alone", BASELINE)]
     for drafter in dict.fromkeys(drafters):
         chosen += [Configuration(f"{drafter} k={k}", SPECDEC, drafter, k) for k in dict.fromkeys(ks) if k != 0]
-    if with_hf and has_draft:
+    if with_hf and has_draft and plain_draft:
+        chosen.append(Configuration("HF assisted", HF_ASSISTED, assistant=PLAIN_DRAFT))
+        chosen.append(Configuration(f"HF assisted ({plain_draft} draft)", HF_ASSISTED))
+    elif with_hf and has_draft:
         chosen.append(Configuration("HF assisted", HF_ASSISTED))
     if with_hf:
         chosen.append(Configuration(f"HF prompt lookup ({HF_LOOKUP_TOKENS})", HF_LOOKUP))
@@ -204,7 +212,8 @@ class Benchmark:
     """Loaded models, the configurations and the prompts; `measure()` runs it all and keeps the raw runs."""
 
     def __init__(self, target: LoadedModel, draft: LoadedModel | None, configs: Sequence[Configuration],
-                 prompts: Sequence[Prompt], settings: BenchSettings) -> None:
+                 prompts: Sequence[Prompt], settings: BenchSettings, plain_draft: LoadedModel | None = None) -> None:
+        """plain_draft: the draft without specdec's own quantisation, for HF assisted's PLAIN_DRAFT runs."""
         if not prompts:
             raise InputError("no prompts to run", "choose other categories or another prompt file")
         self.target, self.draft = target, draft
@@ -217,7 +226,8 @@ class Benchmark:
         self.runs: list[Run] = []
         self.warmup: dict = {}
         self.models_used: dict[str, list[str]] = {}
-        models = {"target": target.model} | ({"draft": draft.model} if draft else {})
+        self.loaded = {TARGET: target, DRAFT: draft, PLAIN_DRAFT: plain_draft}
+        models = {role: loaded.model for role, loaded in self.loaded.items() if loaded is not None}
         self.weight_bytes = {role: _weight_bytes(model) for role, model in models.items()}
         self._models = models
         self._probe = MemoryProbe(target.device)
@@ -244,10 +254,11 @@ class Benchmark:
         first_prompt = self.prompt_ids[0]
         for config in self.configs:
             self._counted_run(config, first_prompt, WARMUP_TOKENS, counter)
-        seconds = {role: forward_seconds(model, first_prompt) for role, model in self._models.items()}
+        seconds = {role: forward_seconds(self._models[role], first_prompt) for role in (TARGET, DRAFT)
+                   if role in self._models}
         self.warmup = {f"{role}_forward_seconds": value for role, value in seconds.items()}
-        if "draft" in seconds:
-            self.warmup["c_forward"] = seconds["draft"] / seconds["target"]
+        if DRAFT in seconds:
+            self.warmup["c_forward"] = seconds[DRAFT] / seconds[TARGET]
 
     def _counted_run(self, config: Configuration, prompt_ids: list[int], max_new_tokens: int, counter: ForwardCounter) -> Run:
         """A run that also notes which models it ran (a drafter may call the draft model only sometimes)."""
@@ -286,13 +297,14 @@ class Benchmark:
     def _run_hf(self, config: Configuration, prompt_ids: list[int], max_new_tokens: int, counter: ForwardCounter) -> Run:
         model = self.target.model
         input_ids = torch.tensor([prompt_ids], device=self.target.device)
-        extra = {"assistant_model": self.draft.model} if config.kind == HF_ASSISTED else {}
+        assistant = self.loaded[config.assistant] if config.kind == HF_ASSISTED else None
+        extra = {"assistant_model": assistant.model} if assistant else {}
         generation_config = hf_generation_config(
             self.settings.params, max_new_tokens, self.eos_ids, _pad_id(self.target, self.eos_ids),
             lookup=config.kind == HF_LOOKUP,
         )
-        forwards = counter.counts["target"]
-        with _assistant_config_restored(self.draft):
+        forwards = counter.counts[TARGET]
+        with _assistant_config_restored(assistant):
             if not self.settings.params.greedy:
                 torch.manual_seed(self.settings.params.seed or 0)
             self._probe.start()
@@ -305,13 +317,13 @@ class Benchmark:
             seconds = time.perf_counter() - started
         tokens = cut_at_eos(new_tokens, self.eos_ids)
         finish_reason = "stop" if tokens and tokens[-1] in self.eos_ids else "length"
-        steps = counter.counts["target"] - forwards
+        steps = counter.counts[TARGET] - forwards
         return Run(config.name, -1, -1, tokens, seconds, steps, finish_reason, self._probe.peak())
 
     # ---- results ----
 
     def memory_bytes(self, config: Configuration) -> int:
-        return sum(self.weight_bytes[role] for role in self.models_used.get(config.name, ["target"]))
+        return sum(self.weight_bytes[role] for role in self.models_used.get(config.name, [TARGET]))
 
     def summary(self, category: str | None = None) -> list[dict]:
         """One row per configuration over all prompts, or over one category's prompts."""

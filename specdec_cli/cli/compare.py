@@ -23,6 +23,7 @@ from specdec_cli.cli.options import (
     TemperatureOption, TrustRemoteCodeOption, choose_models, decoding_settings, load_choice,
 )
 from specdec_cli.errors import InputError, MissingExtraError
+from specdec_cli.models import LoadedModel, load_model
 from specdec_cli.prompts import builtin_prompts, read_prompt_file, select_prompts
 from specdec_cli.session import parse_k, sampling_params
 
@@ -91,8 +92,10 @@ def compare_command(
     target_model, draft_model = load_choice(choice)
     if with_hf and draft_model is None:
         error_console().print("note: HF assisted generation needs a draft model — skipped (HF prompt lookup runs)")
-    configs = bench.configurations(drafters or [choice.drafter], ks, with_hf, draft_model is not None)
-    benchmark = bench.Benchmark(target_model, draft_model, configs, chosen_prompts, bench_settings)
+    plain_draft = _plain_draft(choice, draft_model) if with_hf else None
+    configs = bench.configurations(drafters or [choice.drafter], ks, with_hf, draft_model is not None,
+                                   plain_draft=draft_model.quantization if plain_draft else None)
+    benchmark = bench.Benchmark(target_model, draft_model, configs, chosen_prompts, bench_settings, plain_draft)
     _measure(benchmark, json_path)
     console = Console()
     if not console.is_terminal:  # a file or a pipe: keep the whole table instead of folding it to 80 columns
@@ -105,6 +108,17 @@ def compare_command(
     if plot:
         write_plot(plot, benchmark.summary())
         error_console().print(f"wrote {plot}")
+
+
+def _plain_draft(choice, draft: LoadedModel | None) -> LoadedModel | None:
+    """The draft as HF users load it, when ours carries specdec's own int8 (HF cannot load that): HF assisted
+    runs with both, so the int8 lever shows as ours. bitsandbytes drafts are HF's own: HF gets them as they are."""
+    if draft is None or draft.quantization != "int8":
+        return None
+    plain = load_model(choice.draft, device=choice.device, dtype=choice.dtype, trust_remote_code=choice.trust_remote_code,
+                       allow_pickle=choice.allow_pickle)
+    error_console().print(plain.describe("draft for HF assisted"), markup=False)
+    return plain
 
 
 def _split(values: str | None) -> list[str]:

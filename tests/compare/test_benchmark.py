@@ -133,3 +133,23 @@ def test_sampled_runs_have_no_identical_column(low_acceptance_pair):
     benchmark = measured(low_acceptance_pair, ["ngram"], [2], with_hf=True, settings=settings, prompts=PROMPTS[:1])
     assert all(row["identical"] is None for row in benchmark.summary())
     assert all(len(run.tokens) >= 1 for run in benchmark.runs)
+
+
+def test_with_an_int8_draft_hf_assisted_runs_with_the_plain_draft_and_with_ours(low_acceptance_pair):
+    import copy
+    import dataclasses
+
+    from specdec_cli.models.quant import quantize_int8_dynamic
+
+    target, plain = low_acceptance_pair
+    int8 = dataclasses.replace(plain, model=quantize_int8_dynamic(copy.deepcopy(plain.model)), quantization="int8")
+    configs = bench.configurations(["model"], [2], True, True, plain_draft="int8")
+    benchmark = bench.Benchmark(target, int8, configs, PROMPTS[:1], GREEDY, plain_draft=plain)
+    benchmark.measure()
+    assert benchmark.models_used["HF assisted"] == ["target", "plain draft"]
+    assert benchmark.models_used["HF assisted (int8 draft)"] == ["target", "draft"]
+    assert benchmark.models_used["model k=2"] == ["target", "draft"]
+    baseline = tokens_of(benchmark, "target alone")
+    assert all(tokens_of(benchmark, config.name) == baseline for config in configs)
+    rows = {row["configuration"]: row for row in benchmark.summary()}
+    assert rows["HF assisted"]["memory_bytes"] >= benchmark.weight_bytes["target"] + benchmark.weight_bytes["plain draft"]

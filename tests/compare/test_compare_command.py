@@ -122,3 +122,16 @@ def test_plot_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
     result = invoke("--target", tmp_path / "not-loaded", "--plot", tmp_path / "out.png")
     assert result.exit_code == 2
     assert "--plot needs matplotlib — pip install 'specdec[plot]'" in result.stderr
+
+
+def test_with_an_int8_draft_hf_assisted_also_gets_the_draft_as_hf_loads_it(tiny_pair, tmp_path):
+    result = invoke(
+        "--target", tiny_pair.target, "--draft", tiny_pair.same, "--draft-int8", "--dtype", "float32",
+        "--device", "cpu", "--category", "code", "--n-prompts", "1", "--drafter", "model", "--k", "2",
+        "--max-new-tokens", "4", "--with-hf", env={"SPECDEC_HOME": str(tmp_path / "home")},
+    )
+    assert result.exit_code == 0, result.output
+    names = [row[0] for row in table_rows(result.stdout) if row and row[0]]
+    assert "HF assisted" in names and "HF assisted (int8 draft)" in names
+    assert "draft: " in result.stderr and "int8" in result.stderr
+    assert "draft for HF assisted: " in result.stderr

@@ -3,7 +3,7 @@
 import pytest
 
 from specdec_cli.bench import (
-    BASELINE, HF_ASSISTED, HF_LOOKUP, SPECDEC, configurations, cut_at_eos, expected_speedup,
+    BASELINE, DRAFT, HF_ASSISTED, HF_LOOKUP, PLAIN_DRAFT, SPECDEC, configurations, cut_at_eos, expected_speedup,
     identical_prompts, run_order,
 )
 
@@ -76,3 +76,10 @@ def test_a_new_drafter_name_passes_through_untouched():
 def test_without_a_draft_model_hf_runs_prompt_lookup_only():
     configs = configurations(["ngram"], [4], with_hf=True, has_draft=False)
     assert [c.kind for c in configs] == [BASELINE, SPECDEC, HF_LOOKUP]
+
+
+def test_a_draft_quantised_by_specdec_gives_hf_assisted_both_drafts():
+    configs = configurations(["cascade"], [3], with_hf=True, has_draft=True, plain_draft="int8")
+    hf = [(c.name, c.assistant) for c in configs if c.kind == HF_ASSISTED]
+    assert hf == [("HF assisted", PLAIN_DRAFT), ("HF assisted (int8 draft)", DRAFT)]
+    assert len({c.name for c in configs}) == len(configs)
