@@ -55,6 +55,14 @@ class ExtendedCascade(CascadeDrafter):
         return draft
 
 
+class GateK(CostModelK):
+    """Experiment: the cost model only decides whether to draft (k = 0 or max_k); the drafter's
+    survival cut decides how far."""
+
+    def _choose(self):
+        return self.max_k if super()._choose() else 0
+
+
 def configurations(target, draft):
     subset = frequent_token_ids(draft.tokenizer, 32768, draft.vocab_size)
     model = lambda **kw: DraftModelDrafter(draft.model, **kw)  # noqa: E731
@@ -85,6 +93,15 @@ def configurations(target, draft):
         "cascade cost int8": lambda: (CascadeDrafter(model8()), CostModelK()),
         "cascade+ext k=3 int8": lambda: (ExtendedCascade(model8()), FixedK(3)),
         "cascade k=3 int8": lambda: (CascadeDrafter(model8()), FixedK(3)),
+        "cascade cost int8 +fr32k": lambda: (CascadeDrafter(model8(token_ids=subset)), CostModelK()),
+        "cascade cost16 int8": lambda: (CascadeDrafter(model8()), CostModelK(max_k=16)),
+        "cascade cost16 int8 +fr32k": lambda: (CascadeDrafter(model8(token_ids=subset)), CostModelK(max_k=16)),
+        "cascade cost20 int8 +surv.3": lambda: (CascadeDrafter(model8(min_survival=0.3)), CostModelK(max_k=20)),
+        "cascade cost20 int8 +surv.2": lambda: (CascadeDrafter(model8(min_survival=0.2)), CostModelK(max_k=20)),
+        "cascade k=20 int8 +surv.3": lambda: (CascadeDrafter(model8(min_survival=0.3)), FixedK(20)),
+        "cascade k=20 int8 +surv.2": lambda: (CascadeDrafter(model8(min_survival=0.2)), FixedK(20)),
+        "cascade k=20 int8 +surv.4": lambda: (CascadeDrafter(model8(min_survival=0.4)), FixedK(20)),
+        "cascade gate20 int8 +surv.3": lambda: (CascadeDrafter(model8(min_survival=0.3)), GateK(max_k=20)),
         "cascade cost int8 +conf.4": lambda: (CascadeDrafter(model8(min_confidence=0.4)), CostModelK()),
         "cascade cost16 int8 +conf.4": lambda: (CascadeDrafter(model8(min_confidence=0.4)), CostModelK(max_k=16)),
         "cascade k=20 int8 +conf.4": lambda: (CascadeDrafter(model8(min_confidence=0.4)), FixedK(20)),

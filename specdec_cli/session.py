@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specdec_cli.drafters import CascadeDrafter, DraftModelDrafter, Drafter, NgramDrafter
-from specdec_cli.engine import CostModelK, DraftLengthPolicy, FixedK, SamplingParams, SpeculativeDecoder
+from specdec_cli.engine import DraftLengthPolicy, DraftOrNot, FixedK, SamplingParams, SpeculativeDecoder
 from specdec_cli.errors import InputError
 from specdec_cli.models import LoadedModel
 from specdec_cli.profiles import DRAFTERS
@@ -19,6 +19,11 @@ from specdec_cli.profiles import DRAFTERS
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>")
 
 MAX_K = 16
+# k = auto: draft up to AUTO_MAX_K tokens, stopping once the draft's own odds that its whole draft survives
+# (the product of its probabilities) fall below AUTO_SURVIVAL; the cost model decides whether to draft at all.
+# On the demo pair a cut anywhere in 0.2-0.4 measured within noise (x1.96-x2.01).
+AUTO_MAX_K = 20
+AUTO_SURVIVAL = 0.3
 
 
 def parse_k(value: str | int) -> int | str:
@@ -32,14 +37,15 @@ def parse_k(value: str | int) -> int | str:
 
 
 def make_policy(k: int | str) -> DraftLengthPolicy:
-    """auto: the cost model (k from measured acceptance and draft/verify costs, 0 when drafting
-    does not pay); a number: always that many."""
-    return CostModelK() if k == "auto" else FixedK(int(k))
+    """auto: the cost model says whether to draft (0 when drafting does not pay; up to AUTO_MAX_K when it
+    does, the draft model stopping on its own odds); a number: always that many."""
+    return DraftOrNot(max_k=AUTO_MAX_K) if k == "auto" else FixedK(int(k))
 
 
-def make_drafter(drafter: str, draft: LoadedModel | None) -> Drafter | None:
+def make_drafter(drafter: str, draft: LoadedModel | None, k: int | str = "auto") -> Drafter | None:
     """model: the draft model; ngram: prompt lookup; cascade: prompt lookup when it matches, else
-    the draft model; none: the target alone."""
+    the draft model; none: the target alone. With k = auto the draft model stops drafting once its
+    odds fall below AUTO_SURVIVAL; a fixed k drafts exactly k."""
     if drafter == "none":
         return None
     if drafter == "ngram":
@@ -48,7 +54,7 @@ def make_drafter(drafter: str, draft: LoadedModel | None) -> Drafter | None:
         raise InputError(f"unknown drafter {drafter!r}", f"use one of: {', '.join(DRAFTERS)}")
     if draft is None:
         raise InputError(f"the {drafter} drafter needs a draft model", "pass --draft NAME, or --drafter ngram")
-    model_drafter = DraftModelDrafter(draft.model)
+    model_drafter = DraftModelDrafter(draft.model, min_survival=AUTO_SURVIVAL if k == "auto" else 0.0)
     return CascadeDrafter(model_drafter) if drafter == "cascade" else model_drafter
 
 
@@ -62,7 +68,7 @@ def build_decoder(
     target: LoadedModel, draft: LoadedModel | None, drafter: str, k: int | str
 ) -> SpeculativeDecoder:
     """drafter: "model", "ngram" or "none" (the target alone); k: an int or "auto"."""
-    chosen = make_drafter(drafter, draft) if k != 0 else None
+    chosen = make_drafter(drafter, draft, k) if k != 0 else None
     return SpeculativeDecoder(target.model, chosen, make_policy(k) if chosen else FixedK(0), eos_token_ids(target))
 
 

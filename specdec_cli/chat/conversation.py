@@ -95,8 +95,10 @@ class Conversation:
 
     def set_k(self, value: str) -> int | str:
         k = parse_k(value)
-        if k != 0 and self.decoder.drafter is None:
-            self.decoder.drafter = make_drafter(self.drafter_name, self.draft)
+        if k != 0 and (self.decoder.drafter is None or (k == "auto") != (self.settings.k == "auto")):
+            # auto and a fixed k draft differently (auto stops on the draft's odds): a new drafter, whose
+            # draft model re-reads the conversation on the next turn.
+            self.decoder.drafter = make_drafter(self.drafter_name, self.draft, k)
         self.decoder.policy = make_policy(k)
         self.settings.k = k
         return k

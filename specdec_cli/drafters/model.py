@@ -4,10 +4,13 @@ The cache follows the accepted sequence through `CachedModel.extend`'s shared-pr
 step in which every draft was accepted, the draft's last token and the target's bonus token are fed
 together in the next step's first forward: no extra forward for the bonus token.
 
-Two options cut wasted draft work, both lossless:
+Three options cut wasted draft work, all lossless:
 - `token_ids`: the draft scores only this subset of the vocabulary (see subset_head.py);
 - `min_confidence`: stop drafting once the draft's own top probability falls below it (a token
-  the draft itself doubts is likely rejected, and every later draft token with it)."""
+  the draft itself doubts is likely rejected, and every later draft token with it);
+- `min_survival`: stop drafting once the product of the draft's probabilities of its tokens so far
+  (its own estimate that the whole draft survives verification) falls below it. The token that
+  crossed the line is still proposed: it is already paid for, only the next forward is saved."""
 
 from __future__ import annotations
 
@@ -29,12 +32,14 @@ class DraftModelDrafter(Drafter):
     name = "model"
 
     def __init__(
-        self, model: torch.nn.Module, token_ids: torch.Tensor | None = None, min_confidence: float = 0.0
+        self, model: torch.nn.Module, token_ids: torch.Tensor | None = None, min_confidence: float = 0.0,
+        min_survival: float = 0.0,
     ) -> None:
         self.subset = token_ids.cpu() if token_ids is not None else None
         self.head = SubsetHeadLM(model, token_ids) if token_ids is not None else None
         self.runner = CachedModel(self.head or model)
         self.min_confidence = min_confidence
+        self.min_survival = min_survival
 
     def propose(
         self, ids: Sequence[int], k: int, params: "SamplingParams", generator: torch.Generator
@@ -45,10 +50,11 @@ class DraftModelDrafter(Drafter):
         drafted: list[int] = []
         rows: list[torch.Tensor] = []
         logits = self.runner.extend(sequence, 1)[-1]  # (V_draft,) or (|subset|,)
+        survival = 1.0
         for position in range(k):
             if params.greedy:
                 index = int(logits.argmax())
-                check = self.min_confidence and position
+                check = self.min_survival or (self.min_confidence and position)
                 confidence = float(torch.softmax(logits.float(), -1)[index]) if check else 1.0
             else:
                 probs = logits_to_probs(logits, params)
@@ -59,6 +65,9 @@ class DraftModelDrafter(Drafter):
             drafted.append(self._token_id(index))
             if not params.greedy:
                 rows.append(self._on_full_vocab(probs))
+            survival *= confidence
+            if survival < self.min_survival:
+                break
             if position + 1 < k:
                 sequence.append(drafted[-1])
                 logits = self.runner.extend(sequence, 1)[-1]

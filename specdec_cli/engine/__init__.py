@@ -8,10 +8,10 @@ from specdec_cli.engine.decode import (
     StepEvent,
 )
 from specdec_cli.engine.kv import CachedModel
-from specdec_cli.engine.policy import AdaptiveK, CostModelK, DraftLengthPolicy, FixedK, expected_tokens
+from specdec_cli.engine.policy import AdaptiveK, CostModelK, DraftLengthPolicy, DraftOrNot, FixedK, expected_tokens
 from specdec_cli.engine.sampling import SamplingParams, logits_to_probs, make_generator
 
 __all__ = [
-    "AdaptiveK", "CachedModel", "CostModelK", "DraftLengthPolicy", "FixedK", "GenerationResult", "GenerationStats",
+    "AdaptiveK", "CachedModel", "CostModelK", "DraftLengthPolicy", "DraftOrNot", "FixedK", "GenerationResult", "GenerationStats",
     "Provenance", "SamplingParams", "SpeculativeDecoder", "StepEvent", "expected_tokens", "logits_to_probs", "make_generator",
 ]

@@ -186,6 +186,17 @@ def test_k_zero_is_the_target_alone_and_auto_drafts_again(make_conversation):
     assert conversation.last_reply.stats["drafted"] > 0
 
 
+def test_switching_between_auto_and_a_fixed_k_switches_the_survival_cut(make_conversation):
+    conversation = make_conversation("draft", k="auto")
+    assert conversation.decoder.drafter.min_survival > 0
+    conversation.set_k("3")
+    assert conversation.decoder.drafter.min_survival == 0.0
+    talk(conversation, QUESTIONS[0])
+    assert set(conversation.last_reply.stats["drafted_at_position"][3:]) <= {0}  # never past 3
+    conversation.set_k("auto")
+    assert conversation.decoder.drafter.min_survival > 0
+
+
 def test_a_bad_k_or_temperature_is_refused_and_changes_nothing(make_conversation):
     conversation = make_conversation("draft", k=3)
     for value in ("17", "-1", "lots"):

@@ -5,7 +5,7 @@ import torch
 
 from specdec_cli.drafters import CascadeDrafter, DraftModelDrafter, NgramDrafter
 from specdec_cli.drafters.subset_head import SubsetHeadLM, frequent_token_ids
-from specdec_cli.engine import CostModelK, FixedK, SamplingParams, SpeculativeDecoder, expected_tokens
+from specdec_cli.engine import CostModelK, DraftOrNot, FixedK, SamplingParams, SpeculativeDecoder, expected_tokens
 
 from tests.conftest import hf_greedy
 
@@ -69,6 +69,26 @@ def test_confidence_cut_drafts_less_and_stays_lossless(llama_target, llama_near_
     assert cut.stats.drafted < full.stats.drafted
 
 
+def test_survival_cut_drafts_less_and_stays_lossless(llama_target, llama_near_draft, reference):
+    full = generate(llama_target, DraftModelDrafter(llama_near_draft), FixedK(6))
+    cut = generate(llama_target, DraftModelDrafter(llama_near_draft, min_survival=0.5), FixedK(6))
+    assert cut.tokens == full.tokens == reference
+    assert cut.stats.drafted < full.stats.drafted
+
+
+@pytest.mark.parametrize("threshold", [0.3, 0.6, 0.9])
+def test_survival_cut_stops_right_after_the_token_whose_odds_cross_the_line(llama_near_draft, threshold):
+    draft = DraftModelDrafter(llama_near_draft, min_survival=threshold).propose(
+        PROMPT, 6, SamplingParams(), torch.Generator())
+    with torch.no_grad():
+        logits = llama_near_draft(torch.tensor([PROMPT + draft.ids])).logits[0, len(PROMPT) - 1:]
+    confidences = torch.softmax(logits.float(), -1).max(-1).values[: len(draft)]
+    survival = torch.cumprod(confidences, 0)
+    assert draft.ids == logits[: len(draft)].argmax(-1).tolist()
+    assert bool((survival[:-1] >= threshold).all())
+    assert len(draft) == 6 or float(survival[-1]) < threshold
+
+
 def test_cascade_is_lossless_and_uses_both_drafters(llama_target, llama_near_draft, reference):
     drafter = CascadeDrafter(DraftModelDrafter(llama_near_draft))
     result = generate(llama_target, drafter, FixedK(4))
@@ -114,6 +134,36 @@ def test_cost_model_prefers_shorter_drafts_when_drafting_is_expensive():
     cheap = feed(CostModelK(), lambda k: min(k, 3), 0.002, 0.1)
     dear = feed(CostModelK(), lambda k: min(k, 3), 0.04, 0.1)
     assert 0 < dear.next_k() < cheap.next_k()
+
+
+def test_draft_or_not_drafts_to_its_cap_while_drafting_pays_and_stops_when_it_does_not():
+    paying = feed(DraftOrNot(max_k=20), lambda k: min(k, 4), 0.005, 0.1)
+    assert paying.next_k() == 20
+    hopeless = feed(DraftOrNot(max_k=20, probe_every=5), lambda k: 0, 0.05, 0.1)
+    ks = []
+    for _ in range(10):
+        k = hopeless.next_k()
+        hopeless.update(k, 0, k * 0.05, 0.1)
+        ks.append(k)
+    assert ks.count(0) >= 8 and 20 in ks  # plain decoding, with a probe now and then
+
+
+def test_auto_is_draft_or_not_with_the_survival_cut_and_a_fixed_k_drafts_exactly_k(llama_target, llama_near_draft):
+    from types import SimpleNamespace
+
+    from specdec_cli.session import AUTO_MAX_K, AUTO_SURVIVAL, make_drafter, make_policy
+
+    draft = SimpleNamespace(model=llama_near_draft)
+    auto, fixed = make_drafter("cascade", draft, "auto"), make_drafter("cascade", draft, 4)
+    assert auto.model_drafter.min_survival == AUTO_SURVIVAL and fixed.model_drafter.min_survival == 0.0
+    assert isinstance(make_policy("auto"), DraftOrNot) and make_policy("auto").next_k() > 0
+    assert make_policy("auto").max_k == AUTO_MAX_K and make_policy(4).next_k() == 4
+
+
+def test_draft_or_not_with_the_survival_cut_is_lossless(llama_target, llama_near_draft, reference):
+    drafter = CascadeDrafter(DraftModelDrafter(llama_near_draft, min_survival=0.3))
+    result = generate(llama_target, drafter, DraftOrNot())
+    assert result.tokens == reference
 
 
 def test_cascade_looks_up_even_when_the_policy_says_no_draft(llama_target, llama_near_draft, reference):
