@@ -18,7 +18,7 @@ import torch
 from specdec_cli.drafters import CascadeDrafter, DraftModelDrafter, NgramDrafter
 from specdec_cli.drafters.base import Draft
 from specdec_cli.drafters.subset_head import frequent_token_ids
-from specdec_cli.engine import AdaptiveK, CostModelK, FixedK, GenerationStats, SamplingParams, SpeculativeDecoder
+from specdec_cli.engine import AdaptiveK, CostModelK, DraftOrNot, FixedK, GenerationStats, SamplingParams, SpeculativeDecoder
 from specdec_cli.models import load_pair
 from specdec_cli.session import encode_chat, eos_token_ids
 
@@ -53,14 +53,6 @@ class ExtendedCascade(CascadeDrafter):
             if start is not None:
                 return Draft(draft.ids + list(ids[start:start + 6]), None)
         return draft
-
-
-class GateK(CostModelK):
-    """Experiment: the cost model only decides whether to draft (k = 0 or max_k); the drafter's
-    survival cut decides how far."""
-
-    def _choose(self):
-        return self.max_k if super()._choose() else 0
 
 
 def configurations(target, draft):
@@ -101,7 +93,7 @@ def configurations(target, draft):
         "cascade k=20 int8 +surv.3": lambda: (CascadeDrafter(model8(min_survival=0.3)), FixedK(20)),
         "cascade k=20 int8 +surv.2": lambda: (CascadeDrafter(model8(min_survival=0.2)), FixedK(20)),
         "cascade k=20 int8 +surv.4": lambda: (CascadeDrafter(model8(min_survival=0.4)), FixedK(20)),
-        "cascade gate20 int8 +surv.3": lambda: (CascadeDrafter(model8(min_survival=0.3)), GateK(max_k=20)),
+        "cascade auto (DraftOrNot 20, odds cut .3) int8": lambda: (CascadeDrafter(model8(min_survival=0.3)), DraftOrNot(max_k=20)),
         "cascade cost int8 +conf.4": lambda: (CascadeDrafter(model8(min_confidence=0.4)), CostModelK()),
         "cascade cost16 int8 +conf.4": lambda: (CascadeDrafter(model8(min_confidence=0.4)), CostModelK(max_k=16)),
         "cascade k=20 int8 +conf.4": lambda: (CascadeDrafter(model8(min_confidence=0.4)), FixedK(20)),

@@ -176,7 +176,8 @@ def _decoding(kind, *flags: str, help: str):
 
 
 # Defaults are None: "take the profile's value" (see `decoding_settings`).
-KOption = _decoding(str, "--k", help="Draft length: a number (0 = target alone) or auto (adapts per step).")
+KOption = _decoding(str, "--k", help="Draft length: a number (0 = target alone) or auto (drafts while the draft "
+                    "model is confident, up to 20; not at all when drafting does not pay).")
 TemperatureOption = _decoding(float, "--temperature", "-t", help="0 = greedy (exactly the target's argmax sequence).")
 TopPOption = _decoding(float, "--top-p", help="Nucleus sampling: keep the smallest set of tokens with this mass.")
 TopKOption = _decoding(int, "--top-k", help="Keep only the K most likely tokens (0 = all).")
