@@ -54,8 +54,18 @@ def make_drafter(drafter: str, draft: LoadedModel | None, k: int | str = "auto")
         raise InputError(f"unknown drafter {drafter!r}", f"use one of: {', '.join(DRAFTERS)}")
     if draft is None:
         raise InputError(f"the {drafter} drafter needs a draft model", "pass --draft NAME, or --drafter ngram")
-    model_drafter = DraftModelDrafter(draft.model, min_survival=AUTO_SURVIVAL if k == "auto" else 0.0)
-    return CascadeDrafter(model_drafter) if drafter == "cascade" else model_drafter
+    model_drafter = DraftModelDrafter(draft.model)
+    chosen = CascadeDrafter(model_drafter) if drafter == "cascade" else model_drafter
+    fit_drafter_to_k(chosen, k)
+    return chosen
+
+
+def fit_drafter_to_k(drafter: Drafter, k: int | str) -> None:
+    """Turn the draft model's odds cut on for k = auto, off for a fixed k (which drafts exactly k).
+    In place: the draft model's cache survives a change of k in chat."""
+    model_drafter = getattr(drafter, "model_drafter", drafter)
+    if isinstance(model_drafter, DraftModelDrafter):
+        model_drafter.min_survival = AUTO_SURVIVAL if k == "auto" else 0.0
 
 
 def eos_token_ids(model: LoadedModel) -> tuple[int, ...]:

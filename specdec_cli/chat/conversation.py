@@ -17,7 +17,9 @@ from specdec_cli.chat.text import Piece, ReplyText
 from specdec_cli.engine import GenerationStats
 from specdec_cli.errors import InputError
 from specdec_cli.models import LoadedModel
-from specdec_cli.session import build_decoder, encode_chat, make_drafter, make_policy, parse_k, sampling_params
+from specdec_cli.session import (
+    build_decoder, encode_chat, fit_drafter_to_k, make_drafter, make_policy, parse_k, sampling_params,
+)
 
 if TYPE_CHECKING:
     from specdec_cli.cli.options import DecodingSettings
@@ -95,10 +97,10 @@ class Conversation:
 
     def set_k(self, value: str) -> int | str:
         k = parse_k(value)
-        if k != 0 and (self.decoder.drafter is None or (k == "auto") != (self.settings.k == "auto")):
-            # auto and a fixed k draft differently (auto stops on the draft's odds): a new drafter, whose
-            # draft model re-reads the conversation on the next turn.
+        if k != 0 and self.decoder.drafter is None:
             self.decoder.drafter = make_drafter(self.drafter_name, self.draft, k)
+        elif k != 0:
+            fit_drafter_to_k(self.decoder.drafter, k)  # auto stops on the draft's odds, a fixed k does not
         self.decoder.policy = make_policy(k)
         self.settings.k = k
         return k

@@ -195,6 +195,10 @@ def test_switching_between_auto_and_a_fixed_k_switches_the_survival_cut(make_con
     assert set(conversation.last_reply.stats["drafted_at_position"][3:]) <= {0}  # never past 3
     conversation.set_k("auto")
     assert conversation.decoder.drafter.min_survival > 0
+    drafter = conversation.decoder.drafter
+    conversation.set_k("0")
+    conversation.set_k("4")  # through k = 0 too: the same drafter (its cache kept), cut off
+    assert conversation.decoder.drafter is drafter and drafter.min_survival == 0.0
 
 
 def test_a_bad_k_or_temperature_is_refused_and_changes_nothing(make_conversation):
