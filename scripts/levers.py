@@ -93,7 +93,7 @@ def configurations(target, draft):
         "cascade k=20 int8 +surv.3": lambda: (CascadeDrafter(model8(min_survival=0.3)), FixedK(20)),
         "cascade k=20 int8 +surv.2": lambda: (CascadeDrafter(model8(min_survival=0.2)), FixedK(20)),
         "cascade k=20 int8 +surv.4": lambda: (CascadeDrafter(model8(min_survival=0.4)), FixedK(20)),
-        "cascade auto (DraftOrNot 20, odds cut .3) int8": lambda: (CascadeDrafter(model8(min_survival=0.3)), DraftOrNot(max_k=20)),
+        "cascade auto int8": lambda: (CascadeDrafter(model8(min_survival=0.3)), DraftOrNot(max_k=20)),
         "cascade cost int8 +conf.4": lambda: (CascadeDrafter(model8(min_confidence=0.4)), CostModelK()),
         "cascade cost16 int8 +conf.4": lambda: (CascadeDrafter(model8(min_confidence=0.4)), CostModelK(max_k=16)),
         "cascade k=20 int8 +conf.4": lambda: (CascadeDrafter(model8(min_confidence=0.4)), FixedK(20)),
@@ -125,6 +125,9 @@ def main() -> None:
     configs = configurations(target, draft)
     if args.only:
         wanted = ["target"] + args.only.split(",")
+        unknown = [name for name in wanted if name not in configs]
+        if unknown:
+            parser.error(f"unknown configuration(s) {unknown}; names are: {', '.join(configs)}")
         configs = {name: make for name, make in configs.items() if name in wanted}
     prompts = [encode_chat(target.tokenizer, [{"role": "user", "content": q}]) for _, q in spec_bench(args.n_per_category)]
     prompts = prompts[: args.limit] if args.limit else prompts
