@@ -85,7 +85,7 @@ def _model_generation(choice, settings, console: Console) -> batch.ModelGenerati
     from specdec_cli.session import build_decoder
 
     target, draft = load_choice(choice, console)
-    decoder = build_decoder(target, draft, choice.drafter, settings.k)
+    decoder = build_decoder(target, draft, choice.drafter, settings.k, clock_free=True)  # same input, same file
     return batch.ModelGeneration(target.tokenizer, decoder, settings)
 
 

@@ -158,6 +158,8 @@ def test_auto_is_draft_or_not_with_the_survival_cut_and_a_fixed_k_drafts_exactly
     assert auto.model_drafter.min_survival == AUTO_SURVIVAL and fixed.model_drafter.min_survival == 0.0
     assert isinstance(make_policy("auto"), DraftOrNot) and make_policy("auto").next_k() > 0
     assert make_policy("auto").max_k == AUTO_MAX_K and make_policy(4).next_k() == 4
+    clock_free = make_policy("auto", clock_free=True)  # run's: never reads the clock
+    assert isinstance(clock_free, FixedK) and clock_free.next_k() == AUTO_MAX_K
 
 
 def test_draft_or_not_with_the_survival_cut_is_lossless(llama_target, llama_near_draft, reference):
