@@ -19,7 +19,7 @@ from specdec_cli import bench
 from specdec_cli.cli.app import error_console, report_errors
 from specdec_cli.cli.options import (
     AllowPickleOption, DeviceOption, Draft4bitOption, DraftInt8Option, DraftOption, DtypeOption, LoadIn4bitOption,
-    LoadIn8bitOption, MaxNewTokensOption, ProfileOption, Target4bitOption, TargetOption,
+    LoadIn8bitOption, MaxNewTokensOption, ModelChoice, ProfileOption, Target4bitOption, TargetOption,
     TemperatureOption, TrustRemoteCodeOption, choose_models, decoding_settings, load_choice,
 )
 from specdec_cli.errors import InputError, MissingExtraError
@@ -110,7 +110,7 @@ def compare_command(
         error_console().print(f"wrote {plot}")
 
 
-def _plain_draft(choice, draft: LoadedModel | None) -> LoadedModel | None:
+def _plain_draft(choice: ModelChoice, draft: LoadedModel | None) -> LoadedModel | None:
     """The draft as HF users load it, when ours carries specdec's own int8 (HF cannot load that): HF assisted
     runs with both, so the int8 lever shows as ours. bitsandbytes drafts are HF's own: HF gets them as they are."""
     if draft is None or draft.quantization != "int8":
