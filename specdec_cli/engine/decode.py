@@ -9,23 +9,30 @@ Each step, in order:
 Caches are not cropped here: both models' `CachedModel.extend` cut their caches back to the accepted
 sequence at the start of their next forward.
 
+A tree draft (`Draft.parents` set, see tree.py) goes the same way with two differences: step 2 scores
+every node in one forward under a tree mask (`CachedModel.extend_tree`), and after step 3 a commit
+keeps exactly the accepted branch in the target's cache (`CachedModel.keep_path`, no re-forward; the
+drafter commits its own cache in step 5). A target that cannot take a tree mask (`tree_capable`)
+verifies the tree's first-child chain instead.
+
 `SpeculativeDecoder.stream` yields one `StepEvent` per verification step; `generate` collects them."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 import torch
 
 from specdec_cli.engine.acceptance import Verdict, greedy_verdict, sampling_verdict
 from specdec_cli.engine.draft import EMPTY_DRAFT, Draft, Drafter
-from specdec_cli.engine.kv import CachedModel
+from specdec_cli.engine.kv import CachedModel, tree_capable
 from specdec_cli.engine.policy import DraftLengthPolicy, FixedK
 from specdec_cli.engine.sampling import SamplingParams, logits_to_probs, make_generator
 from specdec_cli.engine.stats import GenerationStats
+from specdec_cli.engine.tree import depths, first_child_chain, greedy_tree_verdict, sampling_tree_verdict
 
 
 class Provenance(str, Enum):
@@ -45,6 +52,8 @@ class StepEvent:
     verify_seconds: float
     finish_reason: str | None  # "stop" (EOS or the stop callback), "length", or None to go on
     free: bool = False  # the draft cost nothing (a lookup drafter's)
+    tree_nodes: int = 0  # a tree draft's size (`drafted` counts its nodes too); 0 for a chain
+    tree_depth: int = 0  # a tree draft's deepest path, in tokens (`accepted` is the accepted path's)
 
 
 @dataclass
@@ -70,6 +79,7 @@ class SpeculativeDecoder:
         eos_token_ids: Sequence[int] = (),
     ) -> None:
         self.target = target if isinstance(target, CachedModel) else CachedModel(target)
+        self.verifies_trees = tree_capable(self.target.model)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.set_drafting(drafter, policy if policy is not None else FixedK(4 if drafter else 0))
 
@@ -135,21 +145,28 @@ class SpeculativeDecoder:
         started = time.perf_counter()
         draft = self._draft(ids, params, generator, remaining)
         drafted_at = time.perf_counter()
-        verdict = self._verify(ids, draft, params, generator)
+        if draft.parents is None:
+            verdict = self._verify(ids, draft, params, generator)
+            accepted_ids = draft.ids[: verdict.accepted]
+        else:
+            path, verdict = self._verify_tree(ids, draft, params, generator)
+            self.target.keep_path(path)  # commit: the target's cache keeps exactly the accepted branch
+            accepted_ids = [draft.ids[node] for node in path]
         verified_at = time.perf_counter()
-        tokens = draft.ids[: verdict.accepted] + [verdict.next_token]
+        tokens = accepted_ids + [verdict.next_token]
         provenance = [Provenance.ACCEPTED] * verdict.accepted + [_provenance_of_next(draft, verdict)]
         tokens, provenance, finish_reason = self._trim(tokens, provenance, remaining)
         draft_seconds, verify_seconds = drafted_at - started, verified_at - drafted_at
+        tree_depth = _depth(draft)
         if not draft.free:
             # The first step also prefills the prompt: its seconds say nothing of a step's cost.
             timed = (None, None) if first else (draft_seconds, verify_seconds)
-            self.policy.update(len(draft), verdict.accepted, *timed)
+            self.policy.update(tree_depth or len(draft), verdict.accepted, *timed)
         if self.drafter is not None:
             self.drafter.update(ids + tokens, len(draft), verdict.accepted)
         return StepEvent(
             tokens, provenance, len(draft), verdict.accepted, draft_seconds, verify_seconds, finish_reason,
-            draft.free,
+            draft.free, len(draft) if draft.parents is not None else 0, tree_depth,
         )
 
     def _draft(
@@ -161,6 +178,8 @@ class SpeculativeDecoder:
             return EMPTY_DRAFT
         # Called with k = 0 too: a drafter with a free source (the cascade's lookup) may still propose.
         draft = self.drafter.propose(ids, k, params, generator)
+        if draft.parents is not None:
+            return _tree_within(draft, remaining - 1, self.verifies_trees)
         if len(draft) > remaining - 1:
             draft = Draft(draft.ids[: remaining - 1], None if draft.probs is None else draft.probs[: remaining - 1],
                           free=draft.free)
@@ -174,6 +193,18 @@ class SpeculativeDecoder:
             return greedy_verdict(draft.ids, target_logits)
         target_probs = logits_to_probs(target_logits, params)
         return sampling_verdict(draft.ids, draft.probs, target_probs, generator)
+
+    def _verify_tree(
+        self, ids: list[int], draft: Draft, params: SamplingParams, generator: torch.Generator
+    ) -> tuple[list[int], Verdict]:
+        """One target forward over every node; the accepted path (node indices) and its verdict."""
+        target_logits = self.target.extend_tree(ids, draft.ids, draft.parents, sequence_logits=True)  # (T+1, V)
+        if params.greedy:
+            tree_verdict = greedy_tree_verdict(draft.ids, draft.parents, target_logits)
+        else:
+            target_probs = logits_to_probs(target_logits, params)
+            tree_verdict = sampling_tree_verdict(draft.ids, draft.probs, draft.parents, target_probs, generator)
+        return tree_verdict.path, Verdict(len(tree_verdict.path), tree_verdict.next_token, tree_verdict.is_bonus)
 
     def _trim(
         self, tokens: list[int], provenance: list[Provenance], remaining: int
@@ -208,7 +239,23 @@ def _provenance_of_next(draft: Draft, verdict: Verdict) -> Provenance:
 
 
 def _with_finish(event: StepEvent, reason: str) -> StepEvent:
-    return StepEvent(
-        event.tokens, event.provenance, event.drafted, event.accepted,
-        event.draft_seconds, event.verify_seconds, reason, event.free,
-    )
+    return replace(event, finish_reason=reason)
+
+
+def _depth(draft: Draft) -> int:
+    """A tree draft's deepest path in tokens; 0 for a chain."""
+    return 1 + max(depths(draft.parents), default=-1) if draft.parents is not None else 0
+
+
+def _tree_within(draft: Draft, max_depth: int, as_tree: bool) -> Draft:
+    """The tree cut to paths of at most `max_depth` tokens (a step emits at most depth + 1), or, for a
+    target that cannot verify a tree, its first-child chain cut the same way."""
+    node_depths = depths(draft.parents)
+    if as_tree:
+        nodes = [node for node, depth in enumerate(node_depths) if depth < max_depth]
+    else:
+        nodes = first_child_chain(draft.parents)[:max_depth]
+    renumbered = {node: i for i, node in enumerate(nodes)}
+    parents = [renumbered.get(draft.parents[node], -1) for node in nodes] if as_tree else None
+    probs = None if draft.probs is None else draft.probs[nodes]
+    return Draft([draft.ids[node] for node in nodes], probs, parents, draft.free)

@@ -8,6 +8,11 @@ the draft model has not seen yet, and a new chat turn that re-uses the whole con
 `keep(positions)` keeps an arbitrary subset of cached positions (index select along the sequence
 axis). Speculation over a token tree needs it to compact the accepted branch's entries.
 
+Token trees (see tree.py): `extend_tree` feeds tree nodes in one forward, each at position
+len(ids) + depth under a 4D mask that lets it see the sequence and its own ancestors; their entries sit
+after `ids` in the cache, outside `self.ids`, until `keep_path` keeps one branch (the others are
+dropped) or the next forward crops them. `tree_capable` says whether a model takes such a mask.
+
 Caches are transformers 5.x `DynamicCache` objects; their layers hold `keys` / `values` tensors shaped
 (batch, kv_heads, seq, head_dim)."""
 
@@ -18,6 +23,20 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 
+from specdec_cli.engine.tree import ancestry, depths, path_to
+
+
+def tree_capable(model: torch.nn.Module) -> bool:
+    """Whether `model` takes a custom 4D additive mask and position ids over a cache, as `extend_tree`
+    needs. transformers 5.24 passes a 4D mask through untouched to eager and sdpa attention (checked for
+    Llama, Qwen2, Gemma 1-3); a sliding-window layer would not apply its window to it."""
+    config = model.config
+    if getattr(config, "_attn_implementation", None) not in ("eager", "sdpa"):
+        return False
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        return False
+    return not (getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None))
+
 
 class CachedModel:
     def __init__(self, model: torch.nn.Module) -> None:
@@ -25,6 +44,8 @@ class CachedModel:
         self.device = next(model.parameters()).device
         self.cache = DynamicCache(config=model.config)
         self.ids: list[int] = []  # the tokens whose keys/values the cache holds, in order
+        self.tree_nodes: list[int] = []  # tree nodes whose entries follow `ids` in the cache, in cache order
+        self._tree_paths: dict[int, tuple[int, ...]] = {}  # cached node -> the tokens of its path
         self.forwards = 0  # forward passes run, for stats and tests
 
     def __len__(self) -> int:
@@ -33,6 +54,7 @@ class CachedModel:
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.model.config)
         self.ids = []
+        self.tree_nodes = []
 
     def shared_prefix(self, ids: Sequence[int]) -> int:
         """Length of the longest common prefix of the cached ids and `ids`."""
@@ -47,7 +69,7 @@ class CachedModel:
 
     def crop(self, length: int) -> None:
         """Drop every cached position from `length` on."""
-        if length < len(self.ids):
+        if length < len(self.ids) or self.tree_nodes:
             self._truncate_layers(length)
 
     def keep(self, positions: Sequence[int]) -> None:
@@ -79,6 +101,82 @@ class CachedModel:
         self.forwards += 1
         return output.logits[0, -n_logits:]  # (n_logits, V)
 
+    @torch.inference_mode()
+    def extend_tree(
+        self, ids: Sequence[int], tree_ids: Sequence[int], parents: list[int],
+        feed: Sequence[int] | None = None, sequence_logits: bool = False,
+    ) -> torch.Tensor:
+        """Make the cache hold `ids` and then tree nodes `feed` (default: all; a node's parent must be
+        cached already or come earlier in `feed`), in one forward. Returns (len(feed), V) logits, row i
+        scoring the token after node feed[i]'s path; with `sequence_logits`, one more row first,
+        scoring the token after `ids`. Nodes cached by an earlier call for the same `ids` and the same
+        paths stay (a drafter grows its tree level by level); anything else after the shared prefix goes."""
+        feed = list(range(len(tree_ids))) if feed is None else list(feed)
+        if sequence_logits or not self._holds_tree_of(ids, tree_ids, parents):
+            self.crop(min(self.shared_prefix(ids), len(ids) - int(sequence_logits)))
+        start, cached_nodes = len(self.ids), list(self.tree_nodes)
+        if set(feed) & set(cached_nodes):
+            raise ValueError("a tree node is fed twice")
+        kv_nodes = cached_nodes + feed
+        tokens = list(ids[start:]) + [tree_ids[node] for node in feed]
+        node_depths = depths(parents)
+        positions = list(range(start, len(ids))) + [len(ids) + node_depths[node] for node in feed]
+        mask = self._tree_mask(start, len(ids), ancestry(parents)[feed][:, kv_nodes])
+        try:
+            output = self.model(
+                input_ids=torch.tensor([tokens], dtype=torch.long, device=self.device), cache=self.cache,
+                use_cache=True, attention_mask=mask,
+                position_ids=torch.tensor([positions], dtype=torch.long, device=self.device),
+                logits_to_keep=len(feed) + int(sequence_logits),
+            )
+        except BaseException:
+            self._truncate_layers(start)  # an interrupted forward may have appended to some layers only
+            raise
+        self.ids.extend(ids[start:])
+        self.tree_nodes = kv_nodes
+        self._tree_paths = {node: _path_tokens(node, tree_ids, parents) for node in kv_nodes}
+        self.forwards += 1
+        return output.logits[0]  # (len(feed) + sequence_logits, V)
+
+    @torch.inference_mode()
+    def keep_path(self, path: Sequence[int]) -> None:
+        """Commit one branch of the cached tree: its nodes (root first) join `ids` as far as they are
+        cached; every other tree entry is dropped. Only the tree's entries move (no re-forward)."""
+        slot = {node: i for i, node in enumerate(self.tree_nodes)}
+        kept = []
+        for node in path:
+            if node not in slot:
+                break
+            kept.append(node)
+        base = len(self.ids)
+        tail = torch.tensor([base + slot[node] for node in kept], dtype=torch.long, device=self.device)
+        for layer in self._layers():
+            layer.keys[..., base : base + len(kept), :] = layer.keys.index_select(-2, tail)
+            layer.values[..., base : base + len(kept), :] = layer.values.index_select(-2, tail)
+        tokens = list(self._tree_paths[kept[-1]]) if kept else []  # the path of its last node
+        self.ids.extend(tokens)
+        self._truncate_layers(len(self.ids))
+
+    def _holds_tree_of(self, ids: Sequence[int], tree_ids: Sequence[int], parents: list[int]) -> bool:
+        """The cache holds exactly `ids`, then only nodes of this tree (same paths as when fed)."""
+        if len(self.ids) != len(ids) or self.shared_prefix(ids) != len(ids):
+            return False
+        return all(node < len(tree_ids) and self._tree_paths.get(node) == _path_tokens(node, tree_ids, parents)
+                   for node in self.tree_nodes)
+
+    def _tree_mask(self, start: int, length: int, node_sees_node: torch.Tensor) -> torch.Tensor:
+        """(1, 1, Q, K) additive mask: fed sequence tokens ids[start:length] see causally; fed nodes see
+        all of ids and their cached or fed ancestors (node_sees_node: (nodes fed, tree entries))."""
+        fed_ids, fed_nodes = length - start, node_sees_node.shape[0]
+        keys = length + node_sees_node.shape[1]
+        allowed = torch.zeros(fed_ids + fed_nodes, keys, dtype=torch.bool)
+        allowed[:fed_ids, :length] = torch.ones(fed_ids, length, dtype=torch.bool).tril(start)
+        allowed[fed_ids:, :length] = True
+        allowed[fed_ids:, length:] = node_sees_node
+        dtype = next(self.model.parameters()).dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+        return mask[None, None].to(self.device)
+
     def _layers(self) -> list:
         return [layer for layer in self.cache.layers if getattr(layer, "keys", None) is not None
                 and layer.keys.numel()]
@@ -88,3 +186,8 @@ class CachedModel:
             layer.keys = layer.keys[..., :length, :]
             layer.values = layer.values[..., :length, :]
         del self.ids[length:]
+        self.tree_nodes = []
+
+
+def _path_tokens(node: int, tree_ids: Sequence[int], parents: list[int]) -> tuple[int, ...]:
+    return tuple(tree_ids[step] for step in path_to(node, parents))

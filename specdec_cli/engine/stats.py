@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from specdec_cli.engine.decode import StepEvent
 
 _SUMMED = ("new_tokens", "steps", "drafted", "accepted", "seconds", "draft_seconds", "verify_seconds",
-           "lookup_steps", "lookup_drafted", "lookup_accepted")
+           "lookup_steps", "lookup_drafted", "lookup_accepted", "tree_steps", "tree_nodes", "tree_accepted")
 
 
 @dataclass
@@ -29,6 +29,9 @@ class GenerationStats:
     lookup_steps: int = 0     # steps whose draft was free (a lookup); included in the totals above
     lookup_drafted: int = 0
     lookup_accepted: int = 0
+    tree_steps: int = 0       # steps that verified a token tree; included in the totals above
+    tree_nodes: int = 0       # their nodes (drafted counts them too)
+    tree_accepted: int = 0    # their accepted depths, summed (accepted counts them too)
 
     @property
     def acceptance_rate(self) -> float:
@@ -55,12 +58,17 @@ class GenerationStats:
         self.accepted += event.accepted
         self.draft_seconds += event.draft_seconds
         self.verify_seconds += event.verify_seconds
-        _grow(self.drafted_at, event.drafted)
+        # A tree drafts position i once however many nodes sit at depth i.
+        _grow(self.drafted_at, event.tree_depth if event.tree_nodes else event.drafted)
         _grow(self.accepted_at, event.accepted)
         if event.free and event.drafted:
             self.lookup_steps += 1
             self.lookup_drafted += event.drafted
             self.lookup_accepted += event.accepted
+        if event.tree_nodes:
+            self.tree_steps += 1
+            self.tree_nodes += event.tree_nodes
+            self.tree_accepted += event.accepted
 
     def merge(self, other: GenerationStats) -> None:
         for name in _SUMMED:
@@ -96,6 +104,9 @@ class GenerationStats:
             "lookup_steps": self.lookup_steps,
             "lookup_drafted": self.lookup_drafted,
             "lookup_accepted": self.lookup_accepted,
+            "tree_steps": self.tree_steps,
+            "tree_nodes": self.tree_nodes,
+            "tree_accepted": self.tree_accepted,
         }
 
 
