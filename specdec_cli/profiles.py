@@ -15,7 +15,7 @@ from specdec_cli.models.paths import specdec_home
 from specdec_cli.models.quant import QUANTIZATIONS
 
 DEFAULT_PROFILE = "demo"
-DRAFTERS = ("model", "ngram", "cascade")
+DRAFTERS = ("model", "ngram", "cascade", "tree")
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specdec_cli.drafters import CascadeDrafter, DraftModelDrafter, NgramDrafter
+from specdec_cli.drafters.tree import DEFAULT_BUDGET, TreeDrafter
 from specdec_cli.engine import DraftLengthPolicy, DraftOrNot, FixedK, SpeculativeDecoder
 from specdec_cli.engine.draft import DraftRule, Drafter
+from specdec_cli.engine.kv import tree_capable
 from specdec_cli.errors import InputError
 from specdec_cli.models import LoadedModel
 from specdec_cli.profiles import DRAFTERS
@@ -48,9 +50,11 @@ def make_policy(k: int | str, clock_free: bool = False) -> DraftLengthPolicy:
     return FixedK(AUTO_MAX_K, rule) if clock_free else DraftOrNot(max_k=AUTO_MAX_K, rule=rule)
 
 
-def make_drafter(drafter: str, draft: LoadedModel | None, k: int | str = "auto") -> Drafter | None:
+def make_drafter(drafter: str, draft: LoadedModel | None, k: int | str = "auto",
+                 tree_budget: int = DEFAULT_BUDGET) -> Drafter | None:
     """model: the draft model; ngram: prompt lookup; cascade: prompt lookup when it matches, else
-    the draft model; none: the target alone. It obeys k's stop rule (`draft_rule`) from the start."""
+    the draft model; tree: the draft model proposing a token tree of `tree_budget` nodes, as deep as k
+    allows; none: the target alone. It obeys k's stop rule (`draft_rule`) from the start."""
     if drafter == "none":
         return None
     if drafter == "ngram":
@@ -59,6 +63,11 @@ def make_drafter(drafter: str, draft: LoadedModel | None, k: int | str = "auto")
         raise InputError(f"unknown drafter {drafter!r}", f"use one of: {', '.join(DRAFTERS)}")
     if draft is None:
         raise InputError(f"the {drafter} drafter needs a draft model", "pass --draft NAME, or --drafter ngram")
+    if drafter == "tree":
+        if not tree_capable(draft.model):
+            raise InputError("this draft model cannot attend with a tree mask (it needs eager or sdpa attention "
+                             "and no sliding window)", "use --drafter model")
+        return TreeDrafter(draft.model, budget=tree_budget)
     model_drafter = DraftModelDrafter(draft.model)
     chosen = CascadeDrafter(model_drafter) if drafter == "cascade" else model_drafter
     chosen.obey(draft_rule(k))
@@ -72,11 +81,14 @@ def eos_token_ids(model: LoadedModel) -> tuple[int, ...]:
 
 
 def build_decoder(
-    target: LoadedModel, draft: LoadedModel | None, drafter: str, k: int | str, clock_free: bool = False
+    target: LoadedModel, draft: LoadedModel | None, drafter: str, k: int | str, clock_free: bool = False,
+    tree_budget: int = DEFAULT_BUDGET,
 ) -> SpeculativeDecoder:
-    """drafter: "model", "ngram", "cascade" or "none" (the target alone); k: an int or "auto" (see
-    make_policy). The policy's rule binds the drafter (`SpeculativeDecoder.set_drafting`)."""
-    chosen = make_drafter(drafter, draft, k) if k != 0 else None
+    """drafter: "model", "ngram", "cascade", "tree" or "none" (the target alone); k: an int or "auto" (see
+    make_policy; for a tree, its depth limit); tree_budget: a tree's nodes. The policy's rule binds the
+    drafter (`SpeculativeDecoder.set_drafting`). A target that cannot take a tree mask verifies the
+    tree's first-child chain (see engine/decode.py)."""
+    chosen = make_drafter(drafter, draft, k, tree_budget) if k != 0 else None
     policy = make_policy(k, clock_free) if chosen else FixedK(0)
     return SpeculativeDecoder(target.model, chosen, policy, eos_token_ids(target))
 

@@ -100,7 +100,8 @@ class Benchmark:
     def _run(self, config: Configuration, prompt_ids: list[int], max_new_tokens: int, counter: ForwardCounter) -> Run:
         if config.kind in (HF_ASSISTED, HF_LOOKUP):
             return self._run_hf(config, prompt_ids, max_new_tokens, counter)
-        decoder = build_decoder(self.target, self.draft, config.drafter, config.k)
+        sizes = {} if config.tree_budget is None else {"tree_budget": config.tree_budget}
+        decoder = build_decoder(self.target, self.draft, config.drafter, config.k, **sizes)
         return self._run_engine(config, decoder, prompt_ids, max_new_tokens)
 
     def _run_engine(self, config: Configuration, decoder, prompt_ids: list[int], max_new_tokens: int) -> Run:

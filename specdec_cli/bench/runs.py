@@ -34,16 +34,21 @@ class Configuration:
     drafter: str = "none"  # a name `session.build_decoder` knows; "none" for the baseline and HF
     k: int | str = 0
     assistant: str = DRAFT  # HF assisted: which loaded draft it is given (DRAFT or PLAIN_DRAFT)
+    tree_budget: int | None = None  # the tree drafter's nodes per step (None: its default)
 
 
 def configurations(drafters: Sequence[str], ks: Sequence[int | str], with_hf: bool, has_draft: bool,
-                   plain_draft: str | None = None) -> list[Configuration]:
+                   plain_draft: str | None = None, tree_budgets: Sequence[int] = ()) -> list[Configuration]:
     """The baseline, every drafter × k (k = 0 is the baseline itself; repeats dropped), then HF's peers
     (assisted generation only when there is a draft model). `plain_draft` names the quantisation that
     only specdec applies to the draft (int8): HF assisted then runs twice, with the draft as HF users
     load it and with ours, so that our quantisation lever is not credited to the engine."""
     chosen = [Configuration("target alone", BASELINE)]
     for drafter in dict.fromkeys(drafters):
+        if drafter == "tree":  # one configuration per tree size (`tree_budgets`, or the drafter's default)
+            chosen += [Configuration(f"tree{budget or ''} k={k}", SPECDEC, drafter, k, tree_budget=budget)
+                       for budget in dict.fromkeys(tree_budgets or [None]) for k in dict.fromkeys(ks) if k != 0]
+            continue
         chosen += [Configuration(f"{drafter} k={k}", SPECDEC, drafter, k) for k in dict.fromkeys(ks) if k != 0]
     if with_hf and has_draft and plain_draft:
         chosen.append(Configuration("HF assisted", HF_ASSISTED, assistant=PLAIN_DRAFT))

@@ -35,6 +35,9 @@ KListOption = Annotated[str | None, typer.Option(
 DrafterListOption = Annotated[str | None, typer.Option(
     "--drafter", help="Drafters to compare, comma-separated, e.g. model,ngram. Default: the profile's.",
     rich_help_panel="Models")]
+TreeSizeOption = Annotated[str | None, typer.Option(
+    "--tree-size", help="With --drafter tree: nodes per tree, comma-separated (one configuration each), e.g. 8,16,32. "
+    "Default: 16.", rich_help_panel="Decoding")]
 PromptsOption = Annotated[Path | None, typer.Option(
     "--prompts", help='JSONL file: {"prompt"} lines (raw text), {"messages"} lines (chat template) or Spec-Bench '
     '{"question_id","category","turns"} lines (first turn). Default: the built-in set (chat, code, summarisation, qa, '
@@ -66,7 +69,7 @@ def compare_command(
     prompts: PromptsOption = None, category: CategoryOption = None, n_prompts: NPromptsOption = None,
     k: KListOption = None, max_new_tokens: MaxNewTokensOption = None, temperature: TemperatureOption = None,
     repeats: RepeatsOption = 1, by_category: ByCategoryOption = False, with_hf: WithHfOption = False,
-    json_path: JsonOption = None, plot: PlotOption = None,
+    json_path: JsonOption = None, plot: PlotOption = None, tree_size: TreeSizeOption = None,
 ) -> None:
     """Benchmark speculative configurations against the target alone on the same prompts, with the
     theory's expected speedup beside each measurement. Greedy unless --temperature; 128 new tokens
@@ -78,6 +81,7 @@ def compare_command(
         max_new_tokens=max_new_tokens if max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS,
     )
     ks = [parse_k(value) for value in _split(k)] or [settings.k]
+    tree_budgets = _tree_sizes(tree_size, drafters)
     chosen_prompts = select_prompts(read_prompt_file(prompts) if prompts else builtin_prompts(), category or (), n_prompts)
     _check_outputs(json_path, plot)
     bench_settings = bench.BenchSettings(
@@ -89,7 +93,8 @@ def compare_command(
         error_console().print("note: HF assisted generation needs a draft model — skipped (HF prompt lookup runs)")
     plain_draft = load_plain_draft(choice, draft_model, error_console()) if with_hf else None
     configs = bench.configurations(drafters or [choice.drafter], ks, with_hf, draft_model is not None,
-                                   plain_draft=draft_model.quantization if plain_draft else None)
+                                   plain_draft=draft_model.quantization if plain_draft else None,
+                                   tree_budgets=tree_budgets)
     benchmark = bench.Benchmark(target_model, draft_model, configs, chosen_prompts, bench_settings, plain_draft)
     _measure(benchmark, json_path)
     console = Console()
@@ -113,7 +118,19 @@ def _drafter_for_choice(drafters: list[str]) -> str | None:
     """What `choose_models` needs to load the right models: a draft model unless only n-gram is asked."""
     if drafters and all(name == "ngram" for name in drafters):
         return "ngram"
-    return "model" if "model" in drafters else None
+    return "model" if "model" in drafters or "tree" in drafters else None
+
+
+def _tree_sizes(tree_size: str | None, drafters: list[str]) -> list[int]:
+    """--tree-size as numbers >= 1; refused without --drafter tree (it would silently do nothing)."""
+    if tree_size is None:
+        return []
+    if "tree" not in drafters:
+        raise InputError("--tree-size needs --drafter tree", "add tree to --drafter, e.g. --drafter model,tree")
+    sizes = _split(tree_size)
+    if not sizes or not all(size.isdigit() and int(size) >= 1 for size in sizes):
+        raise InputError(f"--tree-size {tree_size!r} is not a list of node counts", "give numbers >= 1, e.g. 8,16,32")
+    return [int(size) for size in sizes]
 
 
 def _check_outputs(json_path: Path | None, plot: Path | None) -> None:

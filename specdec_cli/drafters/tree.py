@@ -1,0 +1,137 @@
+"""A token-tree drafter over any draft model: where the draft hesitates it proposes several candidates.
+
+The tree grows one level per draft forward. The first forward scores the token after the sequence and
+its top `branching` tokens become the roots. Then, level by level, the most probable nodes of the newest
+level (by the draft's cumulative probability of their path) are fed to the draft in ONE forward under a
+tree mask (`CachedModel.extend_tree`), as many as the remaining node budget can give `branching`
+children each, and each gets its children, most probable parent first, until `budget` nodes are drafted
+(possibly in the middle of a level) or the depth limit is reached. The depth limit is the policy's k (and
+`max_depth`): a step emits at most depth + 1 tokens.
+
+Children: greedy decoding takes each node's top-`branching` tokens; sampling draws `branching` children
+i.i.d. from the draft's distribution (shaped like the target's) and reports that distribution for each,
+as multi-candidate rejection needs (see engine/tree.py). A repeated draw stays in the tree (dropping it
+would bias the result) but is never expanded: its subtree would repeat its twin's.
+
+After the step, `update` keeps the accepted branch's entries in the draft's cache (`keep_path`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from specdec_cli.engine.draft import EMPTY_DRAFT, Draft, Drafter
+from specdec_cli.engine.kv import CachedModel
+from specdec_cli.engine.sampling import logits_to_probs
+from specdec_cli.engine.tree import children_of
+
+if TYPE_CHECKING:
+    from specdec_cli.engine.sampling import SamplingParams
+
+DEFAULT_BUDGET = 16
+DEFAULT_BRANCHING = 2
+
+
+class TreeDrafter(Drafter):
+    name = "tree"
+
+    def __init__(self, model: torch.nn.Module, budget: int = DEFAULT_BUDGET, branching: int = DEFAULT_BRANCHING,
+                 max_depth: int = 12) -> None:
+        if budget < 1 or branching < 1 or max_depth < 1:
+            raise ValueError(f"need budget, branching and max_depth >= 1, got {budget}, {branching}, {max_depth}")
+        self.runner = CachedModel(model)
+        self.budget = budget
+        self.branching = branching
+        self.max_depth = max_depth
+        self._proposed: tuple[int, list[int], list[int]] | None = None  # (len(ids), tree ids, parents)
+
+    def propose(
+        self, ids: Sequence[int], k: int, params: "SamplingParams", generator: torch.Generator
+    ) -> Draft:
+        self._proposed = None
+        depth_limit = min(k, self.max_depth)
+        if depth_limit <= 0:
+            return EMPTY_DRAFT
+        sequence = list(ids)
+        tree_ids: list[int] = []
+        parents: list[int] = []
+        rows: list[torch.Tensor] = []     # per node: the distribution it was drawn from
+        scores: list[float] = []          # per node: the draft's log probability of its path
+        frontier, frontier_logits = [-1], self.runner.extend(sequence, 1)  # (1, V)
+        for depth in range(depth_limit):
+            level = self._grow_level(frontier, frontier_logits, tree_ids, parents, rows, scores, params, generator)
+            room = self.budget - len(tree_ids)
+            if depth + 1 == depth_limit or room <= 0 or not level:
+                break
+            expandable = sorted(_first_of_twins(level, tree_ids, parents), key=lambda node: -scores[node])
+            frontier = sorted(expandable[: math.ceil(room / self.branching)])
+            frontier_logits = self.runner.extend_tree(sequence, tree_ids, parents, feed=frontier)  # (F, V)
+        self._proposed = (len(sequence), tree_ids, parents)
+        probs = None if params.greedy else torch.stack(rows)  # (T, V_draft)
+        return Draft(tree_ids, probs, parents)
+
+    def _grow_level(self, frontier: list[int], frontier_logits: torch.Tensor, tree_ids: list[int],
+                    parents: list[int], rows: list[torch.Tensor], scores: list[float],
+                    params: "SamplingParams", generator: torch.Generator) -> list[int]:
+        """Give the frontier nodes their children, most probable node first, within the budget; returns
+        the new nodes."""
+        level: list[int] = []
+        by_score = sorted(range(len(frontier)), key=lambda i: -scores[frontier[i]] if frontier[i] >= 0 else 0.0)
+        for i in by_score:
+            room = self.budget - len(tree_ids)
+            if room <= 0:
+                break
+            logits = frontier_logits[i].float().cpu()
+            probs = torch.softmax(logits, -1) if params.greedy else logits_to_probs(logits, params)
+            if params.greedy:
+                children = torch.topk(probs, min(self.branching, room, probs.shape[-1])).indices.tolist()
+            else:
+                children = torch.multinomial(probs, min(self.branching, room), replacement=True,
+                                             generator=generator).tolist()
+            parent = frontier[i]
+            base = scores[parent] if parent >= 0 else 0.0
+            for token in children:
+                tree_ids.append(int(token))
+                parents.append(parent)
+                rows.append(probs)
+                scores.append(base + math.log(max(float(probs[token]), 1e-30)))
+                level.append(len(tree_ids) - 1)
+        return level
+
+    def update(self, ids: Sequence[int], drafted: int, accepted: int) -> None:
+        """Keep the draft's entries for the branch that `ids` took through the proposed tree."""
+        if self._proposed is None:
+            return
+        start, tree_ids, parents = self._proposed
+        self._proposed = None
+        if len(self.runner) != start or self.runner.shared_prefix(ids) < start:
+            return  # the cache does not hold this step's prefix; its next forward crops it
+        children, cached = children_of(parents), set(self.runner.tree_nodes)
+        path: list[int] = []
+        node = -1
+        for token in ids[start:]:
+            matches = [child for child in children.get(node, []) if tree_ids[child] == token]
+            if not matches:
+                break
+            node = next((child for child in matches if child in cached), matches[0])
+            path.append(node)
+        self.runner.keep_path(path)
+
+    def reset(self) -> None:
+        self.runner.reset()
+        self._proposed = None
+
+
+def _first_of_twins(level: list[int], tree_ids: list[int], parents: list[int]) -> list[int]:
+    """The level's nodes less repeated siblings (same parent, same token) after the first."""
+    seen: set[tuple[int, int]] = set()
+    kept = []
+    for node in level:
+        key = (parents[node], tree_ids[node])
+        if key not in seen:
+            seen.add(key)
+            kept.append(node)
+    return kept

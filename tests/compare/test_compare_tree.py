@@ -1,0 +1,28 @@
+"""`specdec compare --drafter tree` with tree sizes, on tiny saved models; its usage errors."""
+
+from tests.compare.test_compare_command import invoke, spec_bench_file, table_rows
+
+
+def test_tree_configurations_run_and_match_the_target(tiny_pair, tmp_path):
+    result = invoke(
+        "--target", tiny_pair.target, "--draft", tiny_pair.draft, "--dtype", "float32", "--device", "cpu",
+        "--prompts", spec_bench_file(tmp_path / "q.jsonl"), "--category", "coding", "--n-prompts", "1",
+        "--drafter", "model,tree", "--tree-size", "4,8", "--k", "3", "--max-new-tokens", "8",
+        env={"SPECDEC_HOME": str(tmp_path / "home")},
+    )
+    assert result.exit_code == 0 and result.exception is None, result.output
+    rows = table_rows(result.stdout)
+    assert [row[0] for row in rows[:4]] == ["target alone", "model k=3", "tree4 k=3", "tree8 k=3"]
+    assert all(row[-1] == "1/1" for row in rows[:4])  # greedy: every output equals the baseline's
+
+
+def test_tree_size_without_the_tree_drafter_is_refused(tiny_pair, tmp_path):
+    result = invoke("--target", tiny_pair.target, "--draft", tiny_pair.draft, "--drafter", "model",
+                    "--tree-size", "8", env={"SPECDEC_HOME": str(tmp_path / "home")})
+    assert result.exit_code == 2 and "--tree-size needs --drafter tree" in result.output
+
+
+def test_a_bad_tree_size_is_refused(tiny_pair, tmp_path):
+    result = invoke("--target", tiny_pair.target, "--draft", tiny_pair.draft, "--drafter", "tree",
+                    "--tree-size", "8,x", env={"SPECDEC_HOME": str(tmp_path / "home")})
+    assert result.exit_code == 2 and "not a list of node counts" in result.output
