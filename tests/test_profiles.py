@@ -70,7 +70,7 @@ def test_malformed_toml_names_the_file_and_line(specdec_home):
         ('draft = "org/small"\n', "`target` (a model name) is required"),
         ('target = "org/big"\ntempreature = 0.1\n', "unknown key(s) tempreature"),
         ('target = "org/big"\ndrafter = "model"\n', 'drafter "model" needs a `draft`'),
-        ('target = "org/big"\ndrafter = "tree"\n', "drafter must be one of model, ngram"),
+        ('target = "org/big"\ndrafter = "forest"\n', "drafter must be one of model, ngram"),
         ('target = "org/big"\ntarget_quantization = "3bit"\n', "quantization must be"),
         ('target = "org/big"\nk = 0\n', "k must be"),
         ('target = "org/big"\ntop_p = 1.5\n', "top_p"),

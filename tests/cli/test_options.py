@@ -54,7 +54,7 @@ def test_the_profiles_quantisation_is_kept_without_flags():
     [
         ({"draft": "org/small", "drafter": "ngram"}, "contradict"),
         ({"target": "org/big", "drafter": "model"}, "--drafter model needs a draft model"),
-        ({"drafter": "tree"}, "unknown drafter 'tree'"),
+        ({"drafter": "forest"}, "unknown drafter 'forest'"),
         ({"load_in_4bit": True, "load_in_8bit": True}, "contradict"),
     ],
 )
