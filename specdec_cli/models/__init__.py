@@ -3,6 +3,14 @@ choosing device/dtype/quantisation, and the pre-flight checks made before loadin
 
 This is the contract the engine, chat and CLI code against."""
 
+import logging
+
+# Once torchao (the `quant` extra) is installed, transformers imports it on every model load, and its
+# import logs warnings about GPU libraries this machine cannot load and torch.compile deprecations:
+# noise for a specdec user, so those two loggers show errors only.
+for _logger_name in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_logger_name).setLevel(logging.ERROR)
+
 from specdec_cli.models.demo import DEMO_MODELS, INSTALL_DEMO
 from specdec_cli.models.device import resolve_device, resolve_dtype
 from specdec_cli.models.loaded import LoadedModel, load_model, load_pair
