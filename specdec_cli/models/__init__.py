@@ -16,15 +16,25 @@ from specdec_cli.models.device import resolve_device, resolve_dtype
 from specdec_cli.models.loaded import LoadedModel, load_model, load_pair
 from specdec_cli.models.paths import specdec_home
 from specdec_cli.models.preflight import check_tokenizers_compatible, estimate_weight_bytes
+from specdec_cli.models.quant import ALIASES as QUANTIZATION_ALIASES
+from specdec_cli.models.quant import CPU_ONLY as CPU_ONLY_QUANTIZATIONS
+from specdec_cli.models.quant import FORMATS as QUANTIZATION_FORMATS
+from specdec_cli.models.quant import canonical as canonical_quantization
+from specdec_cli.models.quant import resolve_auto as resolve_auto_quantization
 
 __all__ = [
+    "CPU_ONLY_QUANTIZATIONS",
     "DEMO_MODELS",
     "INSTALL_DEMO",
     "LoadedModel",
+    "QUANTIZATION_ALIASES",
+    "QUANTIZATION_FORMATS",
+    "canonical_quantization",
     "check_tokenizers_compatible",
     "estimate_weight_bytes",
     "load_model",
     "load_pair",
+    "resolve_auto_quantization",
     "resolve_device",
     "resolve_dtype",
     "specdec_home",
