@@ -5,8 +5,9 @@ Why one scale per token: with one scale for the whole activation tensor (what to
 `quantize_dynamic` does) the logits of a token depend on the other tokens in the same forward, so
 verifying k draft tokens in one forward would not give what k one-token forwards give, and a
 speculative run of an int8 target would not reproduce that target's own greedy output. Here a row's
-quantisation reads that row only and the matmul is exact integer arithmetic: row i of a k-token
-forward equals the one-token forward of token i.
+quantisation reads that row only and the matmul is exact integer arithmetic, so a layer gives row i
+the same output whatever else is in the forward; with attention computed row by row too
+(rowwise_attention.py), row i of a k-token forward is the one-token forward of token i, bit for bit.
 
 Why not torchao's `Int8DynamicActivationInt8WeightConfig` (also per token): in eager mode on a CPU
 with AVX512-VNNI but no AMX, torchao 0.18 recomputes the column sums of every weight on every call

@@ -108,23 +108,26 @@ def quantization_config(quantization: str | None):
 
 
 def quantize(model: torch.nn.Module, quantization: str | None) -> torch.nn.Module:
-    """Apply int8 or int4 to a loaded model in place (the others are applied while loading)."""
+    """Apply int8 or int4 to a loaded model in place (the others are applied while loading), with
+    attention computed row by row, so a k-token forward gives k one-token forwards' logits, bit for bit."""
     name = canonical(quantization)
     if name == "int8":
         return quantize_int8_dynamic(model)
     if name == "int4":
         from specdec_cli.models.int4 import quantize_int4
+        from specdec_cli.models.rowwise_attention import use_rowwise_attention
 
-        return quantize_int4(model)
+        return use_rowwise_attention(quantize_int4(model))
     return model
 
 
 def quantize_int8_dynamic(model: torch.nn.Module) -> torch.nn.Module:
     """Every nn.Linear to int8 weights with int8 activations quantised per token on the fly, in place,
-    CPU only; the rest in float32 (see int8.py). Meant for the draft and for a CPU target."""
+    CPU only; the rest in float32 (see int8.py); attention row by row (see rowwise_attention.py)."""
     from specdec_cli.models.int8 import quantize_int8
+    from specdec_cli.models.rowwise_attention import use_rowwise_attention
 
-    return quantize_int8(model)
+    return use_rowwise_attention(quantize_int8(model))
 
 
 def compute_dtype(quantization: str | None, dtype: torch.dtype) -> torch.dtype:

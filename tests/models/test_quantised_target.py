@@ -1,7 +1,8 @@
-"""A quantised target verifies k tokens as k one-token forwards would: int8 scales activations per
-token and int4 quantises weights only, so speculative decoding on a quantised target reproduces that
-quantised target's own output. The per-tensor int8 of torch's `quantize_dynamic` does not (the power
-check: the same tolerance catches it).
+"""A quantised target verifies k tokens exactly as k one-token forwards would: int8 scales activations per
+token (exact integer sums), int4 quantises weights only, and attention runs row by row, so the logits
+of a verify forward are bit-identical to one-token decoding and speculative decoding on a quantised
+target reproduces that quantised target's own output. The per-tensor int8 of torch's `quantize_dynamic`
+does not (the power check).
 
 No sampling-distribution run here: the engine's (tests/engine/test_decode_sampling.py) holds for any
 target whose verify rows equal its one-token forwards, which is what the row checks assert; a 20,000-draw
@@ -17,14 +18,15 @@ from transformers import DynamicCache
 
 from specdec_cli.drafters import DraftModelDrafter
 from specdec_cli.engine import FixedK, SamplingParams, SpeculativeDecoder
-from specdec_cli.models.int4 import quantize_int4
 from specdec_cli.models.quant import quantize
+from specdec_cli.models.rowwise_attention import _visible_keys, rowwise_attention_forward
 
 from tests.conftest import hf_greedy, tiny_causal_lm
 
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs the quant extra (torchao)")
-IDS = torch.tensor([[1] + [(7 * i + 2) % 90 + 3 for i in range(20)]])
-ROW_TOLERANCE = 1e-4  # float32 rounding: a multi-token forward sums in another order than a one-token one
+IDS = torch.tensor([[1] + [(7 * i + 2) % 90 + 3 for i in range(40)]])
+VERIFIED = 8  # rows verified in one forward
+MODELS = [("llama", 0), ("qwen2", 2)]
 
 
 def per_tensor_int8(model: torch.nn.Module) -> torch.nn.Module:
@@ -37,37 +39,59 @@ def per_tensor_int8(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def worst_row_gap(model: torch.nn.Module, ids: torch.Tensor, first: int) -> float:
-    """The largest |logit difference| between row i of one forward over `ids` and the forward of token i
-    alone on a cache of ids[:i], over i >= first."""
-    together = model(input_ids=ids).logits[0]  # (T, V)
-    gaps = []
-    for i in range(first, ids.shape[1]):
-        cache = DynamicCache(config=model.config)
-        model(input_ids=ids[:, :i], cache=cache)
-        alone = model(input_ids=ids[:, i : i + 1], cache=cache).logits[0, 0]  # (V,)
-        gaps.append(float((together[i] - alone).abs().max()))
-    return max(gaps)
+def verify_and_decode(model: torch.nn.Module, ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of the last `rows` tokens of `ids` after a cached prefix: (from one forward over all of
+    them, as verification runs; from one forward per token, as decoding runs), each (rows, V)."""
+    prefix = ids[:, :-rows]
+    together = DynamicCache(config=model.config)
+    model(input_ids=prefix, cache=together)
+    verified = model(input_ids=ids[:, -rows:], cache=together).logits[0]
+    alone = DynamicCache(config=model.config)
+    model(input_ids=prefix, cache=alone)
+    decoded = [model(input_ids=ids[:, i : i + 1], cache=alone).logits[0, 0] for i in range(ids.shape[1] - rows, ids.shape[1])]
+    return verified, torch.stack(decoded)
 
 
-@pytest.mark.parametrize("arch, seed", [("llama", 0), ("qwen2", 2)])
-def test_int8_row_i_of_a_forward_is_the_one_token_forward(arch, seed):
-    model = quantize(tiny_causal_lm(arch, seed=seed, logit_scale=8.0), "int8")
-    assert worst_row_gap(model, IDS, first=12) < ROW_TOLERANCE
+@pytest.mark.parametrize("arch, seed", MODELS)
+def test_int8_verify_rows_are_the_one_token_logits_bit_for_bit(arch, seed):
+    model = quantize(tiny_causal_lm(arch, seed=seed, logit_scale=8.0, layers=4), "int8")
+    verified, decoded = verify_and_decode(model, IDS, VERIFIED)
+    assert torch.equal(verified, decoded)
 
 
 @needs_torchao
-@pytest.mark.parametrize("arch, seed", [("llama", 0), ("qwen2", 2)])
-def test_int4_row_i_of_a_forward_is_the_one_token_forward(arch, seed):
-    # float32 activations isolate the format; shipped int4 runs bfloat16, whose rounding any bf16 model has
-    model = quantize_int4(tiny_causal_lm(arch, seed=seed, logit_scale=8.0), dtype=torch.float32)
-    assert worst_row_gap(model, IDS, first=12) < ROW_TOLERANCE
+@pytest.mark.parametrize("arch, seed", MODELS)
+def test_int4_verify_rows_are_the_one_token_logits_bit_for_bit(arch, seed):
+    model = quantize(tiny_causal_lm(arch, seed=seed, logit_scale=8.0, layers=4), "int4")  # bfloat16 activations
+    verified, decoded = verify_and_decode(model, IDS, VERIFIED)
+    assert torch.equal(verified, decoded)
 
 
-@pytest.mark.parametrize("arch, seed", [("llama", 0), ("qwen2", 2)])
-def test_per_tensor_int8_fails_the_row_check(arch, seed):
-    model = per_tensor_int8(tiny_causal_lm(arch, seed=seed, logit_scale=8.0))
-    assert worst_row_gap(model, IDS, first=12) > 100 * ROW_TOLERANCE
+@pytest.mark.parametrize("arch, seed", MODELS)
+def test_per_tensor_int8_verify_rows_are_not_the_one_token_logits(arch, seed):
+    model = per_tensor_int8(tiny_causal_lm(arch, seed=seed, logit_scale=8.0, layers=4))
+    verified, decoded = verify_and_decode(model, IDS, VERIFIED)
+    assert (verified - decoded).abs().max() > 1e-2  # an activation scale shared by the rows: whole steps apart
+
+
+def test_rowwise_attention_reads_the_keys_each_row_may_see():
+    assert _visible_keys(None, row=1, rows=3, keys=10) == slice(0, 9)  # causal: 7 cached + rows 0 and 1
+    tree = torch.tensor([[True, True, False, True, False]])[None, None]  # (1, 1, 1, 5): a branch, not a prefix
+    assert torch.equal(_visible_keys(tree, row=0, rows=1, keys=5), torch.tensor([0, 1, 3]))
+
+
+def test_rowwise_attention_with_a_tree_mask_is_masked_attention():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(1, 4, n, 8, generator=generator) for n in (3, 7, 7))  # (1, heads, n, dim)
+    mask = torch.ones(1, 1, 3, 7, dtype=torch.bool)
+    mask[0, 0, 1, 4] = mask[0, 0, 2, 5] = False  # rows 1 and 2 on different branches
+    mask[0, 0, 0, 5:] = mask[0, 0, 1, 6] = False
+    module = torch.nn.Module()
+    ours, _ = rowwise_attention_forward(module, query, key, value, mask, scaling=8**-0.5)
+    reference, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=8**-0.5)
+    assert torch.allclose(ours, reference, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
