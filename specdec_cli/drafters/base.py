@@ -49,3 +49,7 @@ class Drafter(ABC):
 
     def reset(self) -> None:
         """Forget all state (caches, indexes)."""
+
+    def context_length(self) -> int | None:
+        """The positions this drafter's model takes (None: no model, no limit)."""
+        return None

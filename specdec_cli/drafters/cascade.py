@@ -49,3 +49,6 @@ class CascadeDrafter(Drafter):
     def reset(self) -> None:
         self.model_drafter.reset()
         self.ngram.reset()
+
+    def context_length(self) -> int | None:
+        return self.model_drafter.context_length()

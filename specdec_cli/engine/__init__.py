@@ -1,5 +1,6 @@
 """The speculative decoding engine: pure token ids in and out (no text, no Rich, no files)."""
 
+from specdec_cli.engine.context import Budget, context_length, fit_budget
 from specdec_cli.engine.decode import (
     GenerationResult,
     GenerationStats,
@@ -12,6 +13,6 @@ from specdec_cli.engine.policy import AdaptiveK, CostModelK, DraftLengthPolicy, 
 from specdec_cli.engine.sampling import SamplingParams, logits_to_probs, make_generator
 
 __all__ = [
-    "AdaptiveK", "CachedModel", "CostModelK", "DraftLengthPolicy", "DraftOrNot", "FixedK", "GenerationResult", "GenerationStats",
-    "Provenance", "SamplingParams", "SpeculativeDecoder", "StepEvent", "expected_tokens", "logits_to_probs", "make_generator",
+    "AdaptiveK", "Budget", "CachedModel", "CostModelK", "DraftLengthPolicy", "DraftOrNot", "FixedK", "GenerationResult", "GenerationStats",
+    "Provenance", "SamplingParams", "SpeculativeDecoder", "StepEvent", "context_length", "expected_tokens", "fit_budget", "logits_to_probs", "make_generator",
 ]
