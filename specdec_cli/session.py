@@ -12,13 +12,12 @@ from specdec_cli.drafters import CascadeDrafter, DraftModelDrafter, Drafter, Ngr
 from specdec_cli.engine import DraftLengthPolicy, DraftOrNot, FixedK, SamplingParams, SpeculativeDecoder
 from specdec_cli.errors import InputError
 from specdec_cli.models import LoadedModel
-from specdec_cli.profiles import DRAFTERS
+from specdec_cli.profiles import DRAFTERS, MAX_K
 
 # End-of-turn tokens that chat templates close an assistant turn with. Some checkpoints (GGUF
 # conversions especially) list only one of them as EOS; generation must stop at any.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>")
 
-MAX_K = 16
 # k = auto: draft up to AUTO_MAX_K tokens, stopping once the draft's own odds that its whole draft survives
 # (the product of its probabilities) fall below AUTO_SURVIVAL; the cost model decides whether to draft at all.
 # On the demo pair a cut anywhere in 0.2-0.4 measured within noise (x1.96-x2.01).
