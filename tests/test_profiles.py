@@ -125,3 +125,28 @@ def test_one_broken_profile_leaves_the_others_listed(specdec_home):
     assert [problem.message for problem in problems] == [
         f"profile file {path}: `draft` must be a model name (a non-empty string), not 5"]
     assert {profile.name for profile in list_profiles()} == SHIPPED | {"fine"}
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("name", ["demo", "demo-ngram"])
+def test_the_demo_hints_are_what_the_estimate_computes_from_the_gguf_configs(name):
+    """`profiles list` shows the hint until the pair is converted, the estimate after: they must agree."""
+    import torch
+    from transformers import AutoConfig
+
+    from specdec_cli.errors import MissingExtraError
+    from specdec_cli.models import demo
+    from specdec_cli.models.preflight import estimate_weight_bytes
+
+    profile = load_profile(name)
+    total = 0
+    for spec, quantization in ((profile.target, profile.target_quantization), (profile.draft, profile.draft_quantization)):
+        if spec is None:
+            continue
+        try:
+            path = demo.ensure_joined(demo.demo_model(spec), progress=False)
+        except MissingExtraError:
+            pytest.skip("the demo pair is not installed")
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        total += estimate_weight_bytes(config, torch.bfloat16, quantization)
+    assert round(total / 1e9, 1) == profile.weights_gb
