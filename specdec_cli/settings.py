@@ -146,6 +146,7 @@ def load_choice(choice: ModelChoice, console: Printer | None = None) -> tuple[Lo
         draft_quantization=_draft_quantization(choice, console),
         trust_remote_code=choice.trust_remote_code,
         allow_pickle=choice.allow_pickle,
+        progress=not getattr(console, "quiet", False),  # -q: no spinners, no "Loading weights" bars
     )
     console.print(target.describe("target"), markup=False)
     console.print(draft.describe("draft") if draft else "draft: n-gram lookup", markup=False)

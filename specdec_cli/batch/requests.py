@@ -5,6 +5,7 @@ the batch. No torch, no Rich."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -198,6 +199,8 @@ def _integer(name: str, value: object, low: int, high: int | None = None) -> int
 def _number(name: str, value: object, low: float, high: float | None, open_low: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise BadRecord(f'"{name}" must be a number, got {_json_type(value)}')
+    if not math.isfinite(value):  # json reads NaN, Infinity and -Infinity
+        raise BadRecord(f'"{name}" must be a finite number, got {value}')
     if value < low or (open_low and value == low) or (high is not None and value > high):
         bounds = f"in ({low:g}, {high:g}]" if open_low else f"at least {low:g}"
         raise BadRecord(f'"{name}" must be {bounds}, got {value}')

@@ -63,3 +63,50 @@ def test_interrupted_forward_leaves_a_consistent_cache(llama_target, monkeypatch
     assert all(layer.keys.shape[-2] == 3 for layer in runner.cache.layers)
     logits = runner.extend([1, 2, 3, 4, 5], 1)
     assert torch.allclose(logits, full_forward_logits(llama_target, [1, 2, 3, 4, 5])[-1:], atol=1e-5)
+
+
+def test_a_long_prompt_is_fed_in_chunks_with_the_same_logits(llama_target):
+    prompt = [(7 * i + 3) % 90 + 3 for i in range(150)]
+    whole = CachedModel(llama_target, prefill_chunk=1000)
+    chunked = CachedModel(llama_target, prefill_chunk=32)
+    expected = whole.extend(prompt, 4)
+    logits = chunked.extend(prompt, 4)
+    assert (whole.forwards, chunked.forwards) == (1, 5)  # 32 + 32 + 32 + 32 + 22
+    assert chunked.ids == prompt
+    assert all(layer.keys.shape[-2] == 150 for layer in chunked.cache.layers)
+    assert torch.equal(logits, expected)  # bit for bit: each chunk attends to the same keys as one forward would
+    # and the cache the chunks built serves the next step like the whole-prompt one
+    assert torch.equal(chunked.extend(prompt + [5, 6], 2), whole.extend(prompt + [5, 6], 2))
+
+
+def test_the_last_chunk_always_holds_the_positions_asked_for(llama_target):
+    prompt = [(5 * i + 1) % 90 + 3 for i in range(66)]
+    runner = CachedModel(llama_target, prefill_chunk=32)
+    logits = runner.extend(prompt, 5)  # 66 = 32 + 29 + 5: never a last chunk shorter than 5
+    assert logits.shape[0] == 5
+    assert torch.allclose(logits, full_forward_logits(llama_target, prompt)[-5:], atol=1e-5, rtol=0)
+
+
+def test_ctrl_c_between_chunks_keeps_the_chunks_already_fed(llama_target, monkeypatch):
+    prompt = [(3 * i + 2) % 90 + 3 for i in range(100)]
+    runner = CachedModel(llama_target, prefill_chunk=32)
+    forward = runner._forward
+    calls = []
+
+    def interrupted_third(new_ids, n_logits):
+        calls.append(len(new_ids))
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return forward(new_ids, n_logits)
+
+    monkeypatch.setattr(runner, "_forward", interrupted_third)
+    try:
+        runner.extend(prompt, 1)
+    except KeyboardInterrupt:
+        pass
+    assert calls == [32, 32, 32]
+    assert runner.ids == prompt[:64]
+    assert all(layer.keys.shape[-2] == 64 for layer in runner.cache.layers)
+    monkeypatch.undo()
+    logits = runner.extend(prompt, 1)
+    assert torch.allclose(logits, full_forward_logits(llama_target, prompt)[-1:], atol=1e-5, rtol=0)

@@ -218,7 +218,7 @@ def test_ctrl_c_keeps_the_finished_records_and_says_how_to_resume(run, tmp_path,
     [
         (["missing.jsonl", "-o", "out.jsonl"], "error: cannot read missing.jsonl: No such file or directory — check the input path"),
         (["in.jsonl", "-o", "in.jsonl"], "error: INPUT and OUTPUT are the same file — write the results to another file with -o"),
-        (["in.jsonl", "-o", "out.jsonl", "--temperature", "-1"], "error: temperature must be >= 0, got -1.0 — fix the sampling option"),
+        (["in.jsonl", "-o", "out.jsonl", "--temperature", "-1"], "error: temperature must be a finite number >= 0, got -1.0 — fix the sampling option"),
     ],
 )
 def test_command_line_mistakes_are_one_line(run, tmp_path, monkeypatch, args, message):

@@ -1,0 +1,96 @@
+"""`specdec run` against the model's context (the tiny pair takes 256 positions) and non-finite numbers."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from specdec_cli.cli import app
+from specdec_cli.engine.kv import CachedModel
+
+CONTEXT = 256  # tests/tiny.py: max_position_embeddings
+SENTENCE = "The quick brown fox jumps over the lazy dog. "
+
+
+def jsonl(records) -> str:
+    return "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records)
+
+
+def read(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture
+def run(tiny_pair, tmp_path):
+    def invoke(lines, *args):
+        (tmp_path / "in.jsonl").write_text(lines if isinstance(lines, str) else jsonl(lines))
+        arguments = ["run", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--target", tiny_pair.target,
+                     "--draft", tiny_pair.draft, "--dtype", "float32", "-n", "8", "-t", "0", *map(str, args)]
+        return CliRunner().invoke(app, arguments)
+    return invoke
+
+
+@pytest.fixture
+def positions_checked(monkeypatch):
+    """Every forward must stay inside the context: without the check a long prompt fails here at once
+    instead of running for minutes."""
+    forward = CachedModel._forward
+
+    def checked(self, new_ids, n_logits):
+        assert len(self.ids) + len(new_ids) <= CONTEXT, f"a forward past the context ({len(self.ids) + len(new_ids)})"
+        return forward(self, new_ids, n_logits)
+
+    monkeypatch.setattr(CachedModel, "_forward", checked)
+
+
+def test_a_prompt_past_the_context_gets_an_error_record_and_the_batch_goes_on(run, tmp_path, positions_checked):
+    result = run([{"id": "long", "prompt": SENTENCE * 20}, {"id": "short", "prompt": "def add(a, b):"}])
+    assert result.exit_code == 1, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    long, short = read(tmp_path / "out.jsonl")
+    assert long["finish_reason"] == "error"
+    assert long["error"] == ("line 1: the prompt has 620 tokens but the model takes at most 256 (prompt and reply "
+                             "together) — shorten the prompt to fewer than 256 tokens, or use a model with a longer context")
+    assert short["error"] is None and short["completion_tokens"] > 0
+
+
+def test_a_huge_prompt_is_refused_before_any_forward(run, tmp_path, positions_checked):
+    huge = SENTENCE * 25_000  # 1.1 MB, 775,000 tokens
+    result = run([{"id": "huge", "prompt": huge}, {"id": "after", "messages": [{"role": "user", "content": "Hi"}]}])
+    assert result.exit_code == 1, result.output
+    huge_record, after = read(tmp_path / "out.jsonl")
+    assert huge_record["error"].startswith("line 1: the prompt has 775000 tokens but the model takes at most 256")
+    assert after["error"] is None
+
+
+def test_a_budget_past_the_context_is_cut_to_what_fits(run, tmp_path, positions_checked):
+    prompt = SENTENCE * 8  # 248 tokens: 8 positions left
+    result = run([{"id": "near", "prompt": prompt}], "-n", "1000000000", "--drafter", "model", "--k", "3")
+    assert result.exit_code == 0, result.output
+    [record] = read(tmp_path / "out.jsonl")
+    assert (record["prompt_tokens"], record["completion_tokens"], record["finish_reason"]) == (248, 8, "length")
+
+
+@pytest.mark.parametrize(("line", "problem"), [
+    ('{"id": "n", "prompt": "x", "temperature": NaN}', '"temperature" must be a finite number, got nan'),
+    ('{"id": "i", "prompt": "x", "temperature": Infinity}', '"temperature" must be a finite number, got inf'),
+    ('{"id": "p", "prompt": "x", "top_p": NaN}', '"top_p" must be a finite number, got nan'),
+    ('{"custom_id": "o", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "temperature": -Infinity}}',
+     '"temperature" must be a finite number, got -inf'),
+])
+def test_a_non_finite_number_on_a_line_is_an_error_record(run, tmp_path, line, problem):
+    result = run(line + "\n" + jsonl([{"id": "ok", "prompt": "def add(a, b):"}]))
+    assert result.exit_code == 1, result.output
+    bad, ok = read(tmp_path / "out.jsonl")
+    message = bad["error"]["message"] if isinstance(bad["error"], dict) else bad["error"]
+    assert message == f"line 1: {problem}"
+    assert ok["error"] is None
+
+
+@pytest.mark.parametrize("option", [("--temperature", "nan"), ("--temperature", "inf"), ("--top-p", "nan")])
+def test_a_non_finite_option_is_one_line_before_loading(run, tmp_path, option):
+    result = run([{"prompt": "x"}], *option, "--target", str(tmp_path / "absent"))
+    assert result.exit_code == 2, result.output
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "must be a finite number" in result.stderr or "top_p must be in (0, 1]" in result.stderr
+    assert not (tmp_path / "out.jsonl").exists()
