@@ -54,6 +54,8 @@ def chat(
     load_in_4bit: options.LoadIn4bitOption = False,
     load_in_8bit: options.LoadIn8bitOption = False,
     draft_int8: options.DraftInt8Option = None,
+    target_quant: options.TargetQuantOption = None,
+    draft_quant: options.DraftQuantOption = None,
     trust_remote_code: options.TrustRemoteCodeOption = False,
     allow_pickle: options.AllowPickleOption = False,
     k: options.KOption = None,

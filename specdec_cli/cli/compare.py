@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from specdec_cli import bench
 from specdec_cli.cli.app import error_console, report_errors
 from specdec_cli.cli.options import (
-    AllowPickleOption, DeviceOption, Draft4bitOption, DraftInt8Option, DraftOption, DtypeOption, LoadIn4bitOption,
+    AllowPickleOption, DeviceOption, Draft4bitOption, DraftInt8Option, DraftQuantOption, TargetQuantOption, DraftOption, DtypeOption, LoadIn4bitOption,
     LoadIn8bitOption, MaxNewTokensOption, ProfileOption, Target4bitOption, TargetOption, TemperatureOption,
     TrustRemoteCodeOption, model_overrides,
 )
@@ -61,7 +61,7 @@ def compare_command(
     drafter: DrafterListOption = None, device: DeviceOption = None, dtype: DtypeOption = None,
     target_4bit: Target4bitOption = False, draft_4bit: Draft4bitOption = False,
     load_in_4bit: LoadIn4bitOption = False, load_in_8bit: LoadIn8bitOption = False,
-    draft_int8: DraftInt8Option = None,
+    draft_int8: DraftInt8Option = None, target_quant: TargetQuantOption = None, draft_quant: DraftQuantOption = None,
     trust_remote_code: TrustRemoteCodeOption = False, allow_pickle: AllowPickleOption = False,
     prompts: PromptsOption = None, category: CategoryOption = None, n_prompts: NPromptsOption = None,
     k: KListOption = None, max_new_tokens: MaxNewTokensOption = None, temperature: TemperatureOption = None,

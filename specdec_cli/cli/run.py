@@ -16,7 +16,7 @@ from rich.table import Table
 from specdec_cli import batch
 from specdec_cli.cli.app import error_console, report_errors
 from specdec_cli.cli.options import (
-    AllowPickleOption, DeviceOption, Draft4bitOption, DraftInt8Option, DraftOption, DrafterOption, DtypeOption, KOption,
+    AllowPickleOption, DeviceOption, Draft4bitOption, DraftInt8Option, DraftQuantOption, TargetQuantOption, DraftOption, DrafterOption, DtypeOption, KOption,
     LoadIn4bitOption, LoadIn8bitOption, MaxNewTokensOption, ProfileOption, SeedOption, SystemOption,
     Target4bitOption, TargetOption, TemperatureOption, TopKOption, TopPOption, TrustRemoteCodeOption,
     decoding_overrides, model_overrides,
@@ -46,6 +46,8 @@ def run_command(
     load_in_4bit: LoadIn4bitOption = False,
     load_in_8bit: LoadIn8bitOption = False,
     draft_int8: DraftInt8Option = None,
+    target_quant: TargetQuantOption = None,
+    draft_quant: DraftQuantOption = None,
     trust_remote_code: TrustRemoteCodeOption = False,
     allow_pickle: AllowPickleOption = False,
     k: KOption = None,
