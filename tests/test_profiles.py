@@ -107,7 +107,8 @@ def test_every_quantisation_name_is_accepted(specdec_home, quantization):
     _user_profile(specdec_home, "q", f'target = "org/big"\ndraft = "org/small"\ntarget_quantization = "{quantization}"\n'
                                      f'draft_quantization = "{quantization}"\n')
     profile = load_profile("q")
-    assert (profile.target_quantization, profile.draft_quantization) == (quantization, quantization)
+    expected = None if quantization == "none" else quantization  # "none" reads as no quantisation
+    assert (profile.target_quantization, profile.draft_quantization) == (expected, expected)
 
 
 def test_good_values_at_the_edges_are_accepted(specdec_home):
