@@ -30,8 +30,7 @@ POSITIONS = 3
 SUBSET = torch.tensor([0, 1, 2, 4, 5, 7, 8, 10])  # the subset head drafts these ids only
 
 
-@pytest.fixture(scope="module")
-def pair():
+def make_pair() -> tuple[TrigramLM, TrigramLM]:
     """The target, and a draft that is the target sharpened and perturbed: it agrees with the target
     about half the time, so accepted prefixes, mid-draft rejections and corrections all occur often."""
     target, draft = TrigramLM(VOCAB, seed=11, scale=1.5), TrigramLM(VOCAB, seed=11, scale=1.5)
@@ -39,6 +38,11 @@ def pair():
     with torch.no_grad():
         draft.lm_head.weight.mul_(1.5).add_(noise)
     return target, draft
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return make_pair()
 
 
 @pytest.fixture(scope="module", autouse=True)
