@@ -27,6 +27,16 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = f"a real-pair test skipped in CI ({reason}): CI must run every real test"
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models gain nothing from threads, and on a shared CPU oversubscribed threads make each forward
+    many times slower. Use it with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_causal_lm(arch: str = "llama", vocab_size: int = VOCAB, seed: int = 0, layers: int = 2,
                    hidden: int = 64, logit_scale: float = 1.0) -> torch.nn.Module:
     """A random causal LM. `logit_scale` sharpens its output layer so greedy decoding is stable and

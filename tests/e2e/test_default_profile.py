@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.models.test_demo_real import requires_demo
+from tests.run.test_run_command import without_timings
 
 pytestmark = [pytest.mark.real, requires_demo]
 
@@ -26,7 +27,6 @@ STATS_LINE = re.compile(
     r"(?P<new>\d+) tokens? · [\d.]+ tok/s · (?:\d+% accepted \((?P<accepted>\d+)/(?P<drafted>\d+) drafted\)|nothing drafted)"
     r" · (?P<per_step>[\d.]+) tokens/step · draft [\d.]+s, verify [\d.]+s(?P<cut> · cut at \d+ tokens \(--max-new-tokens\))?"
 )
-TIMINGS = ("seconds", "tokens_per_second", "created", "draft_seconds", "verify_seconds")
 
 
 def specdec(*args: str, stdin: str | None = None, cwd: Path) -> subprocess.CompletedProcess:
@@ -45,14 +45,6 @@ def check_models_line(stderr: str) -> None:
     assert draft_line, stderr[-2000:]
     if not torch.cuda.is_available():
         assert draft_line.group(0).endswith("· int8")  # the profile's int8 draft, on a CPU
-
-
-def without_timings(value):
-    if isinstance(value, dict):
-        return {key: without_timings(item) for key, item in value.items() if key not in TIMINGS}
-    if isinstance(value, list):
-        return [without_timings(item) for item in value]
-    return value
 
 
 def test_a_piped_chat_prints_the_reply_and_its_stats_and_saves_the_same(tmp_path):
