@@ -4,9 +4,10 @@ drafter and draft length the CLI can run; and the check has the power to see rea
 Tiny vocabulary (12 ids), 20,000 seeded generations per case; the empirical distribution of each of
 the 1st, 2nd and 3rd generated tokens is compared with the target's exact marginals, computed by
 summing over every path (tests/stats.py: chi-square and a TV ceiling derived from the sample size).
-The draft is a different model with sharper logits, so its distribution is far from the target's and
-many drafts are rejected. The models are random trigram LMs behind the transformers interface
-(see tests/conftest.py): cheap enough for 20,000 generations per case."""
+The draft is the target sharpened and perturbed: about half its tokens are accepted, so accepted
+prefixes, rejections mid-draft and corrections all occur often. The models are random trigram LMs
+behind the transformers interface (see tests/conftest.py): cheap enough for 20,000 generations per
+case. A new drafter (token trees, say) gets its own entry in CASES."""
 
 import sys
 from collections.abc import Callable
@@ -29,10 +30,11 @@ DRAWS = 20_000
 POSITIONS = 3
 SUBSET = torch.tensor([0, 1, 2, 4, 5, 7, 8, 10])  # the subset head drafts these ids only
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 def make_pair() -> tuple[TrigramLM, TrigramLM]:
-    """The target, and a draft that is the target sharpened and perturbed: it agrees with the target
-    about half the time, so accepted prefixes, mid-draft rejections and corrections all occur often."""
+    """The target, and the draft: the target sharpened and perturbed."""
     target, draft = TrigramLM(VOCAB, seed=11, scale=1.5), TrigramLM(VOCAB, seed=11, scale=1.5)
     noise = torch.randn(draft.lm_head.weight.shape, generator=torch.Generator().manual_seed(12))
     with torch.no_grad():
@@ -43,9 +45,6 @@ def make_pair() -> tuple[TrigramLM, TrigramLM]:
 @pytest.fixture(scope="module")
 def pair():
     return make_pair()
-
-
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @torch.no_grad()
@@ -69,8 +68,9 @@ class Case:
 
     @property
     def max_new_tokens(self) -> int:
-        return max(POSITIONS, min(self.k, 5) + 1)  # room for a full draft in the first step; the stop
-        # callback ends a generation once it holds POSITIONS tokens
+        """Room for a draft of up to 5 in the first step (the engine drafts at most the budget less one);
+        a stop callback ends each generation once it holds POSITIONS tokens."""
+        return max(POSITIONS, min(self.k, 5) + 1)
 
 
 CASES = {
