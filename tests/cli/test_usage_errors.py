@@ -57,9 +57,9 @@ def test_a_usage_mistake_is_typers_message_and_exit_2(tmp_path, monkeypatch, arg
 def specdec(*args: str, env: dict | None = None, code: str | None = None) -> subprocess.CompletedProcess:
     """`specdec ARGS` in a real process (this tree first on the path); `code` runs first, in that process."""
     command = [sys.executable, "-c", f"{code or ''}\nfrom specdec_cli.cli import main; main()", *args]
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                   "COLUMNS": "200", **(env or {})}
-    environment.pop("SPECDEC_DEBUG", None) if "SPECDEC_DEBUG" not in (env or {}) else None
+    environment = {key: value for key, value in os.environ.items() if key != "SPECDEC_DEBUG"}
+    environment.update(PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), COLUMNS="200")
+    environment.update(env or {})
     return subprocess.run(command, capture_output=True, text=True, env=environment, timeout=300)
 
 
