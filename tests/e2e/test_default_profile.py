@@ -69,7 +69,8 @@ def test_a_piped_chat_prints_the_reply_and_its_stats_and_saves_the_same(tmp_path
     assert 1 <= stats["new_tokens"] <= 16 and int(shown["new"]) == stats["new_tokens"]
     assert stats["drafted"] > 0 and (int(shown["accepted"]), int(shown["drafted"])) == (stats["accepted"], stats["drafted"])
     assert float(shown["per_step"]) == pytest.approx(stats["new_tokens"] / stats["steps"], abs=0.01)
-    assert (assistant["finish_reason"] == "length") == bool(shown["cut"]) == (stats["new_tokens"] == 16)
+    assert (assistant["finish_reason"] == "length") == bool(shown["cut"])
+    assert {"length": stats["new_tokens"] == 16, "stop": stats["new_tokens"] <= 16}[assistant["finish_reason"]]
 
 
 RECORDS = [
@@ -94,7 +95,7 @@ def test_run_answers_every_line_and_the_same_seed_gives_the_same_file(tmp_path):
     for record in (raw, chat):
         assert record["error"] is None and record["text"].strip()
         assert record["finish_reason"] in ("stop", "length") and 1 <= record["completion_tokens"] <= 12
-        assert (record["finish_reason"] == "length") == (record["completion_tokens"] == 12)
+        assert record["finish_reason"] == "stop" or record["completion_tokens"] == 12
     assert (raw["id"], chat["id"], openai["custom_id"]) == ("raw", "chat", "openai")
     body = openai["response"]["body"]
     assert openai["error"] is None and openai["response"]["status_code"] == 200
