@@ -12,7 +12,7 @@ from pathlib import Path
 
 from specdec_cli.errors import ProfileError
 from specdec_cli.models.paths import specdec_home
-from specdec_cli.models.quant import QUANTIZATIONS
+from specdec_cli.models.quant import ALIASES, FORMATS, QUANTIZATIONS
 
 DEFAULT_PROFILE = "demo"
 DRAFTERS = ("model", "ngram", "cascade")
@@ -27,7 +27,8 @@ class Profile:
     description: str = ""
     dtype: str = "auto"
     device: str = "auto"
-    target_quantization: str | None = None  # None | "4bit" | "8bit" | "int8"
+    # None | "int8" | "int4" | "nf4" | "bnb8" | "auto" (models/quant.py); "none" reads as None; old "4bit", "8bit" kept
+    target_quantization: str | None = None
     draft_quantization: str | None = None
     k: str | int = "auto"  # draft length: "auto" (adaptive) or a fixed number of tokens
     temperature: float = 0.7
@@ -96,7 +97,8 @@ def _check_drafter(path: Path, drafter: str, draft: str | None) -> None:
 
 def _check_numbers(path: Path, profile: Profile) -> None:
     if profile.target_quantization not in QUANTIZATIONS or profile.draft_quantization not in QUANTIZATIONS:
-        raise _bad(path, 'quantization must be "4bit", "8bit" or "int8" (or left out)')
+        names = ", ".join(f'"{name}"' for name in (*FORMATS, *ALIASES))
+        raise _bad(path, f"quantization must be one of {names} (or left out)")
     if profile.k != "auto" and not (isinstance(profile.k, int) and profile.k >= 1):
         raise _bad(path, f'k must be "auto" or a positive integer, not {profile.k!r}')
     if not (profile.temperature >= 0 and 0 < profile.top_p <= 1 and profile.top_k >= 0):
@@ -112,6 +114,7 @@ def _parse(name: str, path: Path) -> Profile:
     _check_drafter(path, drafter, data.get("draft"))
     if drafter == "ngram":
         data = {**data, "draft": None, "draft_quantization": None}
+    data = {key: None if key.endswith("_quantization") and value == "none" else value for key, value in data.items()}
     try:
         profile = Profile(name=name, path=path, **{**data, "drafter": drafter})
     except TypeError as error:

@@ -10,19 +10,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from specdec_cli.chat.history import History, Message, write_jsonl
 from specdec_cli.chat.text import Piece, ReplyText
 from specdec_cli.engine import GenerationStats
 from specdec_cli.errors import InputError
 from specdec_cli.models import LoadedModel
-from specdec_cli.session import (
-    build_decoder, encode_chat, fit_drafter_to_k, make_drafter, make_policy, parse_k, sampling_params,
-)
-
-if TYPE_CHECKING:
-    from specdec_cli.cli.options import DecodingSettings
+from specdec_cli.session import build_decoder, encode_chat, make_drafter, make_policy
+from specdec_cli.settings import DecodingSettings, parse_k, sampling_params
 
 
 class Conversation:
@@ -36,7 +31,7 @@ class Conversation:
         self.target = target
         self.draft = draft
         self.drafter_name = drafter
-        self.settings = replace(settings)
+        self.settings = settings
         self.decoder = build_decoder(target, draft, drafter, settings.k)
         self.history = History(system=settings.system)
         self.totals = GenerationStats()  # every reply of the session, across /reset
@@ -81,8 +76,7 @@ class Conversation:
         return messages[-1] if messages and messages[-1].role == "assistant" else None
 
     def sampling(self):
-        settings = self.settings
-        return sampling_params(settings.temperature, settings.top_p, settings.top_k, settings.seed)
+        return self.settings.sampling()
 
     # ---- what the slash commands change -------------------------------------------------------
 
@@ -96,13 +90,13 @@ class Conversation:
         self.history.system = text or None
 
     def set_k(self, value: str) -> int | str:
+        """A new draft length; the drafter (and its cache) stays, obeying the new policy's stop rule."""
         k = parse_k(value)
-        if k != 0 and self.decoder.drafter is None:
-            self.decoder.drafter = make_drafter(self.drafter_name, self.draft, k)
-        elif k != 0:
-            fit_drafter_to_k(self.decoder.drafter, k)  # auto stops on the draft's odds, a fixed k does not
-        self.decoder.policy = make_policy(k)
-        self.settings.k = k
+        drafter = self.decoder.drafter
+        if drafter is None and k != 0:
+            drafter = make_drafter(self.drafter_name, self.draft, k)
+        self.decoder.set_drafting(drafter, make_policy(k))
+        self.settings = replace(self.settings, k=k)
         return k
 
     def set_temperature(self, value: str) -> float:
@@ -112,7 +106,7 @@ class Conversation:
             raise InputError(f"invalid temperature {value!r}", "use a number, e.g. /temp 0.7 (0 = greedy)") from None
         settings = self.settings
         sampling_params(temperature, settings.top_p, settings.top_k, settings.seed)  # validates
-        settings.temperature = temperature
+        self.settings = replace(settings, temperature=temperature)
         return temperature
 
     def save(self, path: Path) -> int:

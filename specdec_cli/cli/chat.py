@@ -11,6 +11,7 @@ from rich.console import Console
 from specdec_cli.chat import Conversation, Screen, run_chat
 from specdec_cli.cli import options
 from specdec_cli.cli.app import error_console, report_errors
+from specdec_cli.settings import choose_models, decoding_settings, load_choice
 
 NoColorOption = Annotated[bool, typer.Option("--no-color", help="Plain text, no colours (also: NO_COLOR, or stdout not a terminal).")]
 
@@ -57,12 +58,9 @@ def chat(
     """Chat with a model. Tokens are coloured by where they came from: accepted draft tokens, the
     target's corrections, bonus tokens. Type /help in the chat for commands; a line ending in \\ goes
     on on the next line. Input may be piped: `echo hi | specdec chat`."""
-    choice = options.choose_models(
-        profile, target, draft, drafter, device, dtype, target_4bit, draft_4bit,
-        load_in_4bit, load_in_8bit, trust_remote_code, allow_pickle, draft_int8=draft_int8,
-    )
-    settings = options.decoding_settings(choice.profile, k, temperature, top_p, top_k, seed, max_new_tokens, system)
-    loaded_target, loaded_draft = options.load_choice(choice)
+    choice = choose_models(options.model_overrides(locals()))
+    settings = decoding_settings(choice.profile, **options.decoding_overrides(locals()))
+    loaded_target, loaded_draft = load_choice(choice, error_console())
     conversation = Conversation(loaded_target, loaded_draft, choice.drafter, settings)
     screen = _screen(no_color)
     if screen.interactive:

@@ -19,9 +19,10 @@ from specdec_cli.cli.options import (
     AllowPickleOption, DeviceOption, Draft4bitOption, DraftInt8Option, DraftOption, DrafterOption, DtypeOption, KOption,
     LoadIn4bitOption, LoadIn8bitOption, MaxNewTokensOption, ProfileOption, SeedOption, SystemOption,
     Target4bitOption, TargetOption, TemperatureOption, TopKOption, TopPOption, TrustRemoteCodeOption,
-    choose_models, decoding_settings, load_choice,
+    decoding_overrides, model_overrides,
 )
 from specdec_cli.errors import InputError
+from specdec_cli.settings import choose_models, decoding_settings
 
 _FILES = "Files"
 
@@ -60,16 +61,16 @@ def run_command(
     crash or Ctrl-C, rerun with --resume. Exit code 1 when any record failed."""
     _check_paths(input, output, resume, overwrite)
     requests = batch.read_requests(batch.read_input(input))[:limit]
-    choice = choose_models(profile, target, draft, drafter, device, dtype, target_4bit, draft_4bit,
-                           load_in_4bit, load_in_8bit, trust_remote_code, allow_pickle, draft_int8=draft_int8)
-    settings = decoding_settings(choice.profile, k, temperature, top_p, top_k, seed, max_new_tokens, system)
+    choice = choose_models(model_overrides(locals()))
+    settings = decoding_settings(choice.profile, **decoding_overrides(locals()))
     finished = batch.read_finished(output) if resume else []
     pending = batch.pending_requests(requests, finished)
     summary = batch.BatchSummary(
         total=len(requests), skipped=len(requests) - len(pending), failed_before=sum(map(batch.record_failed, finished))
     )
     console = Console(stderr=True, highlight=False, soft_wrap=True, quiet=quiet)
-    generate = _model_generation(choice, settings, console) if any(r.error is None for r in pending) else _never
+    runnable = any(request.error is None for request in pending)
+    generate = batch.ModelGeneration.load(choice, settings, console) if runnable else _never
     _run_with_progress(pending, generate, output, overwrite, summary, choice.target, console)
     _print_summary(summary, console)
     _exit_on_failures(summary, output)
@@ -79,14 +80,6 @@ def _check_paths(source: str, output: Path, resume: bool, overwrite: bool) -> No
     if source != "-" and Path(source).resolve() == output.resolve():
         raise InputError("INPUT and OUTPUT are the same file", "write the results to another file with -o")
     batch.check_output(output, resume, overwrite)
-
-
-def _model_generation(choice, settings, console: Console) -> batch.ModelGeneration:
-    from specdec_cli.session import build_decoder
-
-    target, draft = load_choice(choice, console)
-    decoder = build_decoder(target, draft, choice.drafter, settings.k, clock_free=True)  # same input, same file
-    return batch.ModelGeneration(target.tokenizer, decoder, settings)
 
 
 def _never(request: batch.Request) -> batch.Completion:  # pragma: no cover - only error requests are pending
