@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from specdec_cli.drafters import CascadeDrafter, DraftModelDrafter
-from specdec_cli.engine import CachedModel, DraftOrNot, FixedK, SamplingParams, SpeculativeDecoder
+from specdec_cli.engine import CachedModel, DraftOrNot, DraftRule, FixedK, SamplingParams, SpeculativeDecoder
 from specdec_cli.models import load_model
 
 from tests.conftest import hf_greedy
@@ -85,7 +85,7 @@ def test_a_quantised_target_under_speculation_gives_its_own_greedy_output(confid
     assert alone[:3] == [int(successor[prompt[-1]]), int(successor[alone[0]]), int(successor[alone[1]])]
     decoders = {f"k={k}": (DraftModelDrafter(draft.model), FixedK(k)) for k in (1, 3, 6)}
     decoders["the default: cascade, odds cut, draft or not"] = (
-        CascadeDrafter(DraftModelDrafter(draft.model, min_survival=0.3)), DraftOrNot())
+        CascadeDrafter(DraftModelDrafter(draft.model)), DraftOrNot(rule=DraftRule(min_survival=0.3)))
     for name, (drafter, policy) in decoders.items():
         result = SpeculativeDecoder(target.model, drafter, policy).generate(prompt, SamplingParams(), NEW_TOKENS)
         assert result.tokens == alone, name
