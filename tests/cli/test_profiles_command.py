@@ -3,6 +3,8 @@ from typer.testing import CliRunner
 
 from specdec_cli.cli import app
 
+from tests.cli_result import assert_exited
+
 WIDE = {"COLUMNS": "250"}
 
 
@@ -43,11 +45,10 @@ def test_profiles_show_prints_every_setting():
 
 def test_an_unknown_profile_is_one_error_line_and_exit_2():
     result = run("profiles", "show", "nope")
-    assert result.exit_code == 2
+    assert_exited(result, 2)
     assert result.stdout == ""
     assert result.stderr.startswith("error: unknown profile 'nope' — known profiles: demo, demo-ngram")
     assert len(result.stderr.strip().splitlines()) == 1
-    assert "Traceback" not in result.output
 
 
 def test_a_malformed_user_profile_is_one_error_line(specdec_home):
