@@ -91,7 +91,7 @@ def test_a_bug_shows_its_traceback_with_or_without_debug(tmp_path, flags):
     """An internal error is not a user mistake: never hidden behind a one-line message."""
     code = ("import specdec_cli.cli.profiles as command\n"
             "def broken(): raise RuntimeError('an internal error')\n"
-            "command.list_profiles = broken")
+            "command.scan_profiles = broken")
     process = specdec(*flags, "profiles", "list", env={"SPECDEC_HOME": str(tmp_path)}, code=code)
     assert process.returncode == 1
     assert "Traceback (most recent call last):" in process.stderr
