@@ -5,6 +5,7 @@ progress bar and the closing table on stderr."""
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Annotated
 
@@ -22,7 +23,7 @@ from specdec_cli.cli.options import (
     decoding_overrides, model_overrides,
 )
 from specdec_cli.errors import InputError
-from specdec_cli.settings import choose_models, decoding_settings
+from specdec_cli.settings import ModelOverrides, choose_models, decoding_settings
 
 _FILES = "Files"
 
@@ -60,9 +61,17 @@ def run_command(
     Batch API request lines, or both. Each record is on disk before the next request starts; after a
     crash or Ctrl-C, rerun with --resume. Exit code 1 when any record failed."""
     _check_paths(input, output, resume, overwrite)
+    with _output_lock(output):
+        batch.check_output(output, resume, overwrite)  # again under the lock: another run may have just finished it
+        _run_locked(input, output, resume, overwrite, limit, quiet, model_overrides(locals()),
+                    decoding_overrides(locals()))
+
+
+def _run_locked(input: str, output: Path, resume: bool, overwrite: bool, limit: int | None, quiet: bool,
+                models: ModelOverrides, decoding: dict) -> None:
     requests = batch.read_requests(batch.read_input(input))[:limit]
-    choice = choose_models(model_overrides(locals()))
-    settings = decoding_settings(choice.profile, **decoding_overrides(locals()))
+    choice = choose_models(models)
+    settings = decoding_settings(choice.profile, **decoding)
     finished = batch.read_finished(output) if resume else []
     pending = batch.pending_requests(requests, finished)
     summary = batch.BatchSummary(
@@ -80,6 +89,11 @@ def _check_paths(source: str, output: Path, resume: bool, overwrite: bool) -> No
     if source != "-" and Path(source).resolve() == output.resolve():
         raise InputError("INPUT and OUTPUT are the same file", "write the results to another file with -o")
     batch.check_output(output, resume, overwrite)
+
+
+def _output_lock(output: Path) -> AbstractContextManager:
+    """The lock, for a regular file (or one to be made); a device such as /dev/null is no record file."""
+    return batch.OutputLock(output) if output.is_file() or not output.exists() else nullcontext()
 
 
 def _never(request: batch.Request) -> batch.Completion:  # pragma: no cover - only error requests are pending
