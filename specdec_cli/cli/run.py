@@ -34,6 +34,7 @@ def run_command(
     output: Annotated[Path, typer.Option("--output", "-o", help="JSONL file for the results (one line per request, in input order).", rich_help_panel=_FILES, show_default=False)],
     resume: Annotated[bool, typer.Option("--resume", help="Continue OUTPUT: skip the requests it already answers.", rich_help_panel=_FILES)] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUTPUT if it exists.", rich_help_panel=_FILES)] = False,
+    force: Annotated[bool, typer.Option("--force", help="With --resume: continue OUTPUT even with other settings than it was made with.", rich_help_panel=_FILES)] = False,
     limit: Annotated[int | None, typer.Option("--limit", min=1, help="Only the first N requests of INPUT.", rich_help_panel=_FILES)] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no summary table.")] = False,
     profile: ProfileOption = None,
@@ -63,16 +64,17 @@ def run_command(
     _check_paths(input, output, resume, overwrite)
     with _output_lock(output):
         batch.check_output(output, resume, overwrite)  # again under the lock: another run may have just finished it
-        _run_locked(input, output, resume, overwrite, limit, quiet, model_overrides(locals()),
+        _run_locked(input, output, resume, overwrite, force, limit, quiet, model_overrides(locals()),
                     decoding_overrides(locals()))
 
 
-def _run_locked(input: str, output: Path, resume: bool, overwrite: bool, limit: int | None, quiet: bool,
+def _run_locked(input: str, output: Path, resume: bool, overwrite: bool, force: bool, limit: int | None, quiet: bool,
                 models: ModelOverrides, decoding: dict) -> None:
     requests = batch.read_requests(batch.read_input(input))[:limit]
     choice = choose_models(models)
     settings = decoding_settings(choice.profile, **decoding)
     finished = batch.read_finished(output) if resume else []
+    _check_or_store_settings(output, batch.record_settings(choice, settings), bool(finished), force)
     pending = batch.pending_requests(requests, finished)
     summary = batch.BatchSummary(
         total=len(requests), skipped=len(requests) - len(pending), failed_before=sum(map(batch.record_failed, finished))
@@ -94,6 +96,16 @@ def _check_paths(source: str, output: Path, resume: bool, overwrite: bool) -> No
 def _output_lock(output: Path) -> AbstractContextManager:
     """The lock, for a regular file (or one to be made); a device such as /dev/null is no record file."""
     return batch.OutputLock(output) if output.is_file() or not output.exists() else nullcontext()
+
+
+def _check_or_store_settings(output: Path, current: dict, resuming: bool, force: bool) -> None:
+    """Resuming records: they must have been made with these settings. Starting a file: store them beside it."""
+    if resuming:
+        note = batch.check_resumed_settings(output, current, force)
+        if note:
+            error_console().print(note, markup=False)
+    elif output.is_file() or not output.exists():  # a device such as /dev/null gets no settings file
+        batch.write_settings(output, current)
 
 
 def _never(request: batch.Request) -> batch.Completion:  # pragma: no cover - only error requests are pending
