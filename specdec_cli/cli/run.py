@@ -22,10 +22,11 @@ from specdec_cli.cli.options import (
     Target4bitOption, TargetOption, TemperatureOption, TopKOption, TopPOption, TrustRemoteCodeOption,
     decoding_overrides, model_overrides,
 )
-from specdec_cli.errors import InputError
+from specdec_cli.errors import InputError, OutputWriteError
 from specdec_cli.settings import ModelOverrides, choose_models, decoding_settings
 
 _FILES = "Files"
+WRITE_FAILED = 3  # OUTPUT could not be written (disk full); 1 means "some records failed", 2 a usage mistake
 
 
 @report_errors
@@ -60,7 +61,8 @@ def run_command(
 ) -> None:
     """Generate for every request in a JSONL file: {"id", "prompt" | "messages", ...} lines, OpenAI
     Batch API request lines, or both. Each record is on disk before the next request starts; after a
-    crash or Ctrl-C, rerun with --resume. Exit code 1 when any record failed."""
+    crash or Ctrl-C, rerun with --resume. Exit code 1 when any record failed, 2 for a
+    usage mistake, 3 when OUTPUT could not be written (disk full)."""
     _check_paths(input, output, resume, overwrite)
     with _output_lock(output):
         batch.check_output(output, resume, overwrite)  # again under the lock: another run may have just finished it
@@ -130,6 +132,14 @@ def _run_with_progress(pending, generate, output: Path, replace: bool, summary: 
                 "run the same command with --resume to finish", markup=False,
             )
             raise typer.Exit(130) from None
+        except OutputWriteError as error:
+            progress.stop()
+            error_console().print(
+                f"error: {error.message} — the {summary.done} of {summary.total} records before it are intact; "
+                f"{error.hint} to finish",
+                markup=False,
+            )
+            raise typer.Exit(WRITE_FAILED) from None
 
 
 def _progress_bar(console: Console) -> Progress:
