@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from specdec_cli import batch
-from specdec_cli.cli.app import error_console, report_errors
+from specdec_cli.cli.app import error_console, interrupted_exit_code, report_errors, sigterm_as_interrupt
 from specdec_cli.cli.options import (
     AllowPickleOption, DeviceOption, Draft4bitOption, DraftInt8Option, DraftOption, DrafterOption, DtypeOption, KOption,
     LoadIn4bitOption, LoadIn8bitOption, MaxNewTokensOption, ProfileOption, SeedOption, SystemOption,
@@ -64,7 +64,7 @@ def run_command(
     crash or Ctrl-C, rerun with --resume. Exit code 1 when any record failed, 2 for a
     usage mistake, 3 when OUTPUT could not be written (disk full)."""
     _check_paths(input, output, resume, overwrite)
-    with _output_lock(output):
+    with sigterm_as_interrupt(), _output_lock(output):
         batch.check_output(output, resume, overwrite)  # again under the lock: another run may have just finished it
         _run_locked(input, output, resume, overwrite, force, limit, quiet, model_overrides(locals()),
                     decoding_overrides(locals()))
@@ -125,13 +125,13 @@ def _run_with_progress(pending, generate, output: Path, replace: bool, summary: 
 
         try:
             batch.run_batch(pending, generate, writer.write, summary, model, on_record=show)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM as `Terminated`
             progress.stop()
             error_console().print(
                 f"interrupted: {summary.done} of {summary.total} records are in {output} — "
                 "run the same command with --resume to finish", markup=False,
             )
-            raise typer.Exit(130) from None
+            raise typer.Exit(interrupted_exit_code(interrupt)) from None
         except OutputWriteError as error:
             progress.stop()
             error_console().print(

@@ -1,5 +1,5 @@
 """A real process killed with SIGKILL in the middle of a batch, then resumed: every input line has
-exactly one output record, in input order."""
+exactly one output record, in input order. SIGTERM stops it like Ctrl-C, with the hint and exit 143."""
 
 import json
 import os
@@ -44,3 +44,25 @@ def test_sigkill_then_resume_gives_exactly_one_record_per_line(tiny_pair, tmp_pa
     assert second.returncode == 0, stderr.decode()[-2000:]
     ids = [json.loads(line)["id"] for line in output.read_text().splitlines()]
     assert ids == [f"r{i}" for i in range(RECORDS)]
+
+
+def test_sigterm_stops_like_ctrl_c_with_the_resume_hint_and_exit_143(tiny_pair, tmp_path):
+    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"Hello {i}"}) + "\n" for i in range(RECORDS)))
+    first = start(tiny_pair, str(source), "-o", str(output))
+    deadline = time.monotonic() + 120
+    while lines_in(output) < 3 and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert first.poll() is None, first.stderr.read().decode()[-2000:]
+    first.send_signal(signal.SIGTERM)
+    _, stderr = first.communicate(timeout=60)
+    assert first.returncode == 143, stderr.decode()[-2000:]
+    last = stderr.decode().strip().splitlines()[-1]
+    assert last.startswith("interrupted: ") and last.endswith(f"records are in {output} — run the same command with "
+                                                              "--resume to finish")
+    assert not (tmp_path / "out.jsonl.lock").exists()  # released on the way out
+
+    second = start(tiny_pair, str(source), "-o", str(output), "--resume")
+    _, stderr = second.communicate(timeout=300)
+    assert second.returncode == 0, stderr.decode()[-2000:]
+    assert [json.loads(line)["id"] for line in output.read_text().splitlines()] == [f"r{i}" for i in range(RECORDS)]
