@@ -48,6 +48,10 @@ class InputError(SpecdecError):
     """A bad input file or option value."""
 
 
+class OutputWriteError(SpecdecError):
+    """OUTPUT could not be written (disk full, I/O error); the records before it are intact."""
+
+
 class PromptTooLongError(InputError):
     """A prompt that leaves no room in the model's context for even one new token."""
 

@@ -52,7 +52,7 @@ class ModelGeneration:
         max_new_tokens = _given(request.max_new_tokens, settings.max_new_tokens)
         result = self.decoder.generate(prompt_ids, params, max_new_tokens, stop=stops if stops.stops else None)
         text = stops.cut(self.tokenizer.decode(result.tokens, skip_special_tokens=True))
-        return Completion.of(text, result.finish_reason, len(prompt_ids), result.stats)
+        return Completion.of(text, result.finish_reason, len(prompt_ids), result.stats, result.budget.note() or None)
 
     def _encode(self, request: Request) -> list[int]:
         from specdec_cli.session import encode_chat, encode_completion

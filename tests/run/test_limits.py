@@ -69,6 +69,20 @@ def test_a_budget_past_the_context_is_cut_to_what_fits(run, tmp_path, positions_
     assert result.exit_code == 0, result.output
     [record] = read(tmp_path / "out.jsonl")
     assert (record["prompt_tokens"], record["completion_tokens"], record["finish_reason"]) == (248, 8, "length")
+    assert record["note"] == ("max_new_tokens cut from 1000000000 to 8: the prompt's 248 tokens leave no more of "
+                              "the model's 256-token context")
+
+
+def test_a_cut_budget_shows_in_the_openai_shape_too_and_an_uncut_one_has_no_note(run, tmp_path, positions_checked):
+    near = {"custom_id": "near", "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": SENTENCE * 8, "max_tokens": 50}}
+    result = run([near, {"id": "short", "prompt": "def add(a, b):"}])
+    assert result.exit_code == 0, result.output
+    cut, short = read(tmp_path / "out.jsonl")
+    assert cut["response"]["body"]["choices"][0]["finish_reason"] == "length"
+    assert cut["specdec"]["note"] == ("max_new_tokens cut from 50 to 8: the prompt's 248 tokens leave no more of the "
+                                      "model's 256-token context")
+    assert "note" not in short
 
 
 @pytest.mark.parametrize(("line", "problem"), [
