@@ -108,3 +108,32 @@ def test_a_non_finite_option_is_one_line_before_loading(run, tmp_path, option):
     assert len(result.stderr.strip().splitlines()) == 1
     assert "must be a finite number" in result.stderr or "top_p must be in (0, 1]" in result.stderr
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_request_that_fails_inside_generation_becomes_an_error_record(tiny_pair, tmp_path, monkeypatch):
+    """A failure inside the model's forward (here: the second request's) is that record's error; the batch goes on."""
+    import json as _json
+
+    from typer.testing import CliRunner as _Runner
+
+    from specdec_cli.cli import app as _app
+    from specdec_cli.engine.decode import SpeculativeDecoder
+
+    real_generate, calls = SpeculativeDecoder.generate, []
+
+    def failing_second(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("a kernel refused this input\nsecond line")
+        return real_generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate", failing_second)
+    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(_json.dumps({"id": name, "prompt": "def add(a, b):"}) + "\n" for name in "abc"))
+    result = _Runner().invoke(_app, ["run", str(source), "-o", str(output), "--target", tiny_pair.target, "--dtype",
+                                     "float32", "-n", "4", "-t", "0"])
+    assert isinstance(result.exception, SystemExit) and result.exit_code == 1, result.exception  # a record failed
+    records = [_json.loads(line) for line in output.read_text().splitlines()]
+    assert [record["id"] for record in records] == ["a", "b", "c"]
+    assert [record["finish_reason"] for record in records] == ["length", "error", "length"]
+    assert records[1]["error"].startswith("line 2: generation failed (RuntimeError: a kernel refused this input)")
