@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from specdec_cli.drafters import CascadeDrafter, DraftModelDrafter, NgramDrafter
-from specdec_cli.drafters.base import Draft
 from specdec_cli.drafters.subset_head import frequent_token_ids
+from specdec_cli.engine.draft import Draft
 from specdec_cli.engine import AdaptiveK, CostModelK, DraftOrNot, FixedK, GenerationStats, SamplingParams, SpeculativeDecoder
 from specdec_cli.models import load_pair
 from specdec_cli.session import encode_chat, eos_token_ids

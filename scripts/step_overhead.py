@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from specdec_cli.cli.options import choose_models, load_choice
 from specdec_cli.engine import SamplingParams
-from specdec_cli.session import build_decoder, encode_chat, parse_k
+from specdec_cli.session import build_decoder, encode_chat
+from specdec_cli.settings import ModelOverrides, choose_models, load_choice, parse_k
 
 QUESTIONS = Path(__file__).resolve().parents[1].parent / "shared/prompts/spec_bench_questions.jsonl"
 
@@ -53,7 +53,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--draft-int8", action=argparse.BooleanOptionalAction, default=None)
     args = parser.parse_args()
-    choice = choose_models(args.profile, None, None, args.drafter, None, None, draft_int8=args.draft_int8)
+    choice = choose_models(ModelOverrides(profile=args.profile, drafter=args.drafter, draft_int8=args.draft_int8))
     target, draft = load_choice(choice)
     questions = [json.loads(line)["turns"][0] for line in QUESTIONS.read_text().splitlines()]
     prompts = [encode_chat(target.tokenizer, [{"role": "user", "content": q}]) for q in questions[:: 40][: args.prompts]]

@@ -10,19 +10,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from specdec_cli.chat.history import History, Message, write_jsonl
 from specdec_cli.chat.text import Piece, ReplyText
-from specdec_cli.engine import GenerationStats
-from specdec_cli.errors import InputError
+from specdec_cli.engine import Budget, GenerationStats
+from specdec_cli.errors import InputError, PromptTooLongError
 from specdec_cli.models import LoadedModel
-from specdec_cli.session import (
-    build_decoder, encode_chat, fit_drafter_to_k, make_drafter, make_policy, parse_k, sampling_params,
-)
-
-if TYPE_CHECKING:
-    from specdec_cli.cli.options import DecodingSettings
+from specdec_cli.session import build_decoder, encode_chat, make_drafter, make_policy
+from specdec_cli.settings import DecodingSettings, parse_k, sampling_params
 
 
 class Conversation:
@@ -36,11 +31,12 @@ class Conversation:
         self.target = target
         self.draft = draft
         self.drafter_name = drafter
-        self.settings = replace(settings)
+        self.settings = settings
         self.decoder = build_decoder(target, draft, drafter, settings.k)
         self.history = History(system=settings.system)
         self.totals = GenerationStats()  # every reply of the session, across /reset
         self.replies = 0
+        self.budget: Budget | None = None  # the last reply's token budget, as the context left it
         self._saved: set[Path] = set()  # files this session wrote, which /save may overwrite
 
     # ---- a turn -------------------------------------------------------------------------------
@@ -54,6 +50,7 @@ class Conversation:
         self.history.messages.append(Message("user", user_text))
         try:
             prompt = self.prompt_ids()
+            self.budget = self._fit(len(prompt))
         except BaseException:
             self.history.messages.pop()
             raise
@@ -62,13 +59,21 @@ class Conversation:
         finish_reason = "interrupted"
         started = time.perf_counter()
         try:
-            for event in self.decoder.stream(prompt, self.sampling(), self.settings.max_new_tokens):
+            for event in self.decoder.stream(prompt, self.sampling(), self.budget.max_new_tokens):
                 stats.add_step(event)
                 yield from text.push(event.tokens, event.provenance)
                 finish_reason = event.finish_reason or finish_reason
         finally:
             stats.seconds = time.perf_counter() - started
             self._record(text.shown, finish_reason, stats)
+
+    def _fit(self, prompt_tokens: int) -> Budget:
+        """The reply's budget, checked before any forward: a conversation past the context is refused."""
+        try:
+            return self.decoder.fit(prompt_tokens, self.settings.max_new_tokens)
+        except PromptTooLongError as error:
+            hint = "send a shorter message, or /reset to start a new conversation"
+            raise PromptTooLongError(error.prompt_tokens, error.context, hint) from None
 
     def _record(self, content: str, finish_reason: str, stats: GenerationStats) -> None:
         self.history.messages.append(Message("assistant", content, finish_reason, stats.as_dict()))
@@ -81,8 +86,7 @@ class Conversation:
         return messages[-1] if messages and messages[-1].role == "assistant" else None
 
     def sampling(self):
-        settings = self.settings
-        return sampling_params(settings.temperature, settings.top_p, settings.top_k, settings.seed)
+        return self.settings.sampling()
 
     # ---- what the slash commands change -------------------------------------------------------
 
@@ -96,13 +100,13 @@ class Conversation:
         self.history.system = text or None
 
     def set_k(self, value: str) -> int | str:
+        """A new draft length; the drafter (and its cache) stays, obeying the new policy's stop rule."""
         k = parse_k(value)
-        if k != 0 and self.decoder.drafter is None:
-            self.decoder.drafter = make_drafter(self.drafter_name, self.draft, k)
-        elif k != 0:
-            fit_drafter_to_k(self.decoder.drafter, k)  # auto stops on the draft's odds, a fixed k does not
-        self.decoder.policy = make_policy(k)
-        self.settings.k = k
+        drafter = self.decoder.drafter
+        if drafter is None and k != 0:
+            drafter = make_drafter(self.drafter_name, self.draft, k)
+        self.decoder.set_drafting(drafter, make_policy(k))
+        self.settings = replace(self.settings, k=k)
         return k
 
     def set_temperature(self, value: str) -> float:
@@ -112,13 +116,15 @@ class Conversation:
             raise InputError(f"invalid temperature {value!r}", "use a number, e.g. /temp 0.7 (0 = greedy)") from None
         settings = self.settings
         sampling_params(temperature, settings.top_p, settings.top_k, settings.seed)  # validates
-        settings.temperature = temperature
+        self.settings = replace(settings, temperature=temperature)
         return temperature
 
     def save(self, path: Path) -> int:
         """Write the transcript as JSON lines; returns the number of lines. Never overwrites a file
         this session did not write itself."""
         path = path.expanduser()
+        if path.is_dir():
+            raise InputError(f"{path} is a folder", f"give a file name, e.g. /save {path / 'chat.jsonl'}")
         if path.exists() and path.resolve() not in self._saved:
             raise InputError(f"{path} already exists", "pick a new file name (or remove that file first)")
         records = self.history.records()

@@ -1,8 +1,10 @@
-"""Drafters: one interface (`Drafter`), a draft model and model-free n-gram lookup."""
+"""Concrete drafters: a draft model, model-free n-gram lookup, and the cascade of both.
+
+They implement the engine's interface (`specdec_cli.engine.draft`), re-exported here for convenience."""
 
 from specdec_cli.drafters.cascade import CascadeDrafter
-from specdec_cli.drafters.base import EMPTY_DRAFT, Draft, Drafter
 from specdec_cli.drafters.model import DraftModelDrafter
 from specdec_cli.drafters.ngram import NgramDrafter
+from specdec_cli.engine.draft import EMPTY_DRAFT, Draft, DraftRule, Drafter
 
-__all__ = ["CascadeDrafter", "EMPTY_DRAFT", "Draft", "DraftModelDrafter", "Drafter", "NgramDrafter"]
+__all__ = ["CascadeDrafter", "EMPTY_DRAFT", "Draft", "DraftModelDrafter", "DraftRule", "Drafter", "NgramDrafter"]

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdec_cli.drafters.base import Draft, Drafter
 from specdec_cli.drafters.model import DraftModelDrafter
 from specdec_cli.drafters.ngram import NgramDrafter
+from specdec_cli.engine.draft import Draft, DraftRule, Drafter
 
 if TYPE_CHECKING:
     from specdec_cli.engine.sampling import SamplingParams
@@ -28,8 +28,9 @@ class CascadeDrafter(Drafter):
                  min_match: int = 2, lookup_k: int = 8) -> None:
         """min_match: the shortest n-gram match trusted over the draft model (1-gram matches are
         too often coincidences). lookup_k: tokens proposed from a match, whatever k the policy
-        chose for the draft model — a lookup costs nothing and verifying 8 tokens costs about
-        as much as verifying 1, so a match is used at full length."""
+        chose for the draft model — a lookup costs nothing and verifying a few more tokens costs
+        about as much as verifying one, so a match is used at full length. The policy's
+        `DraftRule` replaces it (and the draft model's stop rule) through `obey`."""
         self.model_drafter = model_drafter
         self.ngram = ngram or NgramDrafter(max_n=4, min_n=min_match)
         self.lookup_k = lookup_k
@@ -49,3 +50,10 @@ class CascadeDrafter(Drafter):
     def reset(self) -> None:
         self.model_drafter.reset()
         self.ngram.reset()
+
+    def obey(self, rule: DraftRule) -> None:
+        self.lookup_k = rule.lookup_k
+        self.model_drafter.obey(rule)
+
+    def context_length(self) -> int | None:
+        return self.model_drafter.context_length()

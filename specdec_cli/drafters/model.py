@@ -10,7 +10,9 @@ Three options cut wasted draft work, all lossless:
   the draft itself doubts is likely rejected, and every later draft token with it);
 - `min_survival`: stop drafting once the product of the draft's probabilities of its tokens so far
   (its own estimate that the whole draft survives verification) falls below it. The token that
-  crossed the line is still proposed: it is already paid for, only the next forward is saved."""
+  crossed the line is still proposed: it is already paid for, only the next forward is saved.
+  The draft-length policy sets it through `obey` (its `DraftRule`); the constructor's value stands
+  only while no policy has a rule."""
 
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdec_cli.drafters.base import EMPTY_DRAFT, Draft, Drafter
+from specdec_cli.engine.draft import EMPTY_DRAFT, Draft, DraftRule, Drafter
 from specdec_cli.drafters.subset_head import SubsetHeadLM
+from specdec_cli.engine.context import context_length
 from specdec_cli.engine.kv import CachedModel
 from specdec_cli.engine.sampling import logits_to_probs, sample
 
@@ -38,6 +41,7 @@ class DraftModelDrafter(Drafter):
         self.subset = token_ids.cpu() if token_ids is not None else None
         self.head = SubsetHeadLM(model, token_ids) if token_ids is not None else None
         self.runner = CachedModel(self.head or model)
+        self.context = context_length(model)
         self.min_confidence = min_confidence
         self.min_survival = min_survival
 
@@ -84,3 +88,9 @@ class DraftModelDrafter(Drafter):
 
     def reset(self) -> None:
         self.runner.reset()
+
+    def obey(self, rule: DraftRule) -> None:
+        self.min_survival = rule.min_survival
+
+    def context_length(self) -> int | None:
+        return self.context

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdec_cli.drafters.base import EMPTY_DRAFT, Draft, Drafter
+from specdec_cli.engine.draft import EMPTY_DRAFT, Draft, Drafter
 
 if TYPE_CHECKING:
     from specdec_cli.engine.sampling import SamplingParams

@@ -1,7 +1,7 @@
 """A draft model whose output layer scores only a subset of the vocabulary (FR-Spec style).
 
-A 0.5B draft spends a quarter of its forward in a 151,936-row output layer. Scoring only the most
-frequent ids cuts that, and stays lossless: ids outside the subset get draft probability 0, which
+A small draft spends a large share of its forward in its output layer (151,936 rows for Qwen2.5's
+vocabulary). Scoring only the most frequent ids cuts that, and stays lossless: ids outside the subset get draft probability 0, which
 the acceptance rule handles like any other draft distribution (the target can still emit them).
 
 Without corpus statistics, a byte-level BPE's id order is its merge order, which follows frequency

@@ -1,17 +1,31 @@
-"""The speculative decoding engine: pure token ids in and out (no text, no Rich, no files)."""
+"""The speculative decoding engine: pure token ids in and out (no text, no Rich, no files).
 
-from specdec_cli.engine.decode import (
-    GenerationResult,
-    GenerationStats,
-    Provenance,
-    SpeculativeDecoder,
-    StepEvent,
-)
-from specdec_cli.engine.kv import CachedModel
-from specdec_cli.engine.policy import AdaptiveK, CostModelK, DraftLengthPolicy, DraftOrNot, FixedK, expected_tokens
-from specdec_cli.engine.sampling import SamplingParams, logits_to_probs, make_generator
+Names load on first use (PEP 562), so that `specdec_cli.engine.stats` and `specdec_cli.engine.draft`,
+which need no torch, can be imported without loading torch."""
 
-__all__ = [
-    "AdaptiveK", "CachedModel", "CostModelK", "DraftLengthPolicy", "DraftOrNot", "FixedK", "GenerationResult", "GenerationStats",
-    "Provenance", "SamplingParams", "SpeculativeDecoder", "StepEvent", "expected_tokens", "logits_to_probs", "make_generator",
-]
+from importlib import import_module
+
+_HOMES = {
+    "context": ("Budget", "context_length", "fit_budget"),
+    "decode": ("GenerationResult", "Provenance", "SpeculativeDecoder", "StepEvent", "cut_at_eos"),
+    "draft": ("EMPTY_DRAFT", "Draft", "DraftRule", "Drafter"),
+    "kv": ("CachedModel",),
+    "policy": ("AdaptiveK", "CostModelK", "DraftLengthPolicy", "DraftOrNot", "FixedK", "expected_tokens"),
+    "sampling": ("SamplingParams", "logits_to_probs", "make_generator"),
+    "stats": ("GenerationStats",),
+}
+_MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
+
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f"{__name__}.{_MODULE_OF[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -9,22 +9,26 @@ Each step, in order:
 Caches are not cropped here: both models' `CachedModel.extend` cut their caches back to the accepted
 sequence at the start of their next forward.
 
-`SpeculativeDecoder.stream` yields one `StepEvent` per verification step; `generate` collects them."""
+`SpeculativeDecoder.stream` yields one `StepEvent` per verification step; `generate` collects them.
+Before the first forward, `fit` checks the prompt against the models' context: a prompt that leaves no
+room raises PromptTooLongError, a budget past the context is cut to what fits (finish_reason "length")."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
 import torch
 
-from specdec_cli.drafters.base import EMPTY_DRAFT, Draft, Drafter
 from specdec_cli.engine.acceptance import Verdict, greedy_verdict, sampling_verdict
+from specdec_cli.engine.context import Budget, context_length, fit_budget, smallest_context
+from specdec_cli.engine.draft import EMPTY_DRAFT, Draft, Drafter
 from specdec_cli.engine.kv import CachedModel
 from specdec_cli.engine.policy import DraftLengthPolicy, FixedK
 from specdec_cli.engine.sampling import SamplingParams, logits_to_probs, make_generator
+from specdec_cli.engine.stats import GenerationStats
 
 
 class Provenance(str, Enum):
@@ -47,88 +51,12 @@ class StepEvent:
 
 
 @dataclass
-class GenerationStats:
-    new_tokens: int = 0
-    steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    seconds: float = 0.0
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
-    drafted_at: list[int] = field(default_factory=list)   # drafted_at[i]: steps that drafted position i+1
-    accepted_at: list[int] = field(default_factory=list)  # accepted_at[i]: steps that kept position i+1
-    lookup_steps: int = 0     # steps whose draft was free (a lookup); included in the totals above
-    lookup_drafted: int = 0
-    lookup_accepted: int = 0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def tokens_per_step(self) -> float:
-        return self.new_tokens / self.steps if self.steps else 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.new_tokens / self.seconds if self.seconds else 0.0
-
-    def add_step(self, event: StepEvent) -> None:
-        self.new_tokens += len(event.tokens)
-        self.steps += 1
-        self.drafted += event.drafted
-        self.accepted += event.accepted
-        self.draft_seconds += event.draft_seconds
-        self.verify_seconds += event.verify_seconds
-        _grow(self.drafted_at, event.drafted)
-        _grow(self.accepted_at, event.accepted)
-        if event.free and event.drafted:
-            self.lookup_steps += 1
-            self.lookup_drafted += event.drafted
-            self.lookup_accepted += event.accepted
-
-    def merge(self, other: "GenerationStats") -> None:
-        for name in ("new_tokens", "steps", "drafted", "accepted", "seconds", "draft_seconds", "verify_seconds",
-                     "lookup_steps", "lookup_drafted", "lookup_accepted"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        for mine, theirs in ((self.drafted_at, other.drafted_at), (self.accepted_at, other.accepted_at)):
-            mine.extend([0] * (len(theirs) - len(mine)))
-            for i, count in enumerate(theirs):
-                mine[i] += count
-
-    def as_dict(self) -> dict:
-        return {
-            "new_tokens": self.new_tokens,
-            "steps": self.steps,
-            "drafted": self.drafted,
-            "accepted": self.accepted,
-            "acceptance_rate": round(self.acceptance_rate, 4),
-            "tokens_per_step": round(self.tokens_per_step, 4),
-            "tokens_per_second": round(self.tokens_per_second, 3),
-            "seconds": round(self.seconds, 4),
-            "draft_seconds": round(self.draft_seconds, 4),
-            "verify_seconds": round(self.verify_seconds, 4),
-            "accepted_at_position": list(self.accepted_at),
-            "drafted_at_position": list(self.drafted_at),
-            "lookup_steps": self.lookup_steps,
-            "lookup_drafted": self.lookup_drafted,
-            "lookup_accepted": self.lookup_accepted,
-        }
-
-
-def _grow(counts: list[int], upto: int) -> None:
-    """Count one more step at positions 1..upto."""
-    counts.extend([0] * (upto - len(counts)))
-    for i in range(upto):
-        counts[i] += 1
-
-
-@dataclass
 class GenerationResult:
     tokens: list[int]
     provenance: list[Provenance]
     finish_reason: str
     stats: GenerationStats
+    budget: Budget  # max_new_tokens as asked and as the context let it be (budget.cut, budget.note())
 
 
 StopCallback = Callable[[list[int]], bool]  # sees all generated ids so far; True ends generation
@@ -146,9 +74,26 @@ class SpeculativeDecoder:
         eos_token_ids: Sequence[int] = (),
     ) -> None:
         self.target = target if isinstance(target, CachedModel) else CachedModel(target)
-        self.drafter = drafter
-        self.policy = policy if policy is not None else FixedK(4 if drafter else 0)
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.set_drafting(drafter, policy if policy is not None else FixedK(4 if drafter else 0))
+
+    def set_drafting(self, drafter: Drafter | None, policy: DraftLengthPolicy) -> None:
+        """Draft with `drafter` (None: the target alone) as far as `policy` says. The policy owns how far:
+        k each step, and its `rule` (when it has one) binds the drafter's stop rule, in place."""
+        self.drafter = drafter
+        self.policy = policy
+        if drafter is not None and policy.rule is not None:
+            drafter.obey(policy.rule)
+
+    @property
+    def context(self) -> int | None:
+        """The positions target and drafter both take (None: no limit known)."""
+        drafter_context = self.drafter.context_length() if self.drafter is not None else None
+        return smallest_context(context_length(self.target.model), drafter_context)
+
+    def fit(self, prompt_tokens: int, max_new_tokens: int) -> Budget:
+        """The budget a prompt of `prompt_tokens` leaves in the context; PromptTooLongError if none."""
+        return fit_budget(prompt_tokens, max_new_tokens, self.context)
 
     def reset(self) -> None:
         """Forget all cached state (a new conversation)."""
@@ -166,6 +111,7 @@ class SpeculativeDecoder:
     ) -> Iterator[StepEvent]:
         if not prompt_ids:
             raise ValueError("the prompt must hold at least one token")
+        max_new_tokens = self.fit(len(prompt_ids), max_new_tokens).max_new_tokens  # before any forward
         ids = list(prompt_ids)
         generated: list[int] = []
         generator = make_generator(params.seed)
@@ -181,25 +127,22 @@ class SpeculativeDecoder:
             if event.finish_reason is not None:
                 return
 
-    def generate(
-        self,
-        prompt_ids: Sequence[int],
-        params: SamplingParams = SamplingParams(),
-        max_new_tokens: int = 128,
-        stop: StopCallback | None = None,
-    ) -> GenerationResult:
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams(), max_new_tokens: int = 128,
+                 stop: StopCallback | None = None) -> GenerationResult:
+        """`stream`, collected: all tokens, their provenance, why it ended, and the stats (timed)."""
         tokens: list[int] = []
         provenance: list[Provenance] = []
         stats = GenerationStats()
         finish_reason = "length"
+        budget = self.fit(len(prompt_ids), max_new_tokens)
         started = time.perf_counter()
-        for event in self.stream(prompt_ids, params, max_new_tokens, stop):
+        for event in self.stream(prompt_ids, params, budget.max_new_tokens, stop):
             tokens.extend(event.tokens)
             provenance.extend(event.provenance)
             stats.add_step(event)
             finish_reason = event.finish_reason or finish_reason
         stats.seconds = time.perf_counter() - started
-        return GenerationResult(tokens, provenance, finish_reason, stats)
+        return GenerationResult(tokens, provenance, finish_reason, stats, budget)
 
     def _step(
         self, ids: list[int], params: SamplingParams, generator: torch.Generator, remaining: int,
@@ -252,12 +195,26 @@ class SpeculativeDecoder:
         self, tokens: list[int], provenance: list[Provenance], remaining: int
     ) -> tuple[list[int], list[Provenance], str | None]:
         """Cut after the first EOS id ("stop") or at the token budget ("length")."""
-        for position, token in enumerate(tokens[:remaining]):
-            if token in self.eos_token_ids:
-                return tokens[: position + 1], provenance[: position + 1], "stop"
+        end = eos_end(tokens[:remaining], self.eos_token_ids)
+        if end is not None:
+            return tokens[:end], provenance[:end], "stop"
         if len(tokens) >= remaining:
             return tokens[:remaining], provenance[:remaining], "length"
         return tokens, provenance, None
+
+
+def eos_end(tokens: Sequence[int], eos_token_ids) -> int | None:
+    """How many tokens to keep to end right after the first EOS id; None when there is none."""
+    for position, token in enumerate(tokens):
+        if token in eos_token_ids:
+            return position + 1
+    return None
+
+
+def cut_at_eos(tokens: list[int], eos_token_ids) -> list[int]:
+    """The tokens up to and including the first EOS id (all of them when there is none), as a step keeps them."""
+    end = eos_end(tokens, eos_token_ids)
+    return tokens if end is None else tokens[:end]
 
 
 def _provenance_of_next(draft: Draft, verdict: Verdict) -> Provenance:

@@ -1,15 +1,21 @@
-"""Draft-length policies: how many tokens to draft in the next step.
+"""Draft-length policies: how far to draft in the next step.
 
 A policy sees each step's outcome (drafted, accepted, and the seconds spent drafting and verifying)
-and answers `next_k()`. k = 0 means plain target decoding for that step."""
+and answers `next_k()`. k = 0 means plain target decoding for that step. Its `rule` (a `DraftRule`, or
+None to leave the drafter as it was built) says how far a drafter goes within k: the decoder hands it
+to the drafter (`Drafter.obey`), so the policy is the one owner of "how far to draft"."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Protocol
 
+from specdec_cli.engine.draft import DraftRule
+
 
 class DraftLengthPolicy(Protocol):
+    rule: DraftRule | None
+
     def next_k(self) -> int: ...
 
     def update(self, drafted: int, accepted: int, draft_seconds: float | None, verify_seconds: float | None) -> None:
@@ -21,6 +27,7 @@ class DraftLengthPolicy(Protocol):
 @dataclass
 class FixedK:
     k: int
+    rule: DraftRule | None = None
 
     def next_k(self) -> int:
         return self.k
@@ -42,6 +49,7 @@ class AdaptiveK:
     max_k: int = 12
     grow: int = 2
     shrink: int = 1
+    rule: DraftRule | None = None
 
     def __post_init__(self) -> None:
         self.k = self.start
@@ -84,7 +92,8 @@ class CostModelK:
     resumes when the text becomes predictable again."""
 
     def __init__(self, max_k: int = 10, prior_alpha: float = 0.6, prior_weight: float = 2.0,
-                 decay: float = 0.97, probe_every: int = 8, probe_k: int = 3) -> None:
+                 decay: float = 0.97, probe_every: int = 8, probe_k: int = 3, rule: DraftRule | None = None) -> None:
+        self.rule = rule
         self.max_k, self.prior_alpha, self.prior_weight = max_k, prior_alpha, prior_weight
         self.decay, self.probe_every, self.probe_k = decay, probe_every, probe_k
         self.reset()
@@ -147,10 +156,10 @@ class CostModelK:
 
 
 class DraftOrNot(CostModelK):
-    """The cost model's yes or no: draft up to `max_k` when some k > 0 pays — a drafter with its own stop
-    rule (the draft model's `min_survival`) then decides how far — else decode with the target alone
-    (probing as CostModelK does). Per-token odds know more than per-position averages: measured on the
-    demo pair (13 Spec-Bench prompts x 96 tokens, cascade, int8 draft) x1.96 against CostModelK's x1.83."""
+    """The cost model's yes or no: draft up to `max_k` when some k > 0 pays — the policy's `rule` (the
+    draft model's odds cut) then stops the draft where the draft's own per-token odds say — else decode
+    with the target alone (probing as CostModelK does). Per-token odds know more than per-position
+    averages, so this leaves "how far" to them and keeps only "whether"."""
 
     def __init__(self, max_k: int = 20, **kwargs) -> None:
         super().__init__(max_k=max_k, **kwargs)

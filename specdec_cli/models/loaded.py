@@ -14,7 +14,7 @@ import torch
 from specdec_cli.errors import ModelLoadError
 from specdec_cli.models import preflight
 from specdec_cli.models.device import dtype_name, resolve_device, resolve_dtype
-from specdec_cli.models.progress import status
+from specdec_cli.models.progress import library_bars, status
 from specdec_cli.models.quant import check_quantization, compute_dtype, precision, quantization_config, quantize, resolve_auto
 from specdec_cli.models.resolve import ModelSource, check_weight_format, resolve, weights_folder
 
@@ -138,9 +138,10 @@ def output_rows(model) -> int:
 
 
 def _load_weights(plan: _Plan, tokenizer) -> LoadedModel:
-    folder = weights_folder(plan.source, plan.dtype, plan.allow_pickle, plan.progress)
-    with status(f"loading {plan.source.spec} ...", plan.progress):
-        model = _from_pretrained(plan, folder).eval()
+    with library_bars(plan.progress):  # downloads, a GGUF conversion, "Loading weights": no bars with -q
+        folder = weights_folder(plan.source, plan.dtype, plan.allow_pickle, plan.progress)
+        with status(f"loading {plan.source.spec} ...", plan.progress):
+            model = _from_pretrained(plan, folder).eval()
     if plan.quantization in ("int8", "int4"):
         with status(f"quantising {plan.source.spec} to {plan.quantization} ...", plan.progress):
             model = quantize(model, plan.quantization)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specdec_cli.chat import Conversation
-from specdec_cli.cli.options import DecodingSettings
+from specdec_cli.settings import DecodingSettings
 from specdec_cli.models import load_model
 
 

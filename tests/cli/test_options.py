@@ -1,12 +1,12 @@
 import pytest
 
-from specdec_cli.cli.options import choose_models, load_choice
+from specdec_cli.settings import ModelOverrides, choose_models, load_choice
 from specdec_cli.errors import InputError, ProfileError
 
 
 def choose(**flags):
     arguments = dict(profile=None, target=None, draft=None, drafter=None, device=None, dtype=None)
-    return choose_models(**{**arguments, **flags})
+    return choose_models(ModelOverrides(**{**arguments, **flags}))
 
 
 def test_no_model_options_means_the_demo_profile():
@@ -105,11 +105,11 @@ def _command_app():
         trust_remote_code: options.TrustRemoteCodeOption = False,
         allow_pickle: options.AllowPickleOption = False,
     ) -> None:
-        choice = options.choose_models(
+        choice = choose_models(ModelOverrides(
             profile, target, draft, drafter, device, dtype, target_4bit, draft_4bit,
             load_in_4bit, load_in_8bit, trust_remote_code, allow_pickle,
-        )
-        options.load_choice(choice)
+        ))
+        load_choice(choice)
 
     return app
 
@@ -148,7 +148,7 @@ def test_no_draft_int8_drops_a_profiles_int8_draft(tmp_path, monkeypatch):
     from specdec_cli.profiles import Profile
 
     profile = Profile(name="p", target="org/big", draft="org/small", drafter="model", draft_quantization="int8")
-    monkeypatch.setattr("specdec_cli.cli.options.load_profile", lambda name: profile)
+    monkeypatch.setattr("specdec_cli.settings.load_profile", lambda name: profile)
     assert choose(profile="p").draft_quantization == "int8"
     assert choose(profile="p", draft_int8=False).draft_quantization is None
 
@@ -164,8 +164,7 @@ def test_a_profiles_int8_draft_is_dropped_with_a_note_on_a_gpu(monkeypatch):
     import torch
     from rich.console import Console
 
-    from specdec_cli.cli import options
-
+    from specdec_cli import settings as options
     from specdec_cli.profiles import Profile
 
     profile = Profile(name="p", target="org/big", draft="org/small", drafter="model", draft_quantization="int8")

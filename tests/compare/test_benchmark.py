@@ -120,7 +120,7 @@ def test_hf_counts_new_tokens_like_the_engine_up_to_and_including_eos(low_accept
     emitted = tokens_of(plain, "target alone")[0]
     eos = emitted[4]
     monkeypatch.setattr("specdec_cli.session.eos_token_ids", lambda model: (eos,))
-    monkeypatch.setattr("specdec_cli.bench.eos_token_ids", lambda model: (eos,))
+    monkeypatch.setattr("specdec_cli.bench.measure.eos_token_ids", lambda model: (eos,))
     stopped = measured(low_acceptance_pair, ["model"], [2], with_hf=True, prompts=PROMPTS[:1])
     expected = emitted[: emitted.index(eos) + 1]
     for config in stopped.configs:

@@ -63,7 +63,7 @@ def test_an_int8_draft_is_lossless(llama_target, llama_near_draft, k):
 
 
 def test_the_benchmark_counts_an_int8_models_packed_weights(llama_folder):
-    from specdec_cli.bench import _weight_bytes
+    from specdec_cli.bench.probes import _weight_bytes
 
     loaded = load_model(str(llama_folder), device="cpu", dtype="float32", quantization="int8", progress=False)
     linear = sum(module.in_features * module.out_features for module in loaded.model.modules()

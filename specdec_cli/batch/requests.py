@@ -1,0 +1,241 @@
+"""Reading `run`'s input: each line → a `Request` (specdec's {"id", "prompt" | "messages"} shape or an
+OpenAI Batch API request line), or a request that carries the reason it cannot run; problems never stop
+the batch. No torch, no Rich."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdec_cli.errors import InputError
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+OPENAI_KEYS = ("custom_id", "method", "url", "body")
+MAX_SEED = 2**64 - 1  # torch's manual_seed accepts up to this
+
+
+@dataclass(frozen=True)
+class Request:
+    """One input line. Sampling fields left as None take the command's settings."""
+
+    line: int
+    id: str | int  # "id" (or "custom_id" on an OpenAI line); the line number when absent
+    openai: bool  # an OpenAI Batch API request line: answered in the OpenAI batch output shape
+    chat: bool = False  # messages through the chat template, else a raw prompt
+    prompt: str | None = None
+    messages: tuple[dict, ...] = ()
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    error: str | None = None  # why this line cannot run; it becomes an error record
+    id_given: bool = True  # False: the line has no id and `id` is its line number
+
+    @property
+    def key(self) -> str:
+        """What resume matches output records on: the id as JSON, so 7 and "7" stay apart."""
+        return json.dumps(self.id)
+
+
+class BadRecord(ValueError):
+    """What is wrong with one input line; it becomes that line's error record."""
+
+
+def read_requests(lines: Iterable[bytes]) -> list[Request]:
+    """Every non-blank line as a request, numbered from 1; a later duplicate id becomes an error."""
+    requests: list[Request] = []
+    first: dict[str, Request] = {}
+    for number, raw in enumerate(lines, start=1):
+        if raw.strip():
+            request = parse_line(number, raw)
+            if request.key in first and request.error is None:
+                request = _failed(request, _duplicate(request, first[request.key]))
+            first.setdefault(request.key, request)
+            requests.append(request)
+    return requests
+
+
+def _duplicate(request: Request, earlier: Request) -> str:
+    """Why a line's id is taken; a line without an id took its line number, which a user may not expect."""
+    if not earlier.id_given:
+        return f"duplicate id {request.id!r}: line {earlier.line} has no id, so it took its line number {earlier.id!r} as id"
+    if not request.id_given:
+        return (f"duplicate id {request.id!r} (first on line {earlier.line}): this line has no id, so it took its "
+                "line number as id")
+    return f"duplicate id {request.id!r} (first on line {earlier.line})"
+
+
+def parse_line(number: int, raw: bytes) -> Request:
+    try:
+        value = json.loads(_decode(number, raw))
+        if not isinstance(value, dict):
+            raise BadRecord(f"expected a JSON object, got {_json_type(value)}")
+    except (BadRecord, json.JSONDecodeError) as error:
+        return Request(number, number, openai=False, error=f"line {number}: {_problem(error)}", id_given=False)
+    openai = any(key in value for key in OPENAI_KEYS)
+    try:
+        record_id = _record_id(value, "custom_id" if openai else "id", number)
+    except BadRecord as error:
+        return Request(number, number, openai, error=f"line {number}: {error}", id_given=False)
+    given = value.get("custom_id" if openai else "id") is not None
+    try:
+        fields = _openai_fields(value) if openai else _plain_fields(value)
+    except BadRecord as error:
+        return Request(number, record_id, openai, error=f"line {number}: {error}", id_given=given)
+    return Request(number, record_id, openai, id_given=given, **fields)
+
+
+def _decode(number: int, raw: bytes) -> str:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise BadRecord(f"not UTF-8 (byte {error.start + 1})") from None
+    return text.removeprefix("\ufeff") if number == 1 else text
+
+
+def _problem(error: Exception) -> str:
+    if isinstance(error, json.JSONDecodeError):
+        return f"not valid JSON ({error.msg} at column {error.colno})"
+    return str(error)
+
+
+def _failed(request: Request, problem: str) -> Request:
+    return Request(request.line, request.id, request.openai, error=f"line {request.line}: {problem}",
+                   id_given=request.id_given)
+
+
+def _json_type(value: object) -> str:
+    names = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list", dict: "an object"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def _record_id(value: dict, key: str, number: int) -> str | int:
+    record_id = value.get(key)
+    if record_id is None:
+        return number
+    if isinstance(record_id, bool) or not isinstance(record_id, (str, int)):
+        raise BadRecord(f'"{key}" must be a string or an integer, got {_json_type(record_id)}')
+    return record_id
+
+
+def _plain_fields(value: dict) -> dict:
+    prompt, messages = value.get("prompt"), value.get("messages")
+    if prompt is None and messages is None:
+        raise BadRecord('no "prompt" or "messages"')
+    if prompt is not None and messages is not None:
+        raise BadRecord('both "prompt" and "messages": give one')
+    return {**_input_fields(prompt, messages), **_sampling_fields(value, value.get("max_new_tokens"), "max_new_tokens")}
+
+
+def _openai_fields(value: dict) -> dict:
+    method, url, body = value.get("method"), value.get("url"), value.get("body")
+    if method != "POST":
+        raise BadRecord(f'unsupported method {method!r}: OpenAI batch lines use "POST"')
+    if url not in (CHAT_URL, COMPLETIONS_URL):
+        raise BadRecord(f"unsupported url {url!r}: use {CHAT_URL} or {COMPLETIONS_URL}")
+    if not isinstance(body, dict):
+        raise BadRecord(f'"body" must be an object, got {_json_type(body)}')
+    if body.get("n") not in (None, 1):
+        raise BadRecord(f'"n" must be 1 (one completion per request), got {body.get("n")!r}')
+    wanted, other = ("messages", "prompt") if url == CHAT_URL else ("prompt", "messages")
+    if body.get(wanted) is None:
+        raise BadRecord(f'{url} needs "{wanted}" in "body"' + (f', not "{other}"' if other in body else ""))
+    max_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    inputs = _input_fields(body.get("prompt"), None) if wanted == "prompt" else _input_fields(None, body["messages"])
+    return {**inputs, **_sampling_fields(body, body.get(max_key), max_key)}
+
+
+def _input_fields(prompt: object, messages: object) -> dict:
+    if messages is not None:
+        return {"chat": True, "messages": _messages(messages)}
+    if not isinstance(prompt, str):
+        raise BadRecord(f'"prompt" must be a string, got {_json_type(prompt)}')
+    if not prompt:
+        raise BadRecord('"prompt" is empty')
+    return {"chat": False, "prompt": prompt}
+
+
+def _messages(messages: object) -> tuple[dict, ...]:
+    if not isinstance(messages, list):
+        raise BadRecord(f'"messages" must be a list of {{"role", "content"}} objects, got {_json_type(messages)}')
+    if not messages:
+        raise BadRecord('"messages" is empty')
+    return tuple(_message(index, message) for index, message in enumerate(messages))
+
+
+def _message(index: int, message: object) -> dict:
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise BadRecord(f'messages[{index}] must be an object with a "role" string')
+    content = message.get("content")
+    if isinstance(content, list) and all(_is_text_part(part) for part in content):
+        content = "".join(part["text"] for part in content)  # OpenAI's [{"type": "text", "text": ...}]
+    if not isinstance(content, str):
+        raise BadRecord(f'messages[{index}].content must be a string or a list of text parts, got {_json_type(content)}')
+    return {"role": message["role"], "content": content}
+
+
+def _is_text_part(part: object) -> bool:
+    return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+
+
+def _sampling_fields(value: dict, max_tokens: object, max_key: str) -> dict:
+    """The optional per-request settings; null means unset, like a missing key."""
+    return {
+        "max_new_tokens": _optional(max_tokens, lambda v: _integer(max_key, v, 1)),
+        "temperature": _optional(value.get("temperature"), lambda v: _number("temperature", v, 0.0, None)),
+        "top_p": _optional(value.get("top_p"), lambda v: _number("top_p", v, 0.0, 1.0, open_low=True)),
+        "top_k": _optional(value.get("top_k"), lambda v: _integer("top_k", v, 0)),
+        "seed": _optional(value.get("seed"), lambda v: _integer("seed", v, 0, MAX_SEED)),
+        "stop": _stop(value.get("stop")),
+    }
+
+
+def _optional(value: object, check: Callable[[object], object]) -> object:
+    return None if value is None else check(value)
+
+
+def _integer(name: str, value: object, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRecord(f'"{name}" must be an integer, got {_json_type(value)}')
+    if value < low or (high is not None and value > high):
+        raise BadRecord(f'"{name}" must be at least {low}' + (f" and at most {high}" if high else "") + f", got {value}")
+    return value
+
+
+def _number(name: str, value: object, low: float, high: float | None, open_low: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadRecord(f'"{name}" must be a number, got {_json_type(value)}')
+    if not math.isfinite(value):  # json reads NaN, Infinity and -Infinity
+        raise BadRecord(f'"{name}" must be a finite number, got {value}')
+    if value < low or (open_low and value == low) or (high is not None and value > high):
+        bounds = f"in ({low:g}, {high:g}]" if open_low else f"at least {low:g}"
+        raise BadRecord(f'"{name}" must be {bounds}, got {value}')
+    return float(value)
+
+
+def _stop(stop: object) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(each, str) for each in stops):
+        raise BadRecord(f'"stop" must be a string or a list of strings, got {_json_type(stop)}')
+    if "" in stops:
+        raise BadRecord('"stop" holds an empty string')
+    return tuple(stops)
+
+
+def read_input(source: str) -> list[bytes]:
+    """The lines of INPUT (`-`: stdin), as bytes: a line that is not UTF-8 fails alone."""
+    if source == "-":
+        return sys.stdin.buffer.read().splitlines()
+    try:
+        return Path(source).read_bytes().splitlines()
+    except OSError as error:
+        raise InputError(f"cannot read {source}: {error.strerror}", "check the input path") from None

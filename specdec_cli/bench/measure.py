@@ -1,0 +1,204 @@
+"""The measurement behind `specdec compare`: every configuration on the same prompts, in one process.
+Configurations and runs are in runs.py, the rows and the theory in theory.py, HF's peers in peers.py,
+memory and forward timing in probes.py, the Rich tables and the plot in report.py.
+
+Fairness rules, in order of how much they matter:
+  - models are loaded once and every configuration runs after one warm-up generation;
+  - prompt-major order: for each prompt, every configuration runs on it before the next prompt, so
+    drift (thermal, other processes) hits all of them alike; the order rotates by one per prompt so no
+    configuration always runs first (`run_order`);
+  - every run starts from fresh caches (a new decoder per run: no prefix reuse across prompts);
+  - the same EOS ids, token budget and sampling settings for all, the HF peers included; new tokens
+    are counted the same way for all: the tokens after the prompt, up to and including the first EOS.
+
+No Rich and no printing here: report.py renders the rows that `Benchmark.summary` returns."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+from specdec_cli.bench.peers import assistant_settings, hf_generate, hf_generation_config, pad_token_id, quiet_transformers
+from specdec_cli.bench.probes import ForwardCounter, MemoryProbe, _weight_bytes, environment, forward_seconds
+from specdec_cli.bench.runs import (
+    DRAFT, HF_ASSISTED, HF_LOOKUP, HF_LOOKUP_TOKENS, PLAIN_DRAFT, SCHEMA, TARGET, WARMUP_TOKENS, BenchSettings,
+    Configuration, Run, run_order,
+)
+from specdec_cli.bench.theory import summary_row
+from specdec_cli.engine import GenerationStats, cut_at_eos
+from specdec_cli.errors import InputError
+from specdec_cli.models import LoadedModel
+from specdec_cli.prompts import Prompt
+from specdec_cli.session import build_decoder, encode_chat, encode_completion, eos_token_ids
+
+ProgressCallback = Callable[[int, int, int, Configuration], None]  # (done, total, prompt index, configuration)
+
+
+class Benchmark:
+    """Loaded models, the configurations and the prompts; `measure()` runs it all and keeps the raw runs."""
+
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None, configs: Sequence[Configuration],
+                 prompts: Sequence[Prompt], settings: BenchSettings, plain_draft: LoadedModel | None = None) -> None:
+        """plain_draft: the draft without specdec's own quantisation, for HF assisted's PLAIN_DRAFT runs."""
+        if not prompts:
+            raise InputError("no prompts to run", "choose other categories or another prompt file")
+        self.target, self.draft = target, draft
+        self.configs = list(configs)
+        self.prompts = list(prompts)
+        self.settings = settings
+        self.eos_ids = eos_token_ids(target)
+        self.prompt_ids = [encode_prompt(prompt, target.tokenizer, settings.system) for prompt in prompts]
+        self.order = run_order(len(prompts), settings.repeats, len(self.configs))
+        self.runs: list[Run] = []
+        self.warmup: dict = {}
+        self.models_used: dict[str, list[str]] = {}
+        self.loaded = {TARGET: target, DRAFT: draft, PLAIN_DRAFT: plain_draft}
+        models = {role: loaded.model for role, loaded in self.loaded.items() if loaded is not None}
+        self.weight_bytes = {role: _weight_bytes(model) for role, model in models.items()}
+        self._models = models
+        self._probe = MemoryProbe(target.device)
+
+    def measure(self, on_progress: ProgressCallback | None = None) -> list[Run]:
+        counter = ForwardCounter(self._models)
+        try:
+            with quiet_transformers():
+                self._warm_up(counter)
+                for done, (prompt, repeat, index) in enumerate(self.order, start=1):
+                    config = self.configs[index]
+                    run = self._counted_run(config, self.prompt_ids[prompt], self.settings.max_new_tokens, counter)
+                    run.prompt_index, run.repeat = prompt, repeat
+                    self.runs.append(run)
+                    if on_progress:
+                        on_progress(done, len(self.order), prompt, config)
+        finally:
+            counter.close()
+        return self.runs
+
+    def _warm_up(self, counter: ForwardCounter) -> None:
+        """One short generation per configuration (also noting which models each runs), then the timing
+        of single-token forwards of each model for the cost ratio c."""
+        first_prompt = self.prompt_ids[0]
+        for config in self.configs:
+            self._counted_run(config, first_prompt, WARMUP_TOKENS, counter)
+        seconds = {role: forward_seconds(self._models[role], first_prompt) for role in (TARGET, DRAFT)
+                   if role in self._models}
+        self.warmup = {f"{role}_forward_seconds": value for role, value in seconds.items()}
+        if DRAFT in seconds:
+            self.warmup["c_forward"] = seconds[DRAFT] / seconds[TARGET]
+
+    def _counted_run(self, config: Configuration, prompt_ids: list[int], max_new_tokens: int, counter: ForwardCounter) -> Run:
+        """A run that also notes which models it ran (a drafter may call the draft model only sometimes)."""
+        before = dict(counter.counts)
+        run = self._run(config, prompt_ids, max_new_tokens, counter)
+        used = self.models_used.setdefault(config.name, [])
+        used += [role for role in counter.counts if counter.counts[role] > before[role] and role not in used]
+        return run
+
+    def _run(self, config: Configuration, prompt_ids: list[int], max_new_tokens: int, counter: ForwardCounter) -> Run:
+        if config.kind in (HF_ASSISTED, HF_LOOKUP):
+            return self._run_hf(config, prompt_ids, max_new_tokens, counter)
+        decoder = build_decoder(self.target, self.draft, config.drafter, config.k)
+        return self._run_engine(config, decoder, prompt_ids, max_new_tokens)
+
+    def _run_engine(self, config: Configuration, decoder, prompt_ids: list[int], max_new_tokens: int) -> Run:
+        stats, tokens, first, finish_reason = GenerationStats(), [], None, "length"
+        self._probe.start()
+        started = time.perf_counter()
+        for event in decoder.stream(prompt_ids, self.settings.params, max_new_tokens):
+            tokens += event.tokens
+            stats.add_step(event)
+            self._probe.sample()
+            first = first or event
+            finish_reason = event.finish_reason or finish_reason
+        stats.seconds = time.perf_counter() - started
+        return Run.from_stats(config.name, tokens, stats, finish_reason, self._probe.peak(), first)
+
+    def _run_hf(self, config: Configuration, prompt_ids: list[int], max_new_tokens: int, counter: ForwardCounter) -> Run:
+        assistant = self.loaded[config.assistant] if config.kind == HF_ASSISTED else None
+        generation_config = hf_generation_config(
+            self.settings.params, max_new_tokens, self.eos_ids, pad_token_id(self.target, self.eos_ids),
+            lookup=config.kind == HF_LOOKUP,
+        )
+        forwards = counter.counts[TARGET]
+        new_tokens, seconds = hf_generate(self.target, assistant, prompt_ids, generation_config, self.settings.params,
+                                          self._probe)
+        tokens = cut_at_eos(new_tokens, self.eos_ids)
+        finish_reason = "stop" if tokens and tokens[-1] in self.eos_ids else "length"
+        steps = counter.counts[TARGET] - forwards
+        return Run(config.name, -1, -1, tokens, seconds, steps, finish_reason, self._probe.peak())
+
+    # ---- results ----
+
+    def memory_bytes(self, config: Configuration) -> int:
+        return sum(self.weight_bytes[role] for role in self.models_used.get(config.name, [TARGET]))
+
+    def summary(self, category: str | None = None) -> list[dict]:
+        """One row per configuration over all prompts, or over one category's prompts."""
+        chosen = {i for i, prompt in enumerate(self.prompts) if category is None or prompt.category == category}
+        runs = [run for run in self.runs if run.prompt_index in chosen]
+        by_config = {config.name: [run for run in runs if run.configuration == config.name] for config in self.configs}
+        baseline = by_config[self.configs[0].name]
+        return [
+            summary_row(config, by_config[config.name], baseline, self.settings.params.greedy, self.memory_bytes(config))
+            for config in self.configs
+        ]
+
+    def categories(self) -> list[str]:
+        return list(dict.fromkeys(prompt.category for prompt in self.prompts))
+
+    def report(self, by_category: bool) -> dict:
+        """Everything, for --json: environment, settings, prompts, order, every raw run, the summaries."""
+        report = {
+            "schema": SCHEMA,
+            "environment": environment(self.target, self.draft),
+            "settings": self._settings_record(),
+            "configurations": [asdict(config) | {"models": self.models_used.get(config.name, [])} for config in self.configs],
+            "weight_bytes": self.weight_bytes,
+            "warmup": self.warmup,
+            "prompts": [
+                {"index": i, "id": prompt.id, "category": prompt.category, "prompt_tokens": len(ids)}
+                for i, (prompt, ids) in enumerate(zip(self.prompts, self.prompt_ids))
+            ],
+            "order": [[prompt, repeat, self.configs[index].name] for prompt, repeat, index in self.order],
+            "runs": [asdict(run) for run in self.runs],
+            "summary": self.summary(),
+        }
+        if by_category:
+            report["summary_by_category"] = {category: self.summary(category) for category in self.categories()}
+        return report
+
+    def _settings_record(self) -> dict:
+        params = self.settings.params
+        return {
+            "max_new_tokens": self.settings.max_new_tokens, "repeats": self.settings.repeats,
+            "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k, "seed": params.seed,
+            "system": self.settings.system, "eos_token_ids": list(self.eos_ids),
+            "hf_prompt_lookup_num_tokens": HF_LOOKUP_TOKENS,
+            "hf_assisted": assistant_settings(self.draft),
+            "warmup_tokens": WARMUP_TOKENS,
+        }
+
+
+def encode_prompt(prompt: Prompt, tokenizer, system: str | None = None) -> list[int]:
+    """Raw text as it is; a conversation through the chat template; a single user turn through the
+    chat template when the model has one (with the system prompt), else as raw text."""
+    if prompt.messages is not None:
+        return encode_chat(tokenizer, prompt.messages)
+    if prompt.as_user_turn and getattr(tokenizer, "chat_template", None):
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt.text}]
+        return encode_chat(tokenizer, messages)
+    return encode_completion(tokenizer, prompt.text)
+
+
+def write_json(path: Path, report: dict) -> None:
+    """Write the report whole or not at all: a temporary file beside `path`, renamed over it."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    try:
+        temporary.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        os.replace(temporary, path)
+    except OSError as error:
+        raise InputError(f"cannot write {path}: {error.strerror}", "choose a writable path for --json") from None

@@ -1,0 +1,111 @@
+"""What `specdec compare` measures besides tokens and seconds: working memory (`MemoryProbe`), forward
+calls per model (`ForwardCounter`), the weights' bytes, a single-token forward's time, the environment."""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import statistics
+import time
+
+import torch
+
+from specdec_cli.bench.runs import FORWARD_TIMINGS
+from specdec_cli.models import LoadedModel
+
+
+class MemoryProbe:
+    """Working memory of a run: the peak over the level at its start. CUDA: torch.cuda.max_memory_allocated
+    (exact); elsewhere the process RSS (psutil), sampled after every step. Weights are counted apart."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.base = self.high = 0
+
+    def start(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+        else:
+            self.base = self.high = _rss()
+
+    def sample(self) -> None:
+        if not self.cuda:
+            self.high = max(self.high, _rss())
+
+    def peak(self) -> int:
+        self.sample()
+        high = torch.cuda.max_memory_allocated(self.device) if self.cuda else self.high
+        return max(0, high - self.base)
+
+
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+class ForwardCounter:
+    """Counts forward calls per model (a pre-hook on each), kept on for the whole measurement so every
+    configuration pays the same: HF peers' steps and which models a configuration runs come from it."""
+
+    def __init__(self, models: dict[str, torch.nn.Module]) -> None:
+        self.counts = dict.fromkeys(models, 0)
+        self._handles = [model.register_forward_pre_hook(self._counter(name)) for name, model in models.items()]
+
+    def _counter(self, name: str):
+        def count(module, args):
+            self.counts[name] += 1
+        return count
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+@torch.inference_mode()
+def forward_seconds(model: torch.nn.Module, prompt_ids: list[int], repeats: int = FORWARD_TIMINGS) -> float:
+    """Median seconds of a single-token forward after a prefill of `prompt_ids`."""
+    from specdec_cli.engine import CachedModel
+
+    runner = CachedModel(model)
+    sequence = list(prompt_ids)
+    runner.extend(sequence)
+    timings = []
+    for _ in range(repeats):
+        sequence.append(prompt_ids[-1])
+        started = time.perf_counter()
+        runner.extend(sequence)[-1, 0].item()  # .item() waits for the device
+        timings.append(time.perf_counter() - started)
+    return statistics.median(timings)
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    """Parameters and buffers, plus the packed weights of int8 (torch dynamic) Linear layers, which are neither."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+    tensors = list(model.parameters()) + list(model.buffers())
+    packed = [module.weight() for module in model.modules() if isinstance(module, DynamicLinear)]
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors + packed)
+
+
+def environment(target: LoadedModel, draft: LoadedModel | None) -> dict:
+    import transformers
+
+    from specdec_cli.models.device import dtype_name
+
+    record = {
+        "device": str(target.device), "dtype": dtype_name(target.dtype),
+        "target": target.name, "target_source": target.source, "target_quantization": target.quantization,
+        "draft": draft.name if draft else None, "draft_source": draft.source if draft else None,
+        "draft_quantization": draft.quantization if draft else None,
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "process_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
+    }
+    if target.device.type == "cuda":
+        record["gpu"] = torch.cuda.get_device_name(target.device)
+    return record

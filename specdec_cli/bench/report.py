@@ -1,0 +1,131 @@
+"""`specdec compare`'s output: rows of plain numbers in (from `Benchmark.summary`), Rich tables and the
+PNG plot out. Nothing is measured or computed here beyond formatting."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.markup import escape
+from rich.table import Table
+
+from specdec_cli.bench.measure import Benchmark
+from specdec_cli.bench.runs import POSITIONS
+from specdec_cli.errors import InputError
+
+
+def _fixed(value: float | None, pattern: str = "{:.1f}") -> str:
+    return "–" if value is None else pattern.format(value)
+
+
+def _speedup(row: dict) -> tuple[str, str]:
+    spread = "–" if row["speedup_min"] is None else f"{row['speedup_min']:.2f}–{row['speedup_max']:.2f}"
+    return _fixed(row["speedup"], "×{:.2f}"), spread
+
+
+def _measurement_cells(row: dict) -> list[str]:
+    at = "/".join(_fixed(value, "{:.2f}") for value in row["acceptance_at"])
+    identical = "–" if row["identical"] is None else f"{row['identical']}/{row['compared']}"
+    return [
+        escape(row["configuration"]), _fixed(row["tokens_per_second"]), _fixed(row["median_tokens_per_second"]),
+        *_speedup(row), _fixed(row["acceptance_rate"], "{:.2f}"), _fixed(row["tokens_per_step"], "{:.2f}"),
+        "–" if row["acceptance_rate"] is None else at, _fixed(row["draft_share"], "{:.0%}"),
+        f"{row['memory_bytes'] / 2**20:,.0f}", identical,
+    ]
+
+
+def measurement_table(benchmark: Benchmark, by_category: bool) -> Table:
+    table = Table(
+        "configuration", "tok/s", "median tok/s", "speedup", "range", "accept", "tok/step", "accept @1/2/3/4",
+        "draft %", "memory MiB", "identical",
+        title=_title(benchmark), caption=_caption(benchmark), caption_justify="left",
+    )
+    for row in benchmark.summary():
+        table.add_row(*_measurement_cells(row))
+    for category in benchmark.categories() if by_category else ():
+        table.add_section()
+        table.add_row(f"[bold]{escape(category)}[/]")
+        for row in benchmark.summary(category):
+            table.add_row(*_measurement_cells(row | {"configuration": "  " + row["configuration"]}))
+    return table
+
+
+def _title(benchmark: Benchmark) -> str:
+    settings = benchmark.settings
+    mode = "greedy" if settings.params.greedy else f"temperature {settings.params.temperature:g}"
+    return (f"{len(benchmark.prompts)} prompts × {settings.repeats} · {settings.max_new_tokens} new tokens · {mode} · "
+            f"{benchmark.target.device} {str(benchmark.target.dtype).removeprefix('torch.')}")
+
+
+def _caption(benchmark: Benchmark) -> str:
+    memory = "CUDA peak allocated" if benchmark.target.device.type == "cuda" else "peak RSS growth, sampled per step"
+    return (
+        "speedup: tok/s over the target alone's on the same prompts (range: min–max over prompts). "
+        "accept: accepted/drafted; @i: at draft position i. draft %: share of time spent drafting.\n"
+        f"memory: weights of the models a configuration runs + its working memory ({memory}). "
+        "identical: prompts whose greedy output equals the target alone's, token for token."
+    )
+
+
+def theory_table(rows: list[dict], warmup: dict) -> Table:
+    table = Table(
+        "configuration", "α", "γ", "c", "lookup steps", "expected", "measured", "efficiency",
+        title="theory: expected = (1 - α^(γ+1)) / ((1 - α)(γc + 1))",
+        caption="α accepted/drafted · γ mean drafted per step · c = seconds to draft one token / one target step "
+                "(both measured in this run, prefill left out). Lookup steps (free drafts: share of steps, their α "
+                "and γ) enter with c = 0; expected = (tokens per step of both sources) / (cost of both), weighed by "
+                "steps." + _forward_note(warmup),
+        caption_justify="left",
+    )
+    for row in rows:
+        theory = row["theory"]
+        if theory is None:
+            continue
+        model, lookup = theory["model"], theory["lookup"]
+        steps = model["steps"] + lookup["steps"]
+        lookup_cell = (f"{lookup['steps'] / steps:.0%} · α {lookup['alpha']:.2f} · γ {lookup['gamma']:.1f}"
+                       if lookup["steps"] else "–")
+        table.add_row(
+            escape(row["configuration"]), f"{model['alpha']:.2f}", f"{model['gamma']:.2f}", f"{theory['c']:.3f}",
+            lookup_cell, _fixed(theory["expected_speedup"], "×{:.2f}"), _fixed(row["speedup"], "×{:.2f}"),
+            _fixed(theory["efficiency"], "{:.0%}"),
+        )
+    return table
+
+
+def _forward_note(warmup: dict) -> str:
+    """The cross-check: single-token forwards timed at warm-up."""
+    if "c_forward" not in warmup:
+        return ""
+    return (f"\nsingle-token forward at warm-up: target {warmup['target_forward_seconds'] * 1e3:.1f} ms, "
+            f"draft {warmup['draft_forward_seconds'] * 1e3:.1f} ms (c = {warmup['c_forward']:.3f})")
+
+
+def write_plot(path: Path, rows: list[dict]) -> None:
+    """Speedup per configuration (whiskers: min–max over prompts) and acceptance by draft position."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (speed_axes, accept_axes) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = [row["configuration"] for row in rows]
+    speedups = [row["speedup"] or 0.0 for row in rows]
+    below = [s - (row["speedup_min"] if row["speedup_min"] is not None else s) for s, row in zip(speedups, rows)]
+    above = [(row["speedup_max"] if row["speedup_max"] is not None else s) - s for s, row in zip(speedups, rows)]
+    speed_axes.barh(names, speedups, xerr=[below, above], color="tab:blue")
+    speed_axes.axvline(1.0, color="grey", linestyle="--")
+    speed_axes.invert_yaxis()
+    speed_axes.set_xlabel("speedup over the target alone (whiskers: min–max over prompts)")
+    for row in rows:
+        if row["acceptance_rate"] is not None:
+            accept_axes.plot(range(1, POSITIONS + 1), row["acceptance_at"], marker="o", label=row["configuration"])
+    accept_axes.set(xlabel="draft position", ylabel="acceptance", ylim=(0, 1.05), xticks=range(1, POSITIONS + 1))
+    if accept_axes.lines:
+        accept_axes.legend()
+    figure.tight_layout()
+    try:
+        figure.savefig(path, dpi=120)
+    except OSError as error:
+        raise InputError(f"cannot write {path}: {error.strerror}", "choose a writable path for --plot") from None
+    finally:
+        plt.close(figure)

@@ -1,0 +1,252 @@
+"""What a command decided, as plain frozen objects: which models (`ModelChoice`) and how to decode
+(`DecodingSettings`), each built from a profile and the command line's overrides by one function.
+
+The commands in `cli/` only turn their options into `ModelOverrides` and keyword overrides; everything
+below them (chat, batch, bench, scripts) takes these objects and never imports the CLI."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Protocol
+
+from specdec_cli.engine.sampling import SamplingParams
+from specdec_cli.errors import InputError
+from specdec_cli.models import LoadedModel, load_model, load_pair
+from specdec_cli.models.device import resolve_device
+from specdec_cli.models.quant import canonical
+from specdec_cli.profiles import DEFAULT_PROFILE, DRAFTERS, Profile, load_profile
+
+MAX_K = 16
+
+
+# ---- which models ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelOverrides:
+    """The model flags as given on the command line; None / False leave the choice to the profile."""
+
+    profile: str | None = None
+    target: str | None = None
+    draft: str | None = None
+    drafter: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    target_4bit: bool = False
+    draft_4bit: bool = False
+    load_in_4bit: bool = False
+    load_in_8bit: bool = False
+    trust_remote_code: bool = False
+    allow_pickle: bool = False
+    draft_int8: bool | None = None  # --draft-int8 / --no-draft-int8; None: the profile decides
+    target_quant: str | None = None  # --target-quant: none, int8, int4, nf4, bnb8, auto (wins over the aliases)
+    draft_quant: str | None = None   # --draft-quant, likewise for the draft
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """The profile merged with command-line overrides (flags win)."""
+
+    profile: Profile
+    target: str
+    draft: str | None
+    drafter: str  # "model" | "ngram" | "cascade"
+    device: str
+    dtype: str
+    target_quantization: str | None
+    draft_quantization: str | None
+    trust_remote_code: bool
+    allow_pickle: bool
+    draft_int8_flag: bool | None = None  # --draft-int8 / --no-draft-int8 as given (None: the profile decides)
+
+
+def choose_models(flags: ModelOverrides) -> ModelChoice:
+    """Merge a profile with command-line flags; a flag that is given always wins.
+
+    - No model option at all: the `demo` profile.
+    - `--target X` without `--profile`: X alone with the n-gram drafter, or with `--draft Y` the pair X+Y.
+    - `--profile P --target X`: P's settings with X as target (P's draft kept; the tokenizer pre-flight
+      refuses it if it does not fit X).
+    - `--draft Y` always means the draft-model drafter; `--drafter ngram` drops the profile's draft.
+    - `--load-in-4bit`/`--load-in-8bit` set both models; `--target-4bit`/`--draft-4bit`/`--draft-int8`
+      set one (and win over the first two); `--no-draft-int8` drops a profile's int8 draft.
+    """
+    base = _base_profile(flags.profile, flags.target, flags.draft)
+    chosen_drafter, chosen_draft = _drafter_and_draft(base, flags.draft, flags.drafter)
+    target_quantization, draft_quantization = _quantizations(base, flags)
+    return ModelChoice(
+        profile=base,
+        target=flags.target or base.target,
+        draft=chosen_draft,
+        drafter=chosen_drafter,
+        device=flags.device or base.device,
+        dtype=flags.dtype or base.dtype,
+        target_quantization=target_quantization,
+        draft_quantization=draft_quantization if chosen_draft else None,
+        trust_remote_code=flags.trust_remote_code,
+        allow_pickle=flags.allow_pickle,
+        draft_int8_flag=flags.draft_int8,
+    )
+
+
+def _base_profile(profile: str | None, target: str | None, draft: str | None) -> Profile:
+    """The named profile; without one, `--target` starts a blank profile and no model option at all means the default."""
+    if profile is not None:
+        return load_profile(profile)
+    if target is None:
+        return load_profile(DEFAULT_PROFILE)
+    return Profile(name="(command line)", target=target, draft=draft, drafter="model" if draft else "ngram")
+
+
+def _drafter_and_draft(base: Profile, draft: str | None, drafter: str | None) -> tuple[str, str | None]:
+    if drafter is not None and drafter not in DRAFTERS:
+        raise InputError(f"unknown drafter {drafter!r}", "use --drafter model, ngram or cascade")
+    if draft is not None and drafter == "ngram":
+        raise InputError("--draft and --drafter ngram contradict each other", "drop one of them")
+    chosen_drafter = drafter or ("model" if draft is not None and base.drafter == "ngram" else base.drafter)
+    chosen_draft = None if chosen_drafter == "ngram" else (draft or base.draft)
+    if chosen_drafter != "ngram" and chosen_draft is None:
+        raise InputError(f"--drafter {chosen_drafter} needs a draft model", "pass --draft NAME, or use --drafter ngram")
+    return chosen_drafter, chosen_draft
+
+
+def _quantizations(base: Profile, flags: ModelOverrides) -> tuple[str | None, str | None]:
+    if flags.load_in_4bit and flags.load_in_8bit:
+        raise InputError("--load-in-4bit and --load-in-8bit contradict each other", "pick one")
+    if flags.draft_4bit and flags.draft_int8:
+        raise InputError("--draft-4bit and --draft-int8 contradict each other", "pick one")
+    both = "4bit" if flags.load_in_4bit else "8bit" if flags.load_in_8bit else None
+    profile_draft = None if flags.draft_int8 is False and base.draft_quantization == "int8" else base.draft_quantization
+    target_quantization = "4bit" if flags.target_4bit else both or base.target_quantization
+    draft_quantization = "4bit" if flags.draft_4bit else "int8" if flags.draft_int8 else both or profile_draft
+    target_quantization = _explicit("target", flags.target_quant, flags.target_4bit or flags.load_in_4bit
+                                    or flags.load_in_8bit) or target_quantization
+    draft_quantization = _explicit("draft", flags.draft_quant, flags.draft_4bit or flags.draft_int8
+                                   or flags.load_in_4bit or flags.load_in_8bit) or draft_quantization
+    return target_quantization, draft_quantization
+
+
+def _explicit(role: str, name: str | None, alias_given: bool) -> str | None:
+    """--target-quant / --draft-quant, checked by name; "none" stays "none" so it overrides a profile."""
+    if name is None:
+        return None
+    if alias_given:
+        raise InputError(f"--{role}-quant and an older quantisation flag (--{role}-4bit, --load-in-4bit/8bit"
+                         f"{', --draft-int8' if role == 'draft' else ''}) contradict each other", f"keep --{role}-quant alone")
+    canonical(name)  # an unknown name: one line listing the formats
+    return name
+
+
+# ---- loading them ------------------------------------------------------------------------------
+
+
+class Printer(Protocol):
+    """Where loading says what it chose: a Rich Console fits, and so does `StderrPrinter`."""
+
+    def print(self, text: str, *, markup: bool = ...) -> object: ...
+
+
+class StderrPrinter:
+    def print(self, text: str, *, markup: bool = False) -> None:
+        print(text, file=sys.stderr)
+
+
+def load_choice(choice: ModelChoice, console: Printer | None = None) -> tuple[LoadedModel, LoadedModel | None]:
+    """Load the chosen pair (pre-flight checks first, progress on stderr) and say once per model what was chosen."""
+    console = console or StderrPrinter()
+    target, draft = load_pair(
+        choice.target,
+        choice.draft,
+        device=choice.device,
+        dtype=choice.dtype,
+        target_quantization=choice.target_quantization,
+        draft_quantization=_draft_quantization(choice, console),
+        trust_remote_code=choice.trust_remote_code,
+        allow_pickle=choice.allow_pickle,
+        progress=not getattr(console, "quiet", False),  # -q: no spinners, no "Loading weights" bars
+    )
+    console.print(target.describe("target"), markup=False)
+    console.print(draft.describe("draft") if draft else "draft: n-gram lookup", markup=False)
+    return target, draft
+
+
+def _draft_quantization(choice: ModelChoice, console: Printer) -> str | None:
+    """A profile's int8 draft (CPU only) is dropped on a GPU with a note; an explicit --draft-int8 is not
+    (the loader refuses it with what to do instead)."""
+    if choice.draft_quantization != "int8" or choice.draft_int8_flag is not None:
+        return choice.draft_quantization
+    device = resolve_device(choice.device)
+    if device.type == "cpu":
+        return "int8"
+    console.print(f"note: the profile's int8 draft runs on the CPU only; the draft loads unquantised on {device.type}",
+                  markup=False)
+    return None
+
+
+def load_plain_draft(choice: ModelChoice, draft: LoadedModel | None, console: Printer) -> LoadedModel | None:
+    """The draft as HF users load it, when ours carries specdec's own int8 (HF cannot load that): HF assisted
+    runs with both, so the int8 lever shows as ours. bitsandbytes drafts are HF's own: HF gets them as they are."""
+    if draft is None or draft.quantization != "int8":
+        return None
+    plain = load_model(choice.draft, device=choice.device, dtype=choice.dtype, trust_remote_code=choice.trust_remote_code,
+                       allow_pickle=choice.allow_pickle)
+    console.print(plain.describe("draft for HF assisted"), markup=False)
+    return plain
+
+
+# ---- how to decode -----------------------------------------------------------------------------
+
+
+def parse_k(value: str | int) -> int | str:
+    """`auto` or a draft length 0..16 (0 = the target alone)."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return "auto"
+    if text.isdigit() and int(text) <= MAX_K:
+        return int(text)
+    raise InputError(f"invalid draft length {value!r}", f"use a number from 0 to {MAX_K}, or auto")
+
+
+def sampling_params(temperature: float, top_p: float, top_k: int, seed: int | None) -> SamplingParams:
+    """SamplingParams, with a bad value as a user's InputError."""
+    try:
+        return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    except ValueError as error:
+        raise InputError(str(error), "fix the sampling option") from None
+
+
+@dataclass(frozen=True)
+class DecodingSettings:
+    """The profile's decoding defaults merged with command-line flags (flags win)."""
+
+    k: int | str
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    max_new_tokens: int
+    system: str | None
+
+    def sampling(self) -> SamplingParams:
+        return sampling_params(self.temperature, self.top_p, self.top_k, self.seed)
+
+
+def decoding_settings(
+    profile: Profile, *, k: str | None = None, temperature: float | None = None, top_p: float | None = None,
+    top_k: int | None = None, seed: int | None = None, max_new_tokens: int | None = None, system: str | None = None,
+) -> DecodingSettings:
+    """The profile's values, each replaced by the flag that is given (None: not given); checked here."""
+    settings = DecodingSettings(
+        k=parse_k(k if k is not None else profile.k),
+        temperature=temperature if temperature is not None else profile.temperature,
+        top_p=top_p if top_p is not None else profile.top_p,
+        top_k=top_k if top_k is not None else profile.top_k,
+        seed=seed,
+        max_new_tokens=max_new_tokens if max_new_tokens is not None else profile.max_new_tokens,
+        system=system if system is not None else profile.system,
+    )
+    if settings.max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens must be at least 1, got {settings.max_new_tokens}", "pass a positive number")
+    settings.sampling()  # validates
+    return settings
