@@ -1,66 +1,69 @@
-"""Forward-pass cost of the target and the draft for 1..8 new tokens on a warm cache.
+"""Forward-pass cost of the target and the draft per quantisation format, for 1..16 new tokens on a warm cache.
 
-Speculation pays only while verifying k tokens costs about as much as one: this prints, for the
-chosen dtype / quantisation, the median seconds of a forward of n new tokens and its ratio to n=1.
+Speculation pays only while verifying k tokens costs about as much as one: this prints, per model and
+format, the median milliseconds of a forward of n new tokens and its ratio to n=1, as a Markdown table.
+The measuring is `specdec_cli.models.calibrate` (what `specdec calibrate` will run).
 
-    python scripts/forward_costs.py [--profile demo] [--dtype bfloat16] [--load-in-4bit] [--draft-int8] [--repeats 5]
-"""
+    python scripts/forward_costs.py [--profile demo] [--target-formats none,int8,int4] [--draft-formats int8,int4]
+                                    [--dtype auto] [--repeats 5] [--context 200] [--threads N] [--clock wall|cpu]
+                                    [--save | --json PATH]
+
+Loads the models one at a time; run it under the shared lock on a shared machine."""
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 
-from specdec_cli.engine.kv import CachedModel
-from specdec_cli.models import load_pair
-from specdec_cli.models.device import dtype_name
+from specdec_cli.models.calibrate import TOKEN_COUNTS, machine, measure_forward_costs, save_calibration
 from specdec_cli.profiles import load_profile
 
 
-def forward_seconds(model: torch.nn.Module, context: list[int], new_tokens: int, repeats: int) -> float:
-    runner = CachedModel(model)
-    runner.extend(context, 1)
-    times = []
-    for repeat in range(repeats + 1):
-        extra = [(100 + 7 * repeat + i) % 1000 + 200 for i in range(new_tokens)]
-        started = time.perf_counter()
-        runner.extend(context + extra, new_tokens)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times[1:])  # the first run warms up
+def _names(value: str) -> list[str]:
+    return [name.strip() for name in value.split(",") if name.strip()]
+
+
+def _row(entry: dict) -> str:
+    seconds = entry["seconds"]
+    one = seconds["1"]
+    cells = [f"{1000 * s:.0f} ms" + ("" if n == "1" else f" (x{s / one:.2f})") for n, s in seconds.items()]
+    return f"| {entry['role']} {entry['model']} | {entry['precision']} | " + " | ".join(cells) + " |"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", default="demo")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--load-in-4bit", action="store_true")
-    parser.add_argument("--draft-int8", action="store_true", help="the draft in int8 (torch dynamic, CPU)")
-    parser.add_argument("--upcast-fp32", action="store_true",
-                        help="load at --dtype, then run in float32 (skips a second GGUF conversion)")
+    parser.add_argument("--target-formats", default="none,int8,int4")
+    parser.add_argument("--draft-formats", default="int8,int4")
+    parser.add_argument("--dtype", default="auto", help="the dtype weights load at (int8 then runs float32, int4 bfloat16)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--context", type=int, default=200)
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: this process's CPU time, for a busy machine (use with --threads 1)")
+    parser.add_argument("--save", action="store_true", help="store the result under the specdec home")
+    parser.add_argument("--json", type=Path, help="store the result in this file")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     profile = load_profile(args.profile)
-    quantization = "4bit" if args.load_in_4bit else None
-    target, draft = load_pair(profile.target, profile.draft, dtype=args.dtype, target_quantization=quantization,
-                              draft_quantization="int8" if args.draft_int8 else quantization)
-    if args.upcast_fp32:
-        for loaded in (target, draft):
-            if loaded is not None and loaded.quantization is None:
-                loaded.model.float()
-                loaded.dtype = torch.float32
-    context = [(31 * i) % 5000 + 100 for i in range(args.context)]
-    print(f"threads={torch.get_num_threads()} dtype={target.dtype} quantization={quantization} context={args.context}")
-    for loaded in (target, draft):
-        if loaded is None:
-            continue
-        one = forward_seconds(loaded.model, context, 1, args.repeats)
-        costs = {n: forward_seconds(loaded.model, context, n, args.repeats) for n in (2, 4, 8)}
-        line = "  ".join(f"n={n}: {1000 * s:.0f} ms (x{s / one:.2f})" for n, s in costs.items())
-        print(f"{loaded.name} ({loaded.quantization or dtype_name(loaded.dtype)}): n=1: {1000 * one:.0f} ms  {line}")
+    models = {"target": profile.target, **({"draft": profile.draft} if profile.draft else {})}
+    formats = {"target": _names(args.target_formats), "draft": _names(args.draft_formats)}
+    facts = machine()
+    print(f"{facts['cpu']} · flags {' '.join(facts['cpu_flags'])} · {facts['threads']} threads · "
+          f"torch {facts['torch']} · {args.context}-token cache, median of {args.repeats}, {args.clock} clock")
+    print("| model | precision | " + " | ".join(f"n={n}" for n in TOKEN_COUNTS) + " |")
+    print("|---|---|" + "---|" * len(TOKEN_COUNTS))
+    result = measure_forward_costs(
+        models, formats, dtype=args.dtype, context_tokens=args.context, repeats=args.repeats, clock=args.clock,
+        on_result=lambda entry: print(_row(entry), flush=True), progress=True,
+    )
+    if args.save or args.json:
+        path = save_calibration(result, args.json)
+        print(f"wrote {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -46,3 +46,19 @@ class ProfileError(SpecdecError):
 
 class InputError(SpecdecError):
     """A bad input file or option value."""
+
+
+class OutputWriteError(SpecdecError):
+    """OUTPUT could not be written (disk full, I/O error); the records before it are intact."""
+
+
+class PromptTooLongError(InputError):
+    """A prompt that leaves no room in the model's context for even one new token."""
+
+    def __init__(self, prompt_tokens: int, context: int, hint: str = "") -> None:
+        super().__init__(
+            f"the prompt has {prompt_tokens} tokens but the model takes at most {context} (prompt and reply together)",
+            hint or f"shorten the prompt to fewer than {context} tokens, or use a model with a longer context",
+        )
+        self.prompt_tokens = prompt_tokens
+        self.context = context

@@ -5,17 +5,22 @@ Shipped profiles live in `profiles/` (inside the wheel as `specdec_cli/profiles/
 
 from __future__ import annotations
 
+import math
+import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from importlib import resources
 from pathlib import Path
 
 from specdec_cli.errors import ProfileError
+from specdec_cli.models.device import DTYPES
 from specdec_cli.models.paths import specdec_home
 from specdec_cli.models.quant import QUANTIZATIONS
 
 DEFAULT_PROFILE = "demo"
 DRAFTERS = ("model", "ngram", "cascade", "tree")
+MAX_K = 16  # the longest fixed draft length (--k, /k, a profile's k)
 
 
 @dataclass(frozen=True)
@@ -79,56 +84,103 @@ def _bad(path: Path, what: str) -> ProfileError:
     return ProfileError(f"profile file {path}: {what}", "fix the file or remove it")
 
 
+def _is_integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    """A finite int or float (TOML has nan and inf; neither is a setting)."""
+    return (_is_integer(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _is_name(value: object) -> bool:
+    return isinstance(value, str) and bool(value.strip())
+
+
+def _one_of(names) -> tuple[str, Callable[[object], bool]]:
+    return f"one of {', '.join(names)}", lambda value: isinstance(value, str) and value in names
+
+
+_DTYPE_NAMES = ("auto", *DTYPES)
+_DEVICE = re.compile(r"auto|(cpu|cuda|mps)(:\d+)?")
+# Today's quantisation names and those being added (none, int4, nf4, bnb8, auto; 4bit/8bit stay as aliases).
+_QUANTIZATION_NAMES = tuple(dict.fromkeys(("none", "auto", "int8", "int4", "nf4", "bnb8", "4bit", "8bit",
+                                           *(name for name in QUANTIZATIONS if name))))
+
+# key → (what is allowed, the check), for every key a profile file may hold.
+_RULES: dict[str, tuple[str, Callable[[object], bool]]] = {
+    "target": ("a model name (a non-empty string)", _is_name),
+    "draft": ("a model name (a non-empty string)", _is_name),
+    "drafter": _one_of(DRAFTERS),
+    "description": ("a string", lambda value: isinstance(value, str)),
+    "system": ("a string", lambda value: isinstance(value, str)),
+    "dtype": _one_of(_DTYPE_NAMES),
+    "device": ("auto, cpu, cuda, cuda:N or mps",
+               lambda value: isinstance(value, str) and _DEVICE.fullmatch(value) is not None),
+    "target_quantization": _one_of(_QUANTIZATION_NAMES),
+    "draft_quantization": _one_of(_QUANTIZATION_NAMES),
+    "k": (f'"auto" or a whole number from 0 to {MAX_K}',
+          lambda value: value == "auto" or (_is_integer(value) and 0 <= value <= MAX_K)),
+    "temperature": ("a finite number >= 0 (0 = greedy)", lambda value: _is_number(value) and value >= 0),
+    "top_p": ("a number above 0 and at most 1", lambda value: _is_number(value) and 0 < value <= 1),
+    "top_k": ("a whole number >= 0 (0 = off)", lambda value: _is_integer(value) and value >= 0),
+    "max_new_tokens": ("a whole number >= 1", lambda value: _is_integer(value) and value >= 1),
+    "weights_gb": ("a number above 0", lambda value: _is_number(value) and value > 0),
+}
+assert set(_RULES) == _TOML_KEYS, "every Profile field read from TOML needs a rule"
+
+
 def _check_keys(path: Path, data: dict) -> None:
     unknown = sorted(set(data) - _TOML_KEYS)
     if unknown:
         raise _bad(path, f"unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(_TOML_KEYS))}")
-    if not isinstance(data.get("target"), str) or not data["target"]:
+    if "target" not in data:
         raise _bad(path, "`target` (a model name) is required")
 
 
+def _check_values(path: Path, data: dict) -> None:
+    """Each value's type and range, in file order: the first bad one is named with what it may be."""
+    for key, value in data.items():
+        allowed, check = _RULES[key]
+        if not check(value):
+            raise _bad(path, f"`{key}` must be {allowed}, not {value!r}")
+
+
 def _check_drafter(path: Path, drafter: str, draft: str | None) -> None:
-    if drafter not in DRAFTERS:
-        raise _bad(path, f"drafter must be one of {', '.join(DRAFTERS)}, not {drafter!r}")
     if drafter != "ngram" and not draft:
         raise _bad(path, f'drafter "{drafter}" needs a `draft`, or set drafter = "ngram"')
-
-
-def _check_numbers(path: Path, profile: Profile) -> None:
-    if profile.target_quantization not in QUANTIZATIONS or profile.draft_quantization not in QUANTIZATIONS:
-        raise _bad(path, 'quantization must be "4bit", "8bit" or "int8" (or left out)')
-    if profile.k != "auto" and not (isinstance(profile.k, int) and profile.k >= 1):
-        raise _bad(path, f'k must be "auto" or a positive integer, not {profile.k!r}')
-    if not (profile.temperature >= 0 and 0 < profile.top_p <= 1 and profile.top_k >= 0):
-        raise _bad(path, "need temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
-    if not (isinstance(profile.max_new_tokens, int) and profile.max_new_tokens >= 1):
-        raise _bad(path, "max_new_tokens must be a positive integer")
 
 
 def _parse(name: str, path: Path) -> Profile:
     data = _read_toml(path)
     _check_keys(path, data)
+    _check_values(path, data)
     drafter = data.get("drafter") or ("model" if data.get("draft") else "ngram")
     _check_drafter(path, drafter, data.get("draft"))
     if drafter == "ngram":
         data = {**data, "draft": None, "draft_quantization": None}
-    try:
-        profile = Profile(name=name, path=path, **{**data, "drafter": drafter})
-    except TypeError as error:
-        raise _bad(path, str(error)) from None
-    try:
-        _check_numbers(path, profile)
-    except TypeError:
-        raise _bad(path, "a number field holds text") from None
-    return profile
+    data = {key: None if key.endswith("_quantization") and value == "none" else value for key, value in data.items()}
+    return Profile(name=name, path=path, **{**data, "drafter": drafter})
 
 
 # ---- public -----------------------------------------------------------------------------------
 
 
+def scan_profiles() -> tuple[list[Profile], list[ProfileError]]:
+    """Every profile that reads well, sorted by name, and what is wrong with each one that does not."""
+    profiles: list[Profile] = []
+    problems: list[ProfileError] = []
+    for name, path in sorted(_profile_files().items()):
+        try:
+            profiles.append(_parse(name, path))
+        except ProfileError as error:
+            problems.append(error)
+    return profiles, problems
+
+
 def list_profiles() -> list[Profile]:
-    """All profiles, shipped and user, sorted by name."""
-    return [_parse(name, path) for name, path in sorted(_profile_files().items())]
+    """The profiles that read well, shipped and user, sorted by name (see `scan_profiles` for the rest)."""
+    return scan_profiles()[0]
 
 
 def load_profile(name: str) -> Profile:

@@ -16,7 +16,7 @@ from specdec_cli.engine.draft import DraftRule, Drafter
 from specdec_cli.engine.kv import tree_capable
 from specdec_cli.errors import InputError
 from specdec_cli.models import LoadedModel
-from specdec_cli.profiles import DRAFTERS
+from specdec_cli.profiles import DRAFTERS, MAX_K
 
 # End-of-turn tokens that chat templates close an assistant turn with. Some checkpoints (GGUF
 # conversions especially) list only one of them as EOS; generation must stop at any.

@@ -14,6 +14,7 @@ from specdec_cli.engine.sampling import SamplingParams
 from specdec_cli.errors import InputError
 from specdec_cli.models import LoadedModel, load_model, load_pair
 from specdec_cli.models.device import resolve_device
+from specdec_cli.models.quant import canonical
 from specdec_cli.profiles import DEFAULT_PROFILE, DRAFTERS, Profile, load_profile
 
 MAX_K = 16
@@ -39,6 +40,8 @@ class ModelOverrides:
     trust_remote_code: bool = False
     allow_pickle: bool = False
     draft_int8: bool | None = None  # --draft-int8 / --no-draft-int8; None: the profile decides
+    target_quant: str | None = None  # --target-quant: none, int8, int4, nf4, bnb8, auto (wins over the aliases)
+    draft_quant: str | None = None   # --draft-quant, likewise for the draft
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,22 @@ def _quantizations(base: Profile, flags: ModelOverrides) -> tuple[str | None, st
     profile_draft = None if flags.draft_int8 is False and base.draft_quantization == "int8" else base.draft_quantization
     target_quantization = "4bit" if flags.target_4bit else both or base.target_quantization
     draft_quantization = "4bit" if flags.draft_4bit else "int8" if flags.draft_int8 else both or profile_draft
+    target_quantization = _explicit("target", flags.target_quant, flags.target_4bit or flags.load_in_4bit
+                                    or flags.load_in_8bit) or target_quantization
+    draft_quantization = _explicit("draft", flags.draft_quant, flags.draft_4bit or flags.draft_int8
+                                   or flags.load_in_4bit or flags.load_in_8bit) or draft_quantization
     return target_quantization, draft_quantization
+
+
+def _explicit(role: str, name: str | None, alias_given: bool) -> str | None:
+    """--target-quant / --draft-quant, checked by name; "none" stays "none" so it overrides a profile."""
+    if name is None:
+        return None
+    if alias_given:
+        raise InputError(f"--{role}-quant and an older quantisation flag (--{role}-4bit, --load-in-4bit/8bit"
+                         f"{', --draft-int8' if role == 'draft' else ''}) contradict each other", f"keep --{role}-quant alone")
+    canonical(name)  # an unknown name: one line listing the formats
+    return name
 
 
 # ---- loading them ------------------------------------------------------------------------------
@@ -146,6 +164,7 @@ def load_choice(choice: ModelChoice, console: Printer | None = None) -> tuple[Lo
         draft_quantization=_draft_quantization(choice, console),
         trust_remote_code=choice.trust_remote_code,
         allow_pickle=choice.allow_pickle,
+        progress=not getattr(console, "quiet", False),  # -q: no spinners, no "Loading weights" bars
     )
     console.print(target.describe("target"), markup=False)
     console.print(draft.describe("draft") if draft else "draft: n-gram lookup", markup=False)

@@ -1,7 +1,7 @@
 import pytest
 
 from specdec_cli.errors import ProfileError
-from specdec_cli.profiles import DEFAULT_PROFILE, list_profiles, load_profile
+from specdec_cli.profiles import DEFAULT_PROFILE, list_profiles, load_profile, scan_profiles
 from tests.isolation import specdec_home  # noqa: F401  (autouse)
 
 SHIPPED = {"demo", "demo-ngram", "qwen2.5-7b", "qwen2.5-7b-4bit", "qwen2.5-coder-7b", "llama-3.1-8b", "gemma-2-9b"}
@@ -70,15 +70,84 @@ def test_malformed_toml_names_the_file_and_line(specdec_home):
         ('draft = "org/small"\n', "`target` (a model name) is required"),
         ('target = "org/big"\ntempreature = 0.1\n', "unknown key(s) tempreature"),
         ('target = "org/big"\ndrafter = "model"\n', 'drafter "model" needs a `draft`'),
-        ('target = "org/big"\ndrafter = "forest"\n', "drafter must be one of model, ngram"),
-        ('target = "org/big"\ntarget_quantization = "3bit"\n', "quantization must be"),
-        ('target = "org/big"\nk = 0\n', "k must be"),
-        ('target = "org/big"\ntop_p = 1.5\n', "top_p"),
-        ('target = "org/big"\ntemperature = "hot"\n', "a number field holds text"),
+        ('target = "org/big"\ndrafter = "forest"\n', "`drafter` must be one of model, ngram, cascade, tree, not 'forest'"),
+        ('target = "org/big"\ntarget_quantization = "3bit"\n', "`target_quantization` must be one of none, auto, int8, int4, nf4, bnb8, 4bit, 8bit, not '3bit'"),
+        ('target = "org/big"\nk = 99\n', '`k` must be "auto" or a whole number from 0 to 16, not 99'),
+        ('target = "org/big"\ntop_p = 1.5\n', "`top_p` must be a number above 0 and at most 1, not 1.5"),
+        ('target = "org/big"\ntemperature = "hot"\n', "`temperature` must be a finite number >= 0 (0 = greedy), not 'hot'"),
+        # what `profiles show` used to accept and `run` rejected or misused later
+        ('target = "org/big"\ndraft = 5\n', "`draft` must be a model name (a non-empty string), not 5"),
+        ('target = "org/big"\ndtype = "float64"\n', "`dtype` must be one of auto, bfloat16, bf16, float16, fp16, half, float32, fp32, not 'float64'"),
+        ('target = "org/big"\ndevice = "tpu"\n', "`device` must be auto, cpu, cuda, cuda:N or mps, not 'tpu'"),
+        ('target = "org/big"\ndraft = "org/small"\ndraft_quantization = "int3"\n', "`draft_quantization` must be one of"),
+        ('target = "org/big"\nsystem = 3\n', "`system` must be a string, not 3"),
+        ('target = 7\n', "`target` must be a model name (a non-empty string), not 7"),
+        ('target = ""\n', "`target` must be a model name (a non-empty string), not ''"),
+        ('target = "org/big"\ntemperature = nan\n', "`temperature` must be a finite number >= 0 (0 = greedy), not nan"),
+        ('target = "org/big"\ntemperature = inf\n', "`temperature` must be a finite number >= 0 (0 = greedy), not inf"),
+        ('target = "org/big"\ntop_p = nan\n', "`top_p` must be a number above 0 and at most 1, not nan"),
+        ('target = "org/big"\ntop_k = 2.5\n', "`top_k` must be a whole number >= 0 (0 = off), not 2.5"),
+        ('target = "org/big"\nmax_new_tokens = true\n', "`max_new_tokens` must be a whole number >= 1, not True"),
+        ('target = "org/big"\nmax_new_tokens = 0\n', "`max_new_tokens` must be a whole number >= 1, not 0"),
+        ('target = "org/big"\nweights_gb = -1\n', "`weights_gb` must be a number above 0, not -1"),
+        ('target = "org/big"\ndescription = ["a"]\n', "`description` must be a string, not ['a']"),
     ],
 )
 def test_invalid_profiles_say_what_is_wrong(specdec_home, text, complaint):
-    _user_profile(specdec_home, "bad", text)
+    path = _user_profile(specdec_home, "bad", text)
     with pytest.raises(ProfileError) as raised:
         load_profile("bad")
+    assert raised.value.message.startswith(f"profile file {path}: ")
     assert complaint in raised.value.message
+    assert raised.value.hint == "fix the file or remove it"
+
+
+@pytest.mark.parametrize("quantization", ["none", "auto", "int8", "int4", "nf4", "bnb8", "4bit", "8bit"])
+def test_every_quantisation_name_is_accepted(specdec_home, quantization):
+    _user_profile(specdec_home, "q", f'target = "org/big"\ndraft = "org/small"\ntarget_quantization = "{quantization}"\n'
+                                     f'draft_quantization = "{quantization}"\n')
+    profile = load_profile("q")
+    expected = None if quantization == "none" else quantization  # "none" reads as no quantisation
+    assert (profile.target_quantization, profile.draft_quantization) == (expected, expected)
+
+
+def test_good_values_at_the_edges_are_accepted(specdec_home):
+    _user_profile(specdec_home, "edges", 'target = "org/big"\ndraft = "org/small"\nk = 0\ntemperature = 0\ntop_p = 1\n'
+                                         'top_k = 0\nmax_new_tokens = 1\ndevice = "cuda:1"\ndtype = "bf16"\nsystem = ""\n')
+    profile = load_profile("edges")
+    assert (profile.k, profile.temperature, profile.top_p, profile.device, profile.dtype) == (0, 0, 1, "cuda:1", "bf16")
+
+
+def test_one_broken_profile_leaves_the_others_listed(specdec_home):
+    path = _user_profile(specdec_home, "broken", 'target = "org/big"\ndraft = 5\n')
+    _user_profile(specdec_home, "fine", 'target = "org/big"\n')
+    profiles, problems = scan_profiles()
+    assert {profile.name for profile in profiles} == SHIPPED | {"fine"}
+    assert [problem.message for problem in problems] == [
+        f"profile file {path}: `draft` must be a model name (a non-empty string), not 5"]
+    assert {profile.name for profile in list_profiles()} == SHIPPED | {"fine"}
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("name", ["demo", "demo-ngram"])
+def test_the_demo_hints_are_what_the_estimate_computes_from_the_gguf_configs(name):
+    """`profiles list` shows the hint until the pair is converted, the estimate after: they must agree."""
+    import torch
+    from transformers import AutoConfig
+
+    from specdec_cli.errors import MissingExtraError
+    from specdec_cli.models import demo
+    from specdec_cli.models.preflight import estimate_weight_bytes
+
+    profile = load_profile(name)
+    total = 0
+    for spec, quantization in ((profile.target, profile.target_quantization), (profile.draft, profile.draft_quantization)):
+        if spec is None:
+            continue
+        try:
+            path = demo.ensure_joined(demo.demo_model(spec), progress=False)
+        except MissingExtraError:
+            pytest.skip("the demo pair is not installed")
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        total += estimate_weight_bytes(config, torch.bfloat16, quantization)
+    assert round(total / 1e9, 1) == profile.weights_gb

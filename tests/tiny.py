@@ -159,3 +159,26 @@ def build_tiny_gguf(path: Path, seed: int = 0):
     writer.write_tensors_to_file()
     writer.close()
     return model
+
+
+def successor_batches(successor: torch.Tensor, alphabet: torch.Tensor, seed: int, batch: int = 32, length: int = 16):
+    """Endless (batch, length) id sequences that start anywhere in `alphabet` and follow `successor`."""
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        columns = [alphabet[torch.randint(len(alphabet), (batch,), generator=generator)]]
+        for _ in range(length - 1):
+            columns.append(successor[columns[-1]])
+        yield torch.stack(columns, 1)
+
+
+def train_to_follow(model, successor: torch.Tensor, alphabet: torch.Tensor, steps: int, seed: int = 0):
+    """Train `model` (in place, a few seconds for a tiny one) until it predicts successor[id] for every id in
+    `alphabet` by a wide margin: a confident model, whose greedy choices no quantiser's noise can flip."""
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _, batch in zip(range(steps), successor_batches(successor, alphabet, seed)):
+        loss = model(input_ids=batch, labels=batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model.eval()

@@ -3,12 +3,15 @@
   requests.py    an input line → a `Request` (or one that carries why it cannot run)
   records.py     a finished request → its output record (specdec's or the OpenAI batch shape)
   writer.py      the output file: refusing to clobber, resuming, the durable writer
+  sidecar.py     OUTPUT.settings.json: the settings a file was made with, checked on --resume
+  lock.py        `OutputLock`: one run per output file (an OS lock naming its holder's pid)
   loop.py        `run_batch` / `run_grouped`: the loop behind the `Generate` seam
   generation.py  `ModelGeneration`: the seam's implementation on the loaded models
 
 Importing this package loads no torch and no Rich."""
 
 from specdec_cli.batch.generation import ModelGeneration
+from specdec_cli.batch.lock import OutputLock, lock_path
 from specdec_cli.batch.loop import (
     BatchSummary, Generate, GenerateOne, one_at_a_time, pending_requests, run_batch, run_grouped,
 )
@@ -16,11 +19,12 @@ from specdec_cli.batch.records import Completion, error_record, record_failed, r
 from specdec_cli.batch.requests import (
     CHAT_URL, COMPLETIONS_URL, MAX_SEED, OPENAI_KEYS, BadRecord, Request, parse_line, read_input, read_requests,
 )
+from specdec_cli.batch.sidecar import check_resumed_settings, record_settings, settings_path, write_settings
 from specdec_cli.batch.writer import DurableWriter, check_output, read_finished
 
 __all__ = [
     "CHAT_URL", "COMPLETIONS_URL", "MAX_SEED", "OPENAI_KEYS", "BadRecord", "BatchSummary", "Completion", "DurableWriter",
-    "Generate", "GenerateOne", "ModelGeneration", "Request", "check_output", "error_record", "one_at_a_time",
+    "Generate", "GenerateOne", "ModelGeneration", "OutputLock", "Request", "check_output", "check_resumed_settings", "error_record", "lock_path", "one_at_a_time",
     "parse_line", "pending_requests", "read_finished", "read_input", "read_requests", "record_failed", "record_key",
-    "record_stats", "run_batch", "run_grouped", "success_record",
+    "record_settings", "record_stats", "run_batch", "run_grouped", "settings_path", "success_record", "write_settings",
 ]

@@ -9,10 +9,15 @@ from typing import TYPE_CHECKING
 
 from specdec_cli.batch.records import Completion
 from specdec_cli.batch.requests import Request
+from specdec_cli.errors import SpecdecError
 
 if TYPE_CHECKING:
     from specdec_cli.engine import SpeculativeDecoder
     from specdec_cli.settings import DecodingSettings, ModelChoice, Printer
+
+
+class GenerationError(SpecdecError):
+    """One request failed inside the model's generation; it becomes that request's error record."""
 
 
 class ModelGeneration:
@@ -50,9 +55,17 @@ class ModelGeneration:
         # depends on it alone: resuming, --limit or reordering the file never changes a record.
         self.decoder.reset()
         max_new_tokens = _given(request.max_new_tokens, settings.max_new_tokens)
-        result = self.decoder.generate(prompt_ids, params, max_new_tokens, stop=stops if stops.stops else None)
+        try:
+            result = self.decoder.generate(prompt_ids, params, max_new_tokens, stop=stops if stops.stops else None)
+        except (RuntimeError, ValueError, IndexError, MemoryError) as error:
+            # A request the model cannot run (out of memory, a kernel that refuses an input) fails alone:
+            # its record says why and the batch goes on. The decoder is reset before the next request.
+            raise GenerationError(
+                f"generation failed ({type(error).__name__}: {_first_line(error)})",
+                "the other records go on; if this looks like a bug in specdec, please report it with this line",
+            ) from error
         text = stops.cut(self.tokenizer.decode(result.tokens, skip_special_tokens=True))
-        return Completion.of(text, result.finish_reason, len(prompt_ids), result.stats)
+        return Completion.of(text, result.finish_reason, len(prompt_ids), result.stats, result.budget.note() or None)
 
     def _encode(self, request: Request) -> list[int]:
         from specdec_cli.session import encode_chat, encode_completion
@@ -67,3 +80,8 @@ class ModelGeneration:
 
 def _given(value, default):
     return default if value is None else value
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:200] if text else "no message"

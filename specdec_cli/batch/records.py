@@ -22,10 +22,13 @@ class Completion:
     steps: int
     drafted: int
     accepted: int
+    note: str | None = None  # e.g. why max_new_tokens was cut to fit the context
 
     @classmethod
-    def of(cls, text: str, finish_reason: str, prompt_tokens: int, stats: GenerationStats) -> Completion:
-        return cls(text, finish_reason, prompt_tokens, stats.new_tokens, stats.steps, stats.drafted, stats.accepted)
+    def of(cls, text: str, finish_reason: str, prompt_tokens: int, stats: GenerationStats,
+           note: str | None = None) -> Completion:
+        return cls(text, finish_reason, prompt_tokens, stats.new_tokens, stats.steps, stats.drafted, stats.accepted,
+                   note)
 
     def stats(self, seconds: float) -> GenerationStats:
         """Its counts as the engine's stats, timed by the loop's wall time."""
@@ -44,7 +47,13 @@ def success_record(request: Request, completion: Completion, seconds: float, mod
         "completion_tokens": completion.completion_tokens,
         "stats": record_stats(completion, seconds),
         "error": None,
+        **_note(completion),
     }
+
+
+def _note(completion: Completion) -> dict:
+    """A "note" field only when there is something to say (the record's other fields never change shape)."""
+    return {"note": completion.note} if completion.note else {}
 
 
 def error_record(request: Request, message: str, code: str = "invalid_request") -> dict:
@@ -101,7 +110,7 @@ def _openai_success(request: Request, completion: Completion, seconds: float, mo
         **_openai_ids(request),
         "response": {"status_code": 200, "request_id": f"req_{request.line}", "body": body},
         "error": None,
-        "specdec": record_stats(completion, seconds),
+        "specdec": record_stats(completion, seconds) | _note(completion),
     }
 
 

@@ -5,6 +5,7 @@ the batch. No torch, no Rich."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ class Request:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     error: str | None = None  # why this line cannot run; it becomes an error record
+    id_given: bool = True  # False: the line has no id and `id` is its line number
 
     @property
     def key(self) -> str:
@@ -49,15 +51,25 @@ class BadRecord(ValueError):
 def read_requests(lines: Iterable[bytes]) -> list[Request]:
     """Every non-blank line as a request, numbered from 1; a later duplicate id becomes an error."""
     requests: list[Request] = []
-    first_line: dict[str, int] = {}
+    first: dict[str, Request] = {}
     for number, raw in enumerate(lines, start=1):
         if raw.strip():
             request = parse_line(number, raw)
-            if request.key in first_line and request.error is None:
-                request = _failed(request, f"duplicate id {request.id!r} (first on line {first_line[request.key]})")
-            first_line.setdefault(request.key, number)
+            if request.key in first and request.error is None:
+                request = _failed(request, _duplicate(request, first[request.key]))
+            first.setdefault(request.key, request)
             requests.append(request)
     return requests
+
+
+def _duplicate(request: Request, earlier: Request) -> str:
+    """Why a line's id is taken; a line without an id took its line number, which a user may not expect."""
+    if not earlier.id_given:
+        return f"duplicate id {request.id!r}: line {earlier.line} has no id, so it took its line number {earlier.id!r} as id"
+    if not request.id_given:
+        return (f"duplicate id {request.id!r} (first on line {earlier.line}): this line has no id, so it took its "
+                "line number as id")
+    return f"duplicate id {request.id!r} (first on line {earlier.line})"
 
 
 def parse_line(number: int, raw: bytes) -> Request:
@@ -66,17 +78,18 @@ def parse_line(number: int, raw: bytes) -> Request:
         if not isinstance(value, dict):
             raise BadRecord(f"expected a JSON object, got {_json_type(value)}")
     except (BadRecord, json.JSONDecodeError) as error:
-        return Request(number, number, openai=False, error=f"line {number}: {_problem(error)}")
+        return Request(number, number, openai=False, error=f"line {number}: {_problem(error)}", id_given=False)
     openai = any(key in value for key in OPENAI_KEYS)
     try:
         record_id = _record_id(value, "custom_id" if openai else "id", number)
     except BadRecord as error:
-        return Request(number, number, openai, error=f"line {number}: {error}")
+        return Request(number, number, openai, error=f"line {number}: {error}", id_given=False)
+    given = value.get("custom_id" if openai else "id") is not None
     try:
         fields = _openai_fields(value) if openai else _plain_fields(value)
     except BadRecord as error:
-        return Request(number, record_id, openai, error=f"line {number}: {error}")
-    return Request(number, record_id, openai, **fields)
+        return Request(number, record_id, openai, error=f"line {number}: {error}", id_given=given)
+    return Request(number, record_id, openai, id_given=given, **fields)
 
 
 def _decode(number: int, raw: bytes) -> str:
@@ -94,7 +107,8 @@ def _problem(error: Exception) -> str:
 
 
 def _failed(request: Request, problem: str) -> Request:
-    return Request(request.line, request.id, request.openai, error=f"line {request.line}: {problem}")
+    return Request(request.line, request.id, request.openai, error=f"line {request.line}: {problem}",
+                   id_given=request.id_given)
 
 
 def _json_type(value: object) -> str:
@@ -198,6 +212,8 @@ def _integer(name: str, value: object, low: int, high: int | None = None) -> int
 def _number(name: str, value: object, low: float, high: float | None, open_low: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise BadRecord(f'"{name}" must be a number, got {_json_type(value)}')
+    if not math.isfinite(value):  # json reads NaN, Infinity and -Infinity
+        raise BadRecord(f'"{name}" must be a finite number, got {value}')
     if value < low or (open_low and value == low) or (high is not None and value > high):
         bounds = f"in ({low:g}, {high:g}]" if open_low else f"at least {low:g}"
         raise BadRecord(f'"{name}" must be {bounds}, got {value}')

@@ -3,12 +3,13 @@ and a writer that makes each record durable (flush + fsync) before the next requ
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 from pathlib import Path
-from typing import BinaryIO
 
-from specdec_cli.errors import InputError
+from specdec_cli.errors import InputError, OutputWriteError
 
 
 def check_output(output: Path, resume: bool, overwrite: bool) -> None:
@@ -55,12 +56,15 @@ def _finished_record(output: Path, number: int, line: bytes) -> dict:
 
 
 class DurableWriter:
-    """Appends one JSON line per record; `write` returns only once the record is on disk."""
+    """Appends one JSON line per record; `write` returns only once the record is on disk. A write that
+    fails (disk full) raises OutputWriteError after cutting the file back to its last whole record."""
 
     def __init__(self, output: Path, replace: bool) -> None:
+        self.output = output
         created = not output.exists()
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if replace else os.O_APPEND)
         try:
-            self._file: BinaryIO = open(output, "wb" if replace else "ab")
+            self._descriptor = os.open(output, flags, 0o644)  # unbuffered: nothing left to flush when closing
         except OSError as error:
             raise InputError(f"cannot write {output}: {error.strerror}", "check the path and its permissions") from None
         if created:
@@ -69,18 +73,53 @@ class DurableWriter:
     def write(self, record: dict) -> None:
         line = json.dumps(record, ensure_ascii=False) + "\n"
         # backslashreplace turns a lone surrogate (from a JSON "\\ud800" id) back into a JSON escape.
-        self._file.write(line.encode("utf-8", errors="backslashreplace"))
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        data = line.encode("utf-8", errors="backslashreplace")
+        size = _size(self._descriptor)
+        try:
+            _write_all(self._descriptor, data)
+            _fsync(self._descriptor)
+        except OSError as error:
+            _cut_back(self._descriptor, size)
+            raise OutputWriteError(f"cannot write {self.output}: {error.strerror}",
+                                   "make room (or fix the disk) and run the same command with --resume") from None
 
     def close(self) -> None:
-        self._file.close()
+        os.close(self._descriptor)
 
     def __enter__(self) -> "DurableWriter":
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _write_all(descriptor: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(descriptor, view):]
+
+
+def _size(descriptor: int) -> int | None:
+    status = os.fstat(descriptor)
+    return status.st_size if stat.S_ISREG(status.st_mode) else None
+
+
+def _fsync(descriptor: int) -> None:
+    try:
+        os.fsync(descriptor)
+    except OSError as error:
+        if error.errno != errno.EINVAL:  # EINVAL: a device or pipe (/dev/null) that has nothing to sync
+            raise
+
+
+def _cut_back(descriptor: int, size: int | None) -> None:
+    """Drop a partly written line, so that the file ends with a whole record (best effort: --resume repairs it too)."""
+    if size is None:
+        return
+    try:
+        os.ftruncate(descriptor, size)
+    except OSError:
+        pass
 
 
 def _fsync_directory(folder: Path) -> None:

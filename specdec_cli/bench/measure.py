@@ -16,6 +16,7 @@ No Rich and no printing here: report.py renders the rows that `Benchmark.summary
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -195,7 +196,10 @@ def encode_prompt(prompt: Prompt, tokenizer, system: str | None = None) -> list[
 
 
 def write_json(path: Path, report: dict) -> None:
+    """Write the report whole or not at all: a temporary file beside `path`, renamed over it."""
+    temporary = path.with_name(f".{path.name}.tmp")
     try:
-        path.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        temporary.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        os.replace(temporary, path)
     except OSError as error:
         raise InputError(f"cannot write {path}: {error.strerror}", "choose a writable path for --json") from None

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from specdec_cli.chat.history import History, Message, write_jsonl
 from specdec_cli.chat.text import Piece, ReplyText
-from specdec_cli.engine import GenerationStats
-from specdec_cli.errors import InputError
+from specdec_cli.engine import Budget, GenerationStats
+from specdec_cli.errors import InputError, PromptTooLongError
 from specdec_cli.models import LoadedModel
 from specdec_cli.session import build_decoder, encode_chat, make_drafter, make_policy
 from specdec_cli.settings import DecodingSettings, parse_k, sampling_params
@@ -36,6 +36,7 @@ class Conversation:
         self.history = History(system=settings.system)
         self.totals = GenerationStats()  # every reply of the session, across /reset
         self.replies = 0
+        self.budget: Budget | None = None  # the last reply's token budget, as the context left it
         self._saved: set[Path] = set()  # files this session wrote, which /save may overwrite
 
     # ---- a turn -------------------------------------------------------------------------------
@@ -49,6 +50,7 @@ class Conversation:
         self.history.messages.append(Message("user", user_text))
         try:
             prompt = self.prompt_ids()
+            self.budget = self._fit(len(prompt))
         except BaseException:
             self.history.messages.pop()
             raise
@@ -57,13 +59,21 @@ class Conversation:
         finish_reason = "interrupted"
         started = time.perf_counter()
         try:
-            for event in self.decoder.stream(prompt, self.sampling(), self.settings.max_new_tokens):
+            for event in self.decoder.stream(prompt, self.sampling(), self.budget.max_new_tokens):
                 stats.add_step(event)
                 yield from text.push(event.tokens, event.provenance)
                 finish_reason = event.finish_reason or finish_reason
         finally:
             stats.seconds = time.perf_counter() - started
             self._record(text.shown, finish_reason, stats)
+
+    def _fit(self, prompt_tokens: int) -> Budget:
+        """The reply's budget, checked before any forward: a conversation past the context is refused."""
+        try:
+            return self.decoder.fit(prompt_tokens, self.settings.max_new_tokens)
+        except PromptTooLongError as error:
+            hint = "send a shorter message, or /reset to start a new conversation"
+            raise PromptTooLongError(error.prompt_tokens, error.context, hint) from None
 
     def _record(self, content: str, finish_reason: str, stats: GenerationStats) -> None:
         self.history.messages.append(Message("assistant", content, finish_reason, stats.as_dict()))
@@ -113,6 +123,8 @@ class Conversation:
         """Write the transcript as JSON lines; returns the number of lines. Never overwrites a file
         this session did not write itself."""
         path = path.expanduser()
+        if path.is_dir():
+            raise InputError(f"{path} is a folder", f"give a file name, e.g. /save {path / 'chat.jsonl'}")
         if path.exists() and path.resolve() not in self._saved:
             raise InputError(f"{path} already exists", "pick a new file name (or remove that file first)")
         records = self.history.records()

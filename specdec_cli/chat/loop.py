@@ -12,6 +12,7 @@ from specdec_cli.chat.commands import CONTINUATION, is_command, run_command
 from specdec_cli.chat.conversation import Conversation
 from specdec_cli.chat.history import Message
 from specdec_cli.chat.text import Piece
+from specdec_cli.engine import Budget
 from specdec_cli.errors import SpecdecError
 
 ReadLine = Callable[[str], str]  # like `input`: shows the prompt, returns a line; EOFError at the end
@@ -39,10 +40,10 @@ class Screen:
     def piece(self, piece: Piece) -> None:
         self.console.print(render.token(piece.text, piece.provenance, self.styled), end="")
 
-    def end_reply(self, reply: Message, max_new_tokens: int) -> None:
+    def end_reply(self, reply: Message, budget: Budget) -> None:
         if not reply.content.endswith("\n"):
             self.console.print()
-        self.console.print(render.stats_line(reply.stats, note=_note(reply.finish_reason, max_new_tokens)))
+        self.console.print(render.stats_line(reply.stats, note=_note(reply.finish_reason, budget)))
 
     def totals(self, conversation: Conversation) -> None:
         label = f"session, {conversation.replies} {'reply' if conversation.replies == 1 else 'replies'}"
@@ -55,11 +56,13 @@ class Screen:
         self.errors.print(Text.assemble(("error:", "bold red"), " ", error.one_line()))
 
 
-def _note(finish_reason: str | None, max_new_tokens: int) -> str:
+def _note(finish_reason: str | None, budget: Budget) -> str:
     if finish_reason == "interrupted":
         return "interrupted"
+    if finish_reason == "length" and budget.cut:
+        return f"cut at {budget.max_new_tokens} tokens: the model's {budget.context}-token context is full (/reset to start over)"
     if finish_reason == "length":
-        return f"cut at {max_new_tokens} tokens (--max-new-tokens)"
+        return f"cut at {budget.max_new_tokens} tokens (--max-new-tokens)"
     return ""
 
 
@@ -87,7 +90,7 @@ def stream_reply(conversation: Conversation, screen: Screen, user_text: str) -> 
     except KeyboardInterrupt:
         pieces.close()  # records the reply so far, if the interrupt came while printing
     if conversation.replies > replies_before:  # not interrupted before the reply began
-        screen.end_reply(conversation.last_reply, conversation.settings.max_new_tokens)
+        screen.end_reply(conversation.last_reply, conversation.budget)
 
 
 def handle(conversation: Conversation, screen: Screen, message: str) -> bool:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import signal
 import sys
+from collections.abc import Iterator
 from typing import Annotated, Callable, TypeVar
 
 import typer
@@ -34,7 +37,8 @@ def error_console() -> Console:
 
 
 def report_errors(command: F) -> F:
-    """Wrap a command: a SpecdecError becomes one line on stderr and exit code 2; Ctrl-C exits 130."""
+    """Wrap a command: a SpecdecError becomes one line on stderr and exit code 2; Ctrl-C exits 130
+    (SIGTERM 143, where the command turned it into `Terminated`)."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
@@ -46,13 +50,39 @@ def report_errors(command: F) -> F:
             # escape: hints like `pip install 'specdec[demo]'` hold brackets that Rich would read as markup
             error_console().print(f"[bold red]error:[/] {escape(error.one_line())}", markup=True)
             raise typer.Exit(2) from None
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as interrupt:
             if _state["debug"]:
                 raise
             error_console().print("interrupted")
-            raise typer.Exit(130) from None
+            raise typer.Exit(interrupted_exit_code(interrupt)) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command is so that it stops as after Ctrl-C (and says how to go on)."""
+
+
+def interrupted_exit_code(interrupt: KeyboardInterrupt) -> int:
+    """The shell's code for the signal: 128 + SIGTERM (15) or 128 + SIGINT (2)."""
+    return 128 + (signal.SIGTERM if isinstance(interrupt, Terminated) else signal.SIGINT)
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within the block, SIGTERM raises `Terminated` (a KeyboardInterrupt) instead of killing the process."""
+    def terminate(signum: int, frame: object) -> None:
+        raise Terminated
+
+    try:
+        previous = signal.signal(signal.SIGTERM, terminate)
+    except ValueError:  # not the main thread: leave SIGTERM as it is
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _print_version(value: bool) -> None:

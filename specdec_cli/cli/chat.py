@@ -12,6 +12,7 @@ from specdec_cli.chat import Conversation, Screen, run_chat
 from specdec_cli.cli import options
 from specdec_cli.cli.app import error_console, report_errors
 from specdec_cli.settings import choose_models, decoding_settings, load_choice
+from specdec_cli.errors import InputError
 
 NoColorOption = Annotated[bool, typer.Option("--no-color", help="Plain text, no colours (also: NO_COLOR, or stdout not a terminal).")]
 
@@ -22,6 +23,15 @@ def _screen(no_color: bool) -> Screen:
     if not styled:
         console = Console(highlight=False, soft_wrap=True, markup=False, emoji=False, color_system=None)
     return Screen(console, error_console(), styled=styled, interactive=sys.stdin.isatty())
+
+
+def _check_stdin() -> None:
+    """Python sets sys.stdin to None when the process starts with file descriptor 0 closed (`<&-`)."""
+    if sys.stdin is None or sys.stdin.closed:
+        raise InputError(
+            "standard input is closed, so chat has nothing to read",
+            "run it in a terminal, or pipe the messages in (echo hi | specdec chat)",
+        )
 
 
 def _enable_line_editing() -> None:
@@ -44,6 +54,8 @@ def chat(
     load_in_4bit: options.LoadIn4bitOption = False,
     load_in_8bit: options.LoadIn8bitOption = False,
     draft_int8: options.DraftInt8Option = None,
+    target_quant: options.TargetQuantOption = None,
+    draft_quant: options.DraftQuantOption = None,
     trust_remote_code: options.TrustRemoteCodeOption = False,
     allow_pickle: options.AllowPickleOption = False,
     k: options.KOption = None,
@@ -58,6 +70,7 @@ def chat(
     """Chat with a model. Tokens are coloured by where they came from: accepted draft tokens, the
     target's corrections, bonus tokens. Type /help in the chat for commands; a line ending in \\ goes
     on on the next line. Input may be piped: `echo hi | specdec chat`."""
+    _check_stdin()  # before minutes of model loading
     choice = choose_models(options.model_overrides(locals()))
     settings = decoding_settings(choice.profile, **options.decoding_overrides(locals()))
     loaded_target, loaded_draft = load_choice(choice, error_console())

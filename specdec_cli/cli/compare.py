@@ -5,6 +5,8 @@ Thin: options → bench.Benchmark → Rich tables (stdout), progress (stderr), -
 from __future__ import annotations
 
 import importlib.util
+import os
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -17,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from specdec_cli import bench
 from specdec_cli.cli.app import error_console, report_errors
 from specdec_cli.cli.options import (
-    AllowPickleOption, DeviceOption, Draft4bitOption, DraftInt8Option, DraftOption, DtypeOption, LoadIn4bitOption,
+    AllowPickleOption, DeviceOption, Draft4bitOption, DraftInt8Option, DraftQuantOption, TargetQuantOption, DraftOption, DtypeOption, LoadIn4bitOption,
     LoadIn8bitOption, MaxNewTokensOption, ProfileOption, Target4bitOption, TargetOption, TemperatureOption,
     TrustRemoteCodeOption, model_overrides,
 )
@@ -64,7 +66,7 @@ def compare_command(
     drafter: DrafterListOption = None, device: DeviceOption = None, dtype: DtypeOption = None,
     target_4bit: Target4bitOption = False, draft_4bit: Draft4bitOption = False,
     load_in_4bit: LoadIn4bitOption = False, load_in_8bit: LoadIn8bitOption = False,
-    draft_int8: DraftInt8Option = None,
+    draft_int8: DraftInt8Option = None, target_quant: TargetQuantOption = None, draft_quant: DraftQuantOption = None,
     trust_remote_code: TrustRemoteCodeOption = False, allow_pickle: AllowPickleOption = False,
     prompts: PromptsOption = None, category: CategoryOption = None, n_prompts: NPromptsOption = None,
     k: KListOption = None, max_new_tokens: MaxNewTokensOption = None, temperature: TemperatureOption = None,
@@ -101,7 +103,8 @@ def compare_command(
     if not console.is_terminal:  # a file or a pipe: keep the whole table instead of folding it to 80 columns
         console = Console(width=200)
     console.print(bench.measurement_table(benchmark, by_category))
-    console.print(bench.theory_table(benchmark.summary(), benchmark.warmup))
+    if any(row["theory"] is not None for row in benchmark.summary()):  # --k 0 alone: no drafts, no theory
+        console.print(bench.theory_table(benchmark.summary(), benchmark.warmup))
     if json_path:
         bench.write_json(json_path, benchmark.report(by_category))
         error_console().print(f"wrote {json_path}")
@@ -134,16 +137,28 @@ def _tree_sizes(tree_size: str | None, drafters: list[str]) -> list[int]:
 
 
 def _check_outputs(json_path: Path | None, plot: Path | None) -> None:
-    """Fail before minutes of measuring, not after."""
+    """Fail before minutes of measuring, not after: each path a file name in a folder we can write."""
     for path, flag in ((json_path, "--json"), (plot, "--plot")):
-        if path is not None and not path.parent.is_dir():
+        if path is None:
+            continue
+        if path.is_dir():
+            raise InputError(f"{path} is a folder", f"give {flag} a file name")
+        if not path.parent.is_dir():
             raise InputError(f"no folder {path.parent} for {flag}", "create it or choose another path")
+        try:  # the files are written as a temporary file renamed over the path: the folder must take new files
+            descriptor, probe = tempfile.mkstemp(dir=path.parent, prefix=".specdec-probe-")
+        except OSError as error:
+            raise InputError(f"cannot write in {path.parent} for {flag}: {error.strerror}",
+                             "choose another path") from None
+        os.close(descriptor)
+        os.unlink(probe)
     if plot is not None and importlib.util.find_spec("matplotlib") is None:
         raise MissingExtraError("--plot needs matplotlib", "pip install 'specdec[plot]'")
 
 
 def _measure(benchmark: bench.Benchmark, json_path: Path | None) -> None:
-    """Run it with a progress bar on stderr; on Ctrl-C keep what was measured in --json."""
+    """Run it with a progress bar on stderr. --json is rewritten after every prompt (marked "partial"), so
+    a benchmark that fails or is killed keeps what it measured; on Ctrl-C it is marked "interrupted"."""
     total = len(benchmark.order)
     n_prompts = len(benchmark.prompts)
     per_prompt = len(benchmark.configs) * benchmark.settings.repeats
@@ -155,6 +170,8 @@ def _measure(benchmark: bench.Benchmark, json_path: Path | None) -> None:
 
         def advance(done: int, _total: int, prompt: int, config: bench.Configuration) -> None:
             progress.update(task, completed=done, description=f"prompt {prompt + 1}/{n_prompts} · {config.name}")
+            if json_path and done % per_prompt == 0:
+                bench.write_json(json_path, benchmark.report(by_category=False) | {"partial": True})
             if not console.is_terminal and done % per_prompt == 0:  # no live bar: one line per prompt instead
                 console.print(f"prompt {prompt + 1}/{n_prompts} measured ({done}/{total} runs, "
                               f"{time.perf_counter() - started:.0f} s)", markup=False)

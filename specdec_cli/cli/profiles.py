@@ -9,10 +9,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from specdec_cli.cli.app import report_errors
+from specdec_cli.cli.app import error_console, report_errors
 from specdec_cli.models.device import DTYPES
 from specdec_cli.models.preflight import estimate_local_weight_bytes
-from specdec_cli.profiles import DEFAULT_PROFILE, Profile, list_profiles, load_profile
+from specdec_cli.profiles import DEFAULT_PROFILE, Profile, load_profile, scan_profiles
 
 app = typer.Typer(help="List and inspect model-pair profiles.", no_args_is_help=True)
 
@@ -23,7 +23,8 @@ def _quantization_label(profile: Profile) -> str:
 
 
 def _estimate_gb(profile: Profile) -> str:
-    """From configs already on this machine, else the profile's `weights_gb` hint; "?" when neither."""
+    """The one memory figure both commands show: from configs already on this machine, else the
+    profile's `weights_gb` hint (marked ~); "?" when neither."""
     dtype = DTYPES.get(profile.dtype, torch.bfloat16)  # "auto" is bf16 on the machines worth estimating for
     models = [(profile.target, profile.target_quantization)]
     if profile.draft:
@@ -43,14 +44,20 @@ def _draft_label(profile: Profile) -> str:
 @app.command("list")
 @report_errors
 def list_command() -> None:
-    """All profiles: shipped ones and those in $SPECDEC_HOME/profiles."""
+    """All profiles: shipped ones and those in $SPECDEC_HOME/profiles. A broken file is named on stderr
+    (with what is wrong) after the table of the good ones, and the exit code is 2."""
+    profiles, problems = scan_profiles()
     table = Table("name", "target", "draft", "quantisation", "weights (est.)")
     for column in table.columns:
         column.overflow = "fold"  # show whole model names, even in a narrow terminal
-    for profile in list_profiles():
+    for profile in profiles:
         name = f"{profile.name} (default)" if profile.name == DEFAULT_PROFILE else profile.name
         table.add_row(name, profile.target, _draft_label(profile), _quantization_label(profile), _estimate_gb(profile))
     Console(soft_wrap=True).print(table)
+    for problem in problems:
+        error_console().print(f"error: {problem.one_line()}", markup=False)
+    if problems:
+        raise typer.Exit(2)
 
 
 @app.command("show")
@@ -60,6 +67,7 @@ def show_command(name: Annotated[str, typer.Argument(help="Profile name, as in `
     profile = load_profile(name)
     table = Table("setting", "value", show_header=False, box=None)
     for field, value in vars(profile).items():
-        table.add_row(field, "-" if value is None else str(value))
+        if field != "weights_gb":  # a hint, shown through the estimate below so the two commands agree
+            table.add_row(field, "-" if value is None else str(value))
     table.add_row("weights (est.)", _estimate_gb(profile))
     Console(soft_wrap=True).print(table)

@@ -54,3 +54,6 @@ class CascadeDrafter(Drafter):
     def obey(self, rule: DraftRule) -> None:
         self.lookup_k = rule.lookup_k
         self.model_drafter.obey(rule)
+
+    def context_length(self) -> int | None:
+        return self.model_drafter.context_length()

@@ -23,6 +23,7 @@ import torch
 
 from specdec_cli.engine.draft import EMPTY_DRAFT, Draft, DraftRule, Drafter
 from specdec_cli.drafters.subset_head import SubsetHeadLM
+from specdec_cli.engine.context import context_length
 from specdec_cli.engine.kv import CachedModel
 from specdec_cli.engine.sampling import logits_to_probs, sample
 
@@ -40,6 +41,7 @@ class DraftModelDrafter(Drafter):
         self.subset = token_ids.cpu() if token_ids is not None else None
         self.head = SubsetHeadLM(model, token_ids) if token_ids is not None else None
         self.runner = CachedModel(self.head or model)
+        self.context = context_length(model)
         self.min_confidence = min_confidence
         self.min_survival = min_survival
 
@@ -89,3 +91,6 @@ class DraftModelDrafter(Drafter):
 
     def obey(self, rule: DraftRule) -> None:
         self.min_survival = rule.min_survival
+
+    def context_length(self) -> int | None:
+        return self.context

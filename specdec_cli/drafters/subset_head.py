@@ -24,8 +24,8 @@ def frequent_token_ids(tokenizer, size: int, vocab_size: int) -> torch.Tensor:
 
 class SubsetHeadLM(torch.nn.Module):
     """Wraps a transformers causal LM: same body and cache, logits over `token_ids` only.
-    logits[..., j] scores token_ids[j]. The output layer may be an int8 one (`quantize_int8_dynamic`):
-    its subset rows are then an int8 layer too."""
+    logits[..., j] scores token_ids[j]. The output layer may be an int8 one (models/int8.py): its subset
+    rows are then an int8 layer too."""
 
     def __init__(self, causal_lm: torch.nn.Module, token_ids: torch.Tensor) -> None:
         super().__init__()
@@ -42,23 +42,9 @@ class SubsetHeadLM(torch.nn.Module):
 
 def _subset_layer(head: torch.nn.Module, token_ids: torch.Tensor) -> tuple[torch.nn.Module, int]:
     """A bias-free linear layer holding `head`'s rows at token_ids (int8 if `head` is), and head's row count."""
-    if isinstance(head, torch.ao.nn.quantized.dynamic.Linear):
-        return _int8_rows(head, token_ids), head.weight().shape[0]
+    if hasattr(head, "select_rows"):  # an int8 layer: the same int8 rows with their per-row scales
+        return head.select_rows(token_ids.cpu()), head.out_features
     rows = head.weight.detach()[token_ids.to(head.weight.device)].contiguous()
     layer = torch.nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
     layer.weight = torch.nn.Parameter(rows, requires_grad=False)
     return layer, head.weight.shape[0]
-
-
-def _int8_rows(head: torch.nn.Module, token_ids: torch.Tensor) -> torch.nn.Module:
-    """The int8 rows themselves with their per-row scales: the same scores as the full int8 layer."""
-    weight = head.weight()  # per-channel (per-row) qint8
-    rows = torch._make_per_channel_quantized_tensor(
-        weight.int_repr()[token_ids].contiguous(),
-        weight.q_per_channel_scales()[token_ids].contiguous(),
-        weight.q_per_channel_zero_points()[token_ids].contiguous(),
-        axis=0,
-    )
-    layer = torch.ao.nn.quantized.dynamic.Linear(rows.shape[1], rows.shape[0], bias_=False, dtype=torch.qint8)
-    layer.set_weight_bias(rows, None)
-    return layer

@@ -6,6 +6,7 @@ which need no torch, can be imported without loading torch."""
 from importlib import import_module
 
 _HOMES = {
+    "context": ("Budget", "context_length", "fit_budget"),
     "decode": ("GenerationResult", "Provenance", "SpeculativeDecoder", "StepEvent", "cut_at_eos"),
     "draft": ("EMPTY_DRAFT", "Draft", "DraftRule", "Drafter"),
     "kv": ("CachedModel",),

@@ -15,7 +15,9 @@ keeps exactly the accepted branch in the target's cache (`CachedModel.keep_path`
 drafter commits its own cache in step 5). A target that cannot take a tree mask (`tree_capable`)
 verifies the tree's first-child chain instead.
 
-`SpeculativeDecoder.stream` yields one `StepEvent` per verification step; `generate` collects them."""
+`SpeculativeDecoder.stream` yields one `StepEvent` per verification step; `generate` collects them.
+Before the first forward, `fit` checks the prompt against the models' context: a prompt that leaves no
+room raises PromptTooLongError, a budget past the context is cut to what fits (finish_reason "length")."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from enum import Enum
 import torch
 
 from specdec_cli.engine.acceptance import Verdict, greedy_verdict, sampling_verdict
+from specdec_cli.engine.context import Budget, context_length, fit_budget, smallest_context
 from specdec_cli.engine.draft import EMPTY_DRAFT, Draft, Drafter
 from specdec_cli.engine.kv import CachedModel, tree_capable
 from specdec_cli.engine.policy import DraftLengthPolicy, FixedK
@@ -62,6 +65,7 @@ class GenerationResult:
     provenance: list[Provenance]
     finish_reason: str
     stats: GenerationStats
+    budget: Budget  # max_new_tokens as asked and as the context let it be (budget.cut, budget.note())
 
 
 StopCallback = Callable[[list[int]], bool]  # sees all generated ids so far; True ends generation
@@ -91,6 +95,16 @@ class SpeculativeDecoder:
         if drafter is not None and policy.rule is not None:
             drafter.obey(policy.rule)
 
+    @property
+    def context(self) -> int | None:
+        """The positions target and drafter both take (None: no limit known)."""
+        drafter_context = self.drafter.context_length() if self.drafter is not None else None
+        return smallest_context(context_length(self.target.model), drafter_context)
+
+    def fit(self, prompt_tokens: int, max_new_tokens: int) -> Budget:
+        """The budget a prompt of `prompt_tokens` leaves in the context; PromptTooLongError if none."""
+        return fit_budget(prompt_tokens, max_new_tokens, self.context)
+
     def reset(self) -> None:
         """Forget all cached state (a new conversation)."""
         self.target.reset()
@@ -107,6 +121,7 @@ class SpeculativeDecoder:
     ) -> Iterator[StepEvent]:
         if not prompt_ids:
             raise ValueError("the prompt must hold at least one token")
+        max_new_tokens = self.fit(len(prompt_ids), max_new_tokens).max_new_tokens  # before any forward
         ids = list(prompt_ids)
         generated: list[int] = []
         generator = make_generator(params.seed)
@@ -129,14 +144,15 @@ class SpeculativeDecoder:
         provenance: list[Provenance] = []
         stats = GenerationStats()
         finish_reason = "length"
+        budget = self.fit(len(prompt_ids), max_new_tokens)
         started = time.perf_counter()
-        for event in self.stream(prompt_ids, params, max_new_tokens, stop):
+        for event in self.stream(prompt_ids, params, budget.max_new_tokens, stop):
             tokens.extend(event.tokens)
             provenance.extend(event.provenance)
             stats.add_step(event)
             finish_reason = event.finish_reason or finish_reason
         stats.seconds = time.perf_counter() - started
-        return GenerationResult(tokens, provenance, finish_reason, stats)
+        return GenerationResult(tokens, provenance, finish_reason, stats, budget)
 
     def _step(
         self, ids: list[int], params: SamplingParams, generator: torch.Generator, remaining: int,

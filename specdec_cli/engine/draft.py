@@ -63,5 +63,9 @@ class Drafter(ABC):
     def reset(self) -> None:
         """Forget all state (caches, indexes)."""
 
+    def context_length(self) -> int | None:
+        """The positions this drafter's model takes (None: no model, no limit)."""
+        return None
+
     def obey(self, rule: DraftRule) -> None:
         """Take the policy's stop rule (in place: caches survive). Drafters without a stop rule ignore it."""

@@ -5,6 +5,11 @@ prefix it shares with `ids` and only the rest is fed. That one rule covers prefi
 rollback after a rejection (the rejected drafts fall outside the shared prefix), the bonus token that
 the draft model has not seen yet, and a new chat turn that re-uses the whole conversation so far.
 
+A long prompt is fed in chunks of `prefill_chunk` tokens, one forward each: Ctrl-C (raised between
+Python steps, never inside one torch op) then waits for one op over at most a chunk's queries, never
+an attention op over the whole prompt, and no (prompt x prompt) score matrix is ever held. Chunking
+changes no result: each chunk attends to the cache of the chunks before it, as one forward would.
+
 `keep(positions)` keeps an arbitrary subset of cached positions (index select along the sequence
 axis). Speculation over a token tree needs it to compact the accepted branch's entries.
 
@@ -22,26 +27,47 @@ from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 
 from specdec_cli.engine.tree import ancestry, depths, path_to
 
 
 def tree_capable(model: torch.nn.Module) -> bool:
-    """Whether `model` takes a custom 4D additive mask and position ids over a cache, as `extend_tree`
-    needs. transformers 5.24 passes a 4D mask through untouched to eager and sdpa attention (checked for
-    Llama, Qwen2, Gemma 1-3); a sliding-window layer would not apply its window to it."""
+    """Whether `model` takes a custom 4D mask and position ids over a cache, as `extend_tree` needs:
+    transformers 5.24 passes a 4D mask untouched to an attention whose mask builder is `sdpa_mask` (sdpa,
+    and the row-wise attention of int8/int4 models) or `eager_mask` (checked for Llama, Qwen2, Gemma 1-3);
+    flash and flex attention build their own, and a sliding-window layer would not apply its window."""
     config = model.config
-    if getattr(config, "_attn_implementation", None) not in ("eager", "sdpa"):
+    if _tree_mask_form(model) is None:
         return False
     if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
         return False
     return not (getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None))
 
 
+def _tree_mask_form(model: torch.nn.Module) -> str | None:
+    """The form of 4D mask the model's own mask builder makes, "bool" or "additive", which its attention
+    expects (the row-wise attention computes row by row only under a boolean mask; eager adds the mask
+    to its scores); None when it builds neither."""
+    builder = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(getattr(model.config, "_attn_implementation", None))
+    return {sdpa_mask: "bool", eager_mask: "additive"}.get(builder)
+
+
+# Tokens per prefill forward. Ctrl-C lands between torch ops, so what matters is the longest op: with
+# 512-token chunks no op has more than 512 query rows, however long the prompt (up to the context).
+# Measured on the demo target (bf16, 2 CPU cores, under heavy load from other processes, so only
+# roughly): Ctrl-C during an 8,192-token prefill was honoured 0.02 s after the signal; a 1,024-token
+# prefill took 49 s in 512-token chunks, 43 s in 256-token ones, 36 s in one forward; 64-token chunks
+# made a 512-token prefill 3x slower than one forward, so much smaller chunks cost too much on a CPU.
+# Verification (k + 1 <= 21 tokens) always fits in one forward.
+PREFILL_CHUNK = 512
+
+
 class CachedModel:
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, prefill_chunk: int | None = None) -> None:
         self.model = model
         self.device = next(model.parameters()).device
+        self.prefill_chunk = prefill_chunk or PREFILL_CHUNK
         self.cache = DynamicCache(config=model.config)
         self.ids: list[int] = []  # the tokens whose keys/values the cache holds, in order
         self.tree_nodes: list[int] = []  # tree nodes whose entries follow `ids` in the cache, in cache order
@@ -88,12 +114,21 @@ class CachedModel:
             raise ValueError(f"need 1 <= n_logits <= len(ids), got {n_logits} for {len(ids)} ids")
         start = min(self.shared_prefix(ids), len(ids) - n_logits)
         self.crop(start)
-        new_ids = torch.tensor([list(ids[start:])], dtype=torch.long, device=self.device)  # (1, T)
+        # Every chunk but the last is fed for its cache entries only; the last holds the n_logits positions.
+        while (unfed := len(ids) - len(self.ids)) > self.prefill_chunk and unfed > n_logits:
+            fed = len(self.ids)
+            self._forward(ids[fed: fed + min(self.prefill_chunk, unfed - n_logits)], 1)
+        return self._forward(ids[len(self.ids):], n_logits)
+
+    def _forward(self, new_ids: Sequence[int], n_logits: int) -> torch.Tensor:
+        """One forward of `new_ids` after the cached ones; (n_logits, V) logits of its last positions."""
+        start = len(self.ids)
+        input_ids = torch.tensor([list(new_ids)], dtype=torch.long, device=self.device)  # (1, T)
         try:
             output = self.model(
-                input_ids=new_ids, cache=self.cache, use_cache=True, logits_to_keep=n_logits
+                input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=n_logits
             )
-            self.ids.extend(ids[start:])
+            self.ids.extend(new_ids)
         except BaseException:
             # An interrupted forward (Ctrl-C) may have appended to some layers only.
             self._truncate_layers(start)
@@ -114,6 +149,9 @@ class CachedModel:
         feed = list(range(len(tree_ids))) if feed is None else list(feed)
         if sequence_logits or not self._holds_tree_of(ids, tree_ids, parents):
             self.crop(min(self.shared_prefix(ids), len(ids) - int(sequence_logits)))
+        # A long unfed prefix goes in plain chunks first (see `extend`); the tree forward takes the rest.
+        while (unfed := len(ids) - len(self.ids)) > self.prefill_chunk:
+            self._forward(ids[len(self.ids): len(self.ids) + self.prefill_chunk], 1)
         start, cached_nodes = len(self.ids), list(self.tree_nodes)
         if set(feed) & set(cached_nodes):
             raise ValueError("a tree node is fed twice")
@@ -165,7 +203,7 @@ class CachedModel:
                    for node in self.tree_nodes)
 
     def _tree_mask(self, start: int, length: int, node_sees_node: torch.Tensor) -> torch.Tensor:
-        """(1, 1, Q, K) additive mask: fed sequence tokens ids[start:length] see causally; fed nodes see
+        """(1, 1, Q, K) mask, boolean or additive as the model takes it (`_tree_mask_form`): fed sequence tokens ids[start:length] see causally; fed nodes see
         all of ids and their cached or fed ancestors (node_sees_node: (nodes fed, tree entries))."""
         fed_ids, fed_nodes = length - start, node_sees_node.shape[0]
         keys = length + node_sees_node.shape[1]
@@ -173,6 +211,8 @@ class CachedModel:
         allowed[:fed_ids, :length] = torch.ones(fed_ids, length, dtype=torch.bool).tril(start)
         allowed[fed_ids:, :length] = True
         allowed[fed_ids:, length:] = node_sees_node
+        if _tree_mask_form(self.model) == "bool":
+            return allowed[None, None].to(self.device)
         dtype = next(self.model.parameters()).dtype
         mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
         return mask[None, None].to(self.device)

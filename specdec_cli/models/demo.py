@@ -1,12 +1,17 @@
 """The offline demo pair: two Q4_K_M GGUF files published on PyPI as byte-split parts.
 
 Each part package installs `<package_with_underscores>/data/partNN.bin`; they are found with importlib
-(without importing them), joined in numeric order into the specdec cache, and verified by size and sha256."""
+(without importing them), joined in numeric order into the specdec cache, and verified by size and sha256.
+
+A joined file is hashed once: the digest it was verified with, its size and its mtime are stored beside it
+(`<file>.verified`). A later run trusts the file only while that stamp matches the file's size and mtime
+and names the expected digest; otherwise it hashes the file again, and joins it anew if it is corrupt."""
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,17 +90,31 @@ def part_paths(model: DemoModel) -> list[Path]:
     return paths  # type: ignore[return-value]
 
 
+def _hash_into(source, digest, out=None) -> int:
+    size = 0
+    while chunk := source.read(_CHUNK):
+        digest.update(chunk)
+        if out is not None:
+            out.write(chunk)
+        size += len(chunk)
+    return size
+
+
 def _join(paths: list[Path], destination: Path) -> tuple[int, str]:
     digest = hashlib.sha256()
     size = 0
     with destination.open("wb") as out:
         for path in paths:
             with path.open("rb") as part:
-                while chunk := part.read(_CHUNK):
-                    digest.update(chunk)
-                    out.write(chunk)
-                    size += len(chunk)
+                size += _hash_into(part, digest, out)
     return size, digest.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        _hash_into(file, digest)
+    return digest.hexdigest()
 
 
 def _verify(model: DemoModel, size: int, sha256: str) -> None:
@@ -111,15 +130,57 @@ def joined_path(model: DemoModel) -> Path:
     return cache_dir("demo") / model.file_name
 
 
+def stamp_path(path: Path) -> Path:
+    """The verification stamp beside a joined file: {"sha256", "size", "mtime_ns"} of the file it checked."""
+    return path.with_name(path.name + ".verified")
+
+
+def _file_state(path: Path) -> dict:
+    stat = path.stat()
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def _write_stamp(path: Path, sha256: str) -> None:
+    with atomic_file(stamp_path(path)) as staging:
+        staging.write_text(json.dumps({"sha256": sha256, **_file_state(path)}) + "\n", encoding="utf-8")
+
+
+def _stamp_vouches_for(model: DemoModel, path: Path) -> bool:
+    """True when the stamp beside `path` verified this very file (same size and mtime) as `model`'s."""
+    try:
+        stamp = json.loads(stamp_path(path).read_text(encoding="utf-8"))
+        return stamp == {"sha256": model.sha256, **_file_state(path)} and stamp["size"] == model.size
+    except (OSError, ValueError):
+        return False
+
+
+def _cached_file_is_good(model: DemoModel, path: Path, progress: bool) -> bool:
+    """An existing joined file is good if its stamp vouches for it, or else if hashing it now verifies it
+    (the stamp is then written); a file that fails is removed."""
+    if not path.exists():
+        return False
+    if _stamp_vouches_for(model, path):
+        return True
+    if path.stat().st_size == model.size:
+        with status(f"verifying {DEMO_PREFIX}{model.name} (once) ...", progress):
+            if file_sha256(path) == model.sha256:
+                _write_stamp(path, model.sha256)
+                return True
+    path.unlink(missing_ok=True)
+    stamp_path(path).unlink(missing_ok=True)
+    return False
+
+
 def ensure_joined(model: DemoModel, progress: bool = True) -> Path:
-    """The verified joined .gguf in the cache, joining the parts first if needed.
-    Only a verified file is renamed into place, so an existing file with the right size is trusted."""
+    """The verified joined .gguf in the cache, joining the parts first if needed. Only a verified file is
+    renamed into place; a cached file is trusted only with a stamp that matches it (see the module doc)."""
     final = joined_path(model)
-    if final.exists() and final.stat().st_size == model.size:
+    if _cached_file_is_good(model, final, progress):
         return final
     paths = part_paths(model)
     with status(f"joining {model.parts} parts of {DEMO_PREFIX}{model.name} (once) ...", progress):
         with atomic_file(final) as staging:
             size, sha256 = _join(paths, staging)
             _verify(model, size, sha256)
+    _write_stamp(final, sha256)
     return final

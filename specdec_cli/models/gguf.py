@@ -1,4 +1,8 @@
-"""`.gguf` files: converted once (dequantised by transformers + gguf) to a cached safetensors folder."""
+"""`.gguf` files: converted once (dequantised by transformers + gguf) to a cached safetensors folder.
+
+A conversion is keyed by the file (its identity), the dtype and the versions of transformers and gguf
+that made it: a conversion bug fixed by an upgrade (or brought by one) gets a fresh entry instead of
+being read back from the cache for ever."""
 
 from __future__ import annotations
 
@@ -26,16 +30,33 @@ def file_identity(path: Path) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "none"
+
+
+def converter_versions() -> str:
+    """The versions of the two packages that read and dequantise a .gguf, as part of a cache key."""
+    return f"tf{_version('transformers')}-gguf{_version('gguf')}"
+
+
+def _conversion_key(path: Path, identity: str | None) -> str:
+    return f"{path.stem}-{identity or file_identity(path)}-{converter_versions()}"
+
+
 def converted_folder(path: Path, dtype: torch.dtype, identity: str | None = None) -> Path:
     """Where the safetensors conversion of `path` at `dtype` lives (it may not exist yet)."""
-    key = identity or file_identity(path)
-    return cache_dir("gguf") / f"{path.stem}-{key}-{dtype_name(dtype)}"
+    return cache_dir("gguf") / f"{_conversion_key(path, identity)}-{dtype_name(dtype)}"
 
 
 def existing_conversions(path: Path, identity: str | None = None) -> list[Path]:
-    """The cached conversions of `path`, at any dtype (the file itself need not exist when `identity` is given)."""
-    key = identity or file_identity(path)
-    return sorted(cache_dir("gguf").glob(f"{path.stem}-{key}-*"))
+    """The cached conversions of `path` by today's converter, at any dtype (the file itself need not exist
+    when `identity` is given)."""
+    return sorted(cache_dir("gguf").glob(f"{_conversion_key(path, identity)}-*"))
 
 
 def _convert(path: Path, dtype: torch.dtype, destination: Path) -> None:

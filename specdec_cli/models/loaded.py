@@ -14,8 +14,8 @@ import torch
 from specdec_cli.errors import ModelLoadError
 from specdec_cli.models import preflight
 from specdec_cli.models.device import dtype_name, resolve_device, resolve_dtype
-from specdec_cli.models.progress import status
-from specdec_cli.models.quant import check_quantization, quantization_config, quantize_int8_dynamic
+from specdec_cli.models.progress import library_bars, status
+from specdec_cli.models.quant import check_quantization, compute_dtype, precision, quantization_config, quantize, resolve_auto
 from specdec_cli.models.resolve import ModelSource, check_weight_format, resolve, weights_folder
 
 if TYPE_CHECKING:
@@ -30,15 +30,21 @@ class LoadedModel:
     source: str  # resolved local path / hub id@rev
     device: torch.device
     dtype: torch.dtype  # compute dtype
-    quantization: str | None  # None | "4bit" | "8bit" | "int8"
+    quantization: str | None  # None | "int8" | "int4" | "nf4" | "bnb8" (canonical: aliases and auto resolved)
     eos_token_ids: tuple[int, ...]  # generation_config.eos_token_id ∪ tokenizer.eos_token_id
     vocab_size: int  # rows of the output layer (logits width)
 
+    @property
+    def precision(self) -> str:
+        """What it runs at, in words: `bfloat16`, `int8 weights, per-token int8 activations`, ..."""
+        return precision(self.quantization, dtype_name(self.dtype))
+
     def describe(self, role: str) -> str:
-        """One line saying what was chosen, e.g. `target: demo:qwen2.5-coder-1.5b · cpu · bfloat16`."""
+        """One line saying what was chosen, e.g. `target: demo:qwen2.5-coder-1.5b · cpu · bfloat16`, or
+        `target: demo:qwen2.5-coder-1.5b · cpu · float32 · int8 weights, per-token int8 activations`."""
         parts = [self.name, str(self.device), dtype_name(self.dtype)]
         if self.quantization:
-            parts.append(self.quantization)
+            parts.append(self.precision)
         return f"{role}: " + " · ".join(parts)
 
 
@@ -68,12 +74,14 @@ def _first_line(error: Exception) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def _plan(spec, device, dtype, quantization, trust_remote_code, allow_pickle, progress) -> _Plan:
+def _plan(spec, device, dtype, quantization, trust_remote_code, allow_pickle, progress, role="target") -> _Plan:
     chosen_device = resolve_device(device)
-    check_quantization(quantization, chosen_device)
+    if quantization == "auto":
+        quantization = resolve_auto(role, chosen_device)
+    chosen_quantization = check_quantization(quantization, chosen_device)
     chosen_dtype = resolve_dtype(dtype, chosen_device)
     source = resolve(spec, progress)
-    return _Plan(source, chosen_device, chosen_dtype, quantization, trust_remote_code, allow_pickle, progress)
+    return _Plan(source, chosen_device, chosen_dtype, chosen_quantization, trust_remote_code, allow_pickle, progress)
 
 
 def _load_config(plan: _Plan):
@@ -130,19 +138,20 @@ def output_rows(model) -> int:
 
 
 def _load_weights(plan: _Plan, tokenizer) -> LoadedModel:
-    folder = weights_folder(plan.source, plan.dtype, plan.allow_pickle, plan.progress)
-    with status(f"loading {plan.source.spec} ...", plan.progress):
-        model = _from_pretrained(plan, folder).eval()
-    if plan.quantization == "int8":
-        with status(f"quantising {plan.source.spec} to int8 ...", plan.progress):
-            model = quantize_int8_dynamic(model)
+    with library_bars(plan.progress):  # downloads, a GGUF conversion, "Loading weights": no bars with -q
+        folder = weights_folder(plan.source, plan.dtype, plan.allow_pickle, plan.progress)
+        with status(f"loading {plan.source.spec} ...", plan.progress):
+            model = _from_pretrained(plan, folder).eval()
+    if plan.quantization in ("int8", "int4"):
+        with status(f"quantising {plan.source.spec} to {plan.quantization} ...", plan.progress):
+            model = quantize(model, plan.quantization)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         name=plan.source.spec,
         source=plan.source.location,
         device=plan.device,
-        dtype=torch.float32 if plan.quantization == "int8" else plan.dtype,
+        dtype=compute_dtype(plan.quantization, plan.dtype),
         quantization=plan.quantization,
         eos_token_ids=eos_token_ids(model, tokenizer),
         vocab_size=output_rows(model),
@@ -186,7 +195,7 @@ def load_pair(
         return target_model, None
     shared = (device, dtype)
     target_plan = _plan(target, *shared, target_quantization, trust_remote_code, allow_pickle, progress)
-    draft_plan = _plan(draft, *shared, draft_quantization, trust_remote_code, allow_pickle, progress)
+    draft_plan = _plan(draft, *shared, draft_quantization, trust_remote_code, allow_pickle, progress, role="draft")
     preflight.check_memory(
         {f"target {target}": _weight_bytes(target_plan), f"draft {draft}": _weight_bytes(draft_plan)},
         target_plan.device,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from specdec_cli.errors import IncompatibleModelsError, InsufficientMemoryError
+from specdec_cli.models.quant import canonical, compute_dtype, linear_bytes
 
 _SPECIAL_TOKENS = ("bos", "eos", "pad", "unk")
 # bos/eos must match exactly (they decide where text starts and stops); pad/unk only when both define them,
@@ -14,8 +15,6 @@ GIB = 1024**3
 # Headroom over the weights for activations, the KV cache and the runtime itself.
 MEMORY_MARGIN_FACTOR = 1.15
 MEMORY_MARGIN_BYTES = GIB // 2
-# nf4 stores 4 bits per weight plus one fp32 absmax per 64 weights (double-quantised: ~0.127 bits).
-_BYTES_PER_WEIGHT = {"4bit": 4.25 / 8, "8bit": 1.0}
 
 
 # ---- tokenizers -------------------------------------------------------------------------------
@@ -66,37 +65,36 @@ def check_tokenizers_compatible(target_tokenizer, draft_tokenizer, target_name: 
 # ---- memory -----------------------------------------------------------------------------------
 
 
-def _parameter_counts(config) -> tuple[int, int, int]:
-    """(weights in quantisable Linear layers, all other weights, weights of an output layer that is not
-    tied to the input embedding) of the model `config` describes, counted on the meta device so nothing
-    is allocated."""
+def _layer_shapes(config) -> tuple[list[tuple[int, int]], tuple[int, int], int, bool]:
+    """(in, out) of every Linear layer but the output layer, the output layer's (in, out), the count
+    of all other weights, and whether the output layer is tied to the input embedding; read from the
+    model `config` describes, built on the meta device so nothing is allocated."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    output_layer = model.get_output_embeddings()
-    linear = sum(
-        module.weight.numel()
-        for module in model.modules()
-        if isinstance(module, torch.nn.Linear) and module is not output_layer
-    )
+    head = model.get_output_embeddings()
+    linears = [module for module in model.modules() if isinstance(module, torch.nn.Linear) and module is not head]
+    tied = head.weight is model.get_input_embeddings().weight
     total = sum(parameter.numel() for parameter in model.parameters())
-    tied = output_layer.weight is model.get_input_embeddings().weight
-    return linear, total - linear, 0 if tied else output_layer.weight.numel()
+    other = total - sum(module.weight.numel() for module in linears) - (0 if tied else head.weight.numel())
+    shapes = [(module.in_features, module.out_features) for module in linears]
+    return shapes, (head.weight.shape[1], head.weight.shape[0]), other, tied
 
 
 def estimate_weight_bytes(config, dtype: torch.dtype, quantization: str | None) -> int:
-    """Bytes the weights of `config`'s model take at `dtype`; with 4bit/8bit the Linear layers
-    (not the embeddings or the output layer, which bitsandbytes keeps) shrink accordingly."""
-    linear, other, untied_head = _parameter_counts(config)
-    if quantization == "int8":
-        # Every Linear in int8, the output layer too (a tied one gets an int8 copy beside the embedding,
-        # an untied one is replaced); everything else in fp32.
-        head = untied_head or config.vocab_size * config.hidden_size
-        return int(linear + head + 4 * (other - untied_head))
-    full_width = torch.empty(0, dtype=dtype).element_size()
-    linear_width = _BYTES_PER_WEIGHT.get(quantization, full_width)
-    return int(linear * linear_width + other * full_width)
+    """Bytes the weights of `config`'s model take when loaded at `dtype` with `quantization`: the Linear
+    layers in their format (quant.linear_bytes), everything else at the dtype the model computes in.
+    int8/int4 quantise the output layer too (a tied one gets a copy beside the embedding); nf4/bnb8
+    leave it to bitsandbytes, which keeps it."""
+    shapes, head_shape, other, tied = _layer_shapes(config)
+    name = canonical(quantization)
+    width = torch.empty(0, dtype=compute_dtype(name, dtype)).element_size()
+    linear = sum(linear_bytes(name, *shape, dtype) for shape in shapes)
+    if name in ("int8", "int4"):
+        return int(linear + linear_bytes(name, *head_shape, dtype) + width * other)
+    head = 0 if tied else head_shape[0] * head_shape[1] * width  # a tied head is in `other`
+    return int(linear + head + width * other)
 
 
 def available_memory_bytes(device: torch.device) -> int:

@@ -1,5 +1,13 @@
-"""Quantised loading: 4-bit / 8-bit through bitsandbytes (imported lazily and only here), and int8
-through torch's own dynamic quantisation (CPU only; meant for the draft model)."""
+"""Quantisation formats, one name per model:
+
+- `none`: the weights at the chosen dtype.
+- `int8`: int8 weights per output channel, int8 activations per token, CPU (torch's oneDNN; int8.py).
+- `int4`: int4 weights in groups, bfloat16 activations, CPU (torchao's CPU int4 config; int4.py).
+- `nf4`, `bnb8`: bitsandbytes 4-bit (nf4) and 8-bit (LLM.int8), CUDA and x86 CPUs.
+- `auto`: chosen per machine (`resolve_auto`).
+
+Old names stay accepted: "4bit" = nf4, "8bit" = bnb8 (and "int8" keeps its name). bitsandbytes and
+torchao are imported lazily and only in models/."""
 
 from __future__ import annotations
 
@@ -9,36 +17,88 @@ import torch
 
 from specdec_cli.errors import MissingExtraError, ModelLoadError
 
-QUANTIZATIONS = (None, "4bit", "8bit", "int8")
+FORMATS = ("none", "int8", "int4", "nf4", "bnb8", "auto")
+ALIASES = {"4bit": "nf4", "8bit": "bnb8"}
+QUANTIZATIONS = (None, *FORMATS, *ALIASES)  # every value a profile or caller may pass
+CPU_ONLY = ("int8", "int4")
+PRECISIONS = {  # what describe() says a model runs at
+    "int8": "int8 weights, per-token int8 activations",
+    "int4": "int4 weights (groups of up to 128), bfloat16 activations",
+    "nf4": "nf4 weights (bitsandbytes), bfloat16 compute",
+    "bnb8": "int8 weights (bitsandbytes LLM.int8)",
+}
+# Bytes per weight of the bitsandbytes formats: nf4 stores 4 bits per weight plus one fp32 absmax per
+# 64 weights (double-quantised: ~0.127 bits). int8/int4 are counted exactly in linear_bytes.
+_BYTES_PER_WEIGHT = {"nf4": 4.25 / 8, "bnb8": 1.0}
 
 
-def check_quantization(quantization: str | None, device: torch.device | None = None) -> None:
-    if quantization not in QUANTIZATIONS:
-        raise ModelLoadError(f"unknown quantization {quantization!r}", "use 4bit, 8bit or int8")
-    if quantization == "int8" and device is not None and device.type != "cpu":
-        raise ModelLoadError(
-            f"int8 (torch dynamic quantisation) runs on the CPU only, not on {device.type}",
-            "on a GPU use --draft-4bit or --load-in-8bit (bitsandbytes), or pass --device cpu",
-        )
+def canonical(quantization: str | None) -> str | None:
+    """The format a name stands for (None for no quantisation, `auto` as is); ModelLoadError if unknown."""
+    name = ALIASES.get(quantization, quantization)
+    if name not in (None, *FORMATS):
+        names = ", ".join(FORMATS)
+        raise ModelLoadError(f"unknown quantization {quantization!r}", f"use one of {names} (or the old 4bit, 8bit)")
+    return None if name == "none" else name
+
+
+def resolve_auto(role: str, device: torch.device) -> str | None:
+    """What `auto` means until `specdec calibrate` measures this machine (the hook calibration will
+    replace): a draft gets int8 on the CPU (lossless: the target checks every draft token) and no
+    quantisation elsewhere; a target is never quantised by `auto` yet, so its output does not change."""
+    if role == "draft" and device.type == "cpu" and _kernel_problem("int8") is None:
+        return "int8"
+    return None
+
+
+def _kernel_problem(name: str) -> str | None:
+    if name == "int8":
+        from specdec_cli.models.int8 import int8_kernel_problem
+
+        return int8_kernel_problem()
+    from specdec_cli.models.int4 import int4_kernel_problem
+
+    return int4_kernel_problem()
+
+
+def _instead(name: str) -> str:
+    return {"int8": "use int4, nf4 or none instead", "int4": "use int8, nf4 or none instead"}[name]
+
+
+def check_quantization(quantization: str | None, device: torch.device | None = None) -> str | None:
+    """The canonical name, after checking that it can run on `device` (extras installed, kernel present)."""
+    name = canonical(quantization)
+    if name in CPU_ONLY and device is not None:
+        if device.type != "cpu":
+            raise ModelLoadError(
+                f"{name} runs on the CPU only, not on {device.type}",
+                "on a GPU use nf4 or bnb8 (bitsandbytes), or pass --device cpu",
+            )
+        problem = _kernel_problem(name)  # raises MissingExtraError when int4's torchao is missing
+        if problem:
+            raise ModelLoadError(f"{name} cannot run on this machine: {problem}", _instead(name))
+    if name in ("nf4", "bnb8") and device is not None:
+        require_bitsandbytes()
+    return name
 
 
 def require_bitsandbytes() -> None:
     if importlib.util.find_spec("bitsandbytes") is None:
         raise MissingExtraError(
-            "4-bit/8-bit loading needs bitsandbytes, which is not installed",
+            "nf4/bnb8 (4-bit/8-bit) loading needs bitsandbytes, which is not installed",
             "pip install 'specdec[4bit]'",
         )
 
 
 def quantization_config(quantization: str | None):
-    """A transformers BitsAndBytesConfig for "4bit" (nf4, bf16 compute) or "8bit"; None for no quantization."""
-    check_quantization(quantization)
-    if quantization in (None, "int8"):  # int8 is applied after loading (quantize_int8_dynamic)
+    """A transformers BitsAndBytesConfig for nf4 (bf16 compute) or bnb8; None for the others, which are
+    applied after loading (`quantize`)."""
+    name = canonical(quantization)
+    if name not in ("nf4", "bnb8"):
         return None
     require_bitsandbytes()
     from transformers import BitsAndBytesConfig
 
-    if quantization == "4bit":
+    if name == "nf4":
         return BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type="nf4",
@@ -47,18 +107,54 @@ def quantization_config(quantization: str | None):
     return BitsAndBytesConfig(load_in_8bit=True)
 
 
-def quantize_int8_dynamic(model: torch.nn.Module) -> torch.nn.Module:
-    """Every nn.Linear to int8 weights (per output channel) with activations quantised on the fly, in
-    place, CPU only. The rest of the model runs in fp32. For a draft model on CPU this halves the bytes
-    a forward reads (and fbgemm's int8 kernels are fast): a forward of the 0.5B demo draft takes
-    ~42 ms instead of ~90 ms in bf16. Lossless for speculation: the target checks every draft token."""
-    import warnings
+def quantize(model: torch.nn.Module, quantization: str | None) -> torch.nn.Module:
+    """Apply int8 or int4 to a loaded model in place (the others are applied while loading), with
+    attention computed row by row, so a k-token forward gives k one-token forwards' logits, bit for bit."""
+    name = canonical(quantization)
+    if name == "int8":
+        return quantize_int8_dynamic(model)
+    if name == "int4":
+        from specdec_cli.models.int4 import quantize_int4
+        from specdec_cli.models.rowwise_attention import use_rowwise_attention
 
-    from torch.ao import quantization as ao
-
-    model.float()
-    with warnings.catch_warnings():  # torch announces a future move of these APIs to torchao, on every call
-        warnings.simplefilter("ignore", DeprecationWarning)
-        warnings.simplefilter("ignore", UserWarning)
-        ao.quantize_dynamic(model, {torch.nn.Linear: ao.per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True)
+        return use_rowwise_attention(quantize_int4(model))
     return model
+
+
+def quantize_int8_dynamic(model: torch.nn.Module) -> torch.nn.Module:
+    """Every nn.Linear to int8 weights with int8 activations quantised per token on the fly, in place,
+    CPU only; the rest in float32 (see int8.py); attention row by row (see rowwise_attention.py)."""
+    from specdec_cli.models.int8 import quantize_int8
+    from specdec_cli.models.rowwise_attention import use_rowwise_attention
+
+    return use_rowwise_attention(quantize_int8(model))
+
+
+def compute_dtype(quantization: str | None, dtype: torch.dtype) -> torch.dtype:
+    """The dtype activations and the non-Linear weights run at: int8 float32, int4 bfloat16, else `dtype`."""
+    from specdec_cli.models.int4 import COMPUTE_DTYPE
+
+    return {"int8": torch.float32, "int4": COMPUTE_DTYPE}.get(canonical(quantization), dtype)
+
+
+def precision(quantization: str | None, dtype_label: str) -> str:
+    """What a model runs at, in words: `bfloat16`, or `int8 weights, per-token int8 activations`."""
+    return PRECISIONS.get(canonical(quantization), dtype_label)
+
+
+def linear_bytes(quantization: str | None, in_features: int, out_features: int, dtype: torch.dtype) -> int:
+    """Bytes an (out × in) Linear weight takes in `quantization` (float: at `dtype`), scales included."""
+    name = canonical(quantization)
+    weights = in_features * out_features
+    if name == "int8":
+        return weights + 4 * out_features  # int8 values + a float32 scale per output channel
+    if name == "int4":
+        from specdec_cli.models.int4 import group_size
+
+        size = group_size(in_features, out_features)
+        if size is None:  # left unquantised, in bfloat16
+            return 2 * weights
+        return weights // 2 + 2 * 2 * out_features * (in_features // size)  # + a bf16 scale and zero per group
+    if name in _BYTES_PER_WEIGHT:
+        return int(weights * _BYTES_PER_WEIGHT[name])
+    return weights * torch.empty(0, dtype=dtype).element_size()

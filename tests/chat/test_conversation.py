@@ -208,7 +208,7 @@ def test_a_bad_k_or_temperature_is_refused_and_changes_nothing(make_conversation
             conversation.set_k(value)
     with pytest.raises(InputError, match="invalid temperature 'hot'"):
         conversation.set_temperature("hot")
-    with pytest.raises(InputError, match="temperature must be >= 0"):
+    with pytest.raises(InputError, match="temperature must be a finite number >= 0"):
         conversation.set_temperature("-0.5")
     assert (conversation.settings.k, conversation.settings.temperature) == (3, 0.0)
     assert conversation.set_temperature("0.5") == 0.5 and conversation.sampling().temperature == 0.5

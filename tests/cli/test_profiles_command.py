@@ -1,6 +1,9 @@
+import pytest
 from typer.testing import CliRunner
 
 from specdec_cli.cli import app
+
+from tests.cli_result import assert_exited
 
 WIDE = {"COLUMNS": "250"}
 
@@ -42,11 +45,10 @@ def test_profiles_show_prints_every_setting():
 
 def test_an_unknown_profile_is_one_error_line_and_exit_2():
     result = run("profiles", "show", "nope")
-    assert result.exit_code == 2
+    assert_exited(result, 2)
     assert result.stdout == ""
     assert result.stderr.startswith("error: unknown profile 'nope' — known profiles: demo, demo-ngram")
     assert len(result.stderr.strip().splitlines()) == 1
-    assert "Traceback" not in result.output
 
 
 def test_a_malformed_user_profile_is_one_error_line(specdec_home):
@@ -56,3 +58,62 @@ def test_a_malformed_user_profile_is_one_error_line(specdec_home):
     assert result.exit_code == 2
     assert "broken.toml is not valid TOML" in result.stderr
     assert "line 1" in result.stderr
+
+
+def test_profiles_list_lists_the_good_ones_and_names_the_broken_ones(specdec_home):
+    folder = specdec_home / "profiles"
+    folder.mkdir(parents=True)
+    (folder / "typo.toml").write_text('target = "org/big"\ndraft = 5\n')
+    (folder / "hot.toml").write_text('target = "org/big"\ntemperature = nan\n')
+    (folder / "fine.toml").write_text('target = "org/big"\n')
+    result = run("profiles", "list")
+    assert result.exit_code == 2
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    names = [line.split("│")[1].strip() for line in result.stdout.splitlines() if line.startswith("│")]
+    assert "fine" in names and "demo (default)" in names and "typo" not in names and "hot" not in names
+    assert result.stderr.splitlines() == [
+        f"error: profile file {folder / 'hot.toml'}: `temperature` must be a finite number >= 0 (0 = greedy), not nan — fix the file or remove it",
+        f"error: profile file {folder / 'typo.toml'}: `draft` must be a model name (a non-empty string), not 5 — fix the file or remove it",
+    ]
+
+
+@pytest.mark.parametrize(("text", "complaint"), [
+    ('target = "org/big"\ndraft = 5\n', "`draft` must be a model name (a non-empty string), not 5"),
+    ('target = "org/big"\ndtype = "float64"\n', "`dtype` must be one of auto, bfloat16, bf16, float16, fp16, half, float32, fp32, not 'float64'"),
+    ('target = "org/big"\nk = 99\n', '`k` must be "auto" or a whole number from 0 to 16, not 99'),
+])
+def test_profiles_show_refuses_a_broken_profile_in_one_line(specdec_home, text, complaint):
+    (specdec_home / "profiles").mkdir(parents=True)
+    (specdec_home / "profiles" / "bad.toml").write_text(text)
+    result = run("profiles", "show", "bad")
+    assert result.exit_code == 2
+    assert (result.stdout, result.stderr) == (
+        "", f"error: profile file {specdec_home / 'profiles' / 'bad.toml'}: {complaint} — fix the file or remove it\n")
+
+
+def _show_estimate(name: str) -> str:
+    result = run("profiles", "show", name)
+    assert result.exit_code == 0, result.output
+    lines = [line.strip() for line in result.stdout.splitlines()]
+    assert not any(line.startswith("weights_gb") for line in lines)  # one figure, not a hint beside an estimate
+    return next(line.removeprefix("weights (est.)").strip() for line in lines if line.startswith("weights (est.)"))
+
+
+def _list_estimate(name: str) -> str:
+    result = run("profiles", "list")
+    row = next(line for line in result.stdout.splitlines() if line.startswith(f"│ {name} "))
+    return row.split("│")[5].strip()
+
+
+def test_list_and_show_give_one_memory_figure_from_a_local_config(specdec_home, tmp_path):
+    from tests.tiny import build_tiny_model
+
+    build_tiny_model(tmp_path / "tiny")
+    (specdec_home / "profiles").mkdir(parents=True)
+    (specdec_home / "profiles" / "tiny.toml").write_text(
+        f'target = "{tmp_path / "tiny"}"\ndtype = "float32"\nweights_gb = 9.9\n')  # a stale hint
+    assert _show_estimate("tiny") == _list_estimate("tiny") == "0.0 GB"
+
+
+def test_list_and_show_give_one_memory_figure_from_a_hint():
+    assert _show_estimate("demo") == _list_estimate("demo (default)") == "~4.6 GB"

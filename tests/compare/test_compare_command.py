@@ -7,6 +7,8 @@ from typer.testing import CliRunner
 
 from specdec_cli.cli import app
 
+from tests.cli_result import assert_exited
+
 WIDE = {"COLUMNS": "250"}
 
 
@@ -103,15 +105,18 @@ def test_without_a_terminal_progress_is_one_line_per_prompt(compared):
         (["--category", "poetry"], "no prompts in category 'poetry' — choose from: chat, code"),
         (["--k", "2,seven"], "invalid draft length 'seven'"),
         (["--json", "{tmp}/no/such/dir/out.json"], "no folder"),
+        (["--json", "{tmp}"], "is a folder — give --json a file name"),
+        (["--plot", "{tmp}"], "is a folder — give --plot a file name"),
+        (["--json", "/proc/specdec-out.json"], "cannot write in /proc for --json"),
         (["--repeats", "0"], "--repeats must be at least 1"),
         (["--n-prompts", "0"], "--n-prompts must be at least 1"),
     ],
 )
 def test_mistakes_are_one_line_errors_before_any_model_loads(tmp_path, args, complaint):
     result = invoke("--target", tmp_path / "not-loaded", *[a.format(tmp=tmp_path) for a in args])
-    assert result.exit_code == 2
+    assert_exited(result, 2)
     assert complaint in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
+    assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_plot_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
@@ -135,3 +140,32 @@ def test_with_an_int8_draft_hf_assisted_also_gets_the_draft_as_hf_loads_it(tiny_
     assert "HF assisted" in names and "HF assisted (int8 draft)" in names
     assert "draft: " in result.stderr and "int8" in result.stderr
     assert "draft for HF assisted: " in result.stderr
+
+
+def test_the_json_keeps_every_prompt_measured_before_a_failure(tiny_pair, tmp_path, monkeypatch):
+    from specdec_cli import bench
+
+    counted_run = bench.Benchmark._counted_run
+
+    def failing_on_the_second_prompt(self, *args):
+        if len(self.runs) == 2:  # target alone and k=2 on the first prompt are measured
+            raise RuntimeError("the machine fell over")
+        return counted_run(self, *args)
+
+    monkeypatch.setattr(bench.Benchmark, "_counted_run", failing_on_the_second_prompt)
+    result = invoke("--target", tiny_pair.target, "--draft", tiny_pair.same, "--dtype", "float32", "--device", "cpu",
+                    "--prompts", spec_bench_file(tmp_path / "q.jsonl"), "--drafter", "model", "--k", "2",
+                    "--max-new-tokens", "4", "--json", tmp_path / "out.json")
+    assert isinstance(result.exception, RuntimeError)
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert report["partial"] is True
+    assert [(run["prompt_index"], run["configuration"]) for run in report["runs"]] == [(0, "target alone"), (0, "model k=2")]
+    assert [path.name for path in tmp_path.iterdir() if path.name.startswith(".")] == []  # no temporary left
+
+
+def test_k_0_alone_prints_no_empty_theory_table(tiny_pair, tmp_path):
+    result = invoke("--target", tiny_pair.target, "--draft", tiny_pair.same, "--dtype", "float32", "--device", "cpu",
+                    "--prompts", spec_bench_file(tmp_path / "q.jsonl"), "--n-prompts", "1", "--category", "coding",
+                    "--drafter", "model", "--k", "0", "--max-new-tokens", "4")
+    assert result.exit_code == 0, result.output
+    assert "configuration" in result.stdout and "theory" not in result.stdout

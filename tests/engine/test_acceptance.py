@@ -62,6 +62,7 @@ TARGET = torch.tensor([0.05, 0.30, 0.02, 0.25, 0.08, 0.15, 0.10, 0.05])
 DRAFT = torch.tensor([0.40, 0.02, 0.30, 0.03, 0.10, 0.05, 0.05, 0.05])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point_mass", [False, True])
 def test_first_token_follows_target_distribution(point_mass):
     """20,000 seeded rounds: draft x ~ DRAFT, then the verdict's first token is distributed as TARGET,
@@ -78,6 +79,7 @@ def test_first_token_follows_target_distribution(point_mass):
     assert_follows(draw_counts(one_round, 20_000, len(TARGET)), TARGET)
 
 
+@pytest.mark.slow
 def test_padded_vocab_widths_stay_exact():
     """Draft over 6 ids, target over 8 (two padded rows with mass): still exactly the target."""
     draft = torch.tensor([0.4, 0.3, 0.1, 0.1, 0.05, 0.05])
@@ -92,9 +94,4 @@ def test_padded_vocab_widths_stay_exact():
     assert_follows(draw_counts(one_round, 20_000, 8), target)
 
 
-def test_the_distribution_check_rejects_the_draft_itself():
-    """The statistical check has power: raw draft samples do not pass as the target."""
-    generator = make_generator(9)
-    counts = draw_counts(lambda: int(torch.multinomial(DRAFT, 1, generator=generator)), 20_000, 8)
-    with pytest.raises(AssertionError):
-        assert_follows(counts, TARGET)
+# The check's power against realistic acceptance bugs: tests/engine/test_decode_sampling.py.

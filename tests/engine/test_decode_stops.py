@@ -1,5 +1,7 @@
 """Stop conditions, provenance and per-step events."""
 
+import copy
+
 import pytest
 
 from specdec_cli.drafters import DraftModelDrafter
@@ -68,9 +70,23 @@ def test_stats_count_positions(llama_target):
 
 
 def test_second_call_reuses_the_cached_prefix(llama_target, reference):
-    decoder = SpeculativeDecoder(llama_target, DraftModelDrafter(llama_target), FixedK(4))
+    """A second call that continues the first feeds each model only what it has not seen: the target's
+    first forward of the second call carries the first call's last token and the new draft, not the
+    whole sequence again."""
+    draft = copy.deepcopy(llama_target)  # its own module, so the two models' forwards are told apart
+    decoder = SpeculativeDecoder(llama_target, DraftModelDrafter(draft), FixedK(4))
     first = decoder.generate(PROMPT, SamplingParams(), 10)
-    fed_before = len(decoder.target)
-    second = decoder.generate(PROMPT + first.tokens, SamplingParams(), 10)
+    fed = {"target": [], "draft": []}
+    hooks = [model.register_forward_pre_hook(
+        lambda module, args, kwargs, name=name: fed[name].append(kwargs["input_ids"].shape[-1]), with_kwargs=True)
+        for name, model in (("target", llama_target), ("draft", draft))]
+    try:
+        second = decoder.generate(PROMPT + first.tokens, SamplingParams(), 10)
+    finally:
+        for hook in hooks:
+            hook.remove()
     assert first.tokens + second.tokens == reference[:20]
-    assert fed_before >= len(PROMPT) + 9  # the cache was kept, not rebuilt
+    sequence_length = len(PROMPT) + len(first.tokens)
+    assert fed["target"][0] <= 1 + 4 < sequence_length  # at most the unseen last token and 4 drafts
+    assert fed["draft"][0] <= 2 < sequence_length  # the tokens the draft has not seen yet
+    assert sum(fed["target"]) < sequence_length  # nothing of the first call was fed again

@@ -63,3 +63,86 @@ def test_interrupted_forward_leaves_a_consistent_cache(llama_target, monkeypatch
     assert all(layer.keys.shape[-2] == 3 for layer in runner.cache.layers)
     logits = runner.extend([1, 2, 3, 4, 5], 1)
     assert torch.allclose(logits, full_forward_logits(llama_target, [1, 2, 3, 4, 5])[-1:], atol=1e-5)
+
+
+def test_a_long_prompt_is_fed_in_chunks_with_the_same_logits(llama_target):
+    prompt = [(7 * i + 3) % 90 + 3 for i in range(150)]
+    whole = CachedModel(llama_target, prefill_chunk=1000)
+    chunked = CachedModel(llama_target, prefill_chunk=32)
+    expected = whole.extend(prompt, 4)
+    logits = chunked.extend(prompt, 4)
+    assert (whole.forwards, chunked.forwards) == (1, 5)  # 32 + 32 + 32 + 32 + 22
+    assert chunked.ids == prompt
+    assert all(layer.keys.shape[-2] == 150 for layer in chunked.cache.layers)
+    assert torch.equal(logits, expected)  # bit for bit: each chunk attends to the same keys as one forward would
+    # and the cache the chunks built serves the next step like the whole-prompt one
+    assert torch.equal(chunked.extend(prompt + [5, 6], 2), whole.extend(prompt + [5, 6], 2))
+
+
+def test_the_last_chunk_always_holds_the_positions_asked_for(llama_target):
+    prompt = [(5 * i + 1) % 90 + 3 for i in range(66)]
+    runner = CachedModel(llama_target, prefill_chunk=32)
+    logits = runner.extend(prompt, 5)  # 66 = 32 + 29 + 5: never a last chunk shorter than 5
+    assert logits.shape[0] == 5
+    assert torch.allclose(logits, full_forward_logits(llama_target, prompt)[-5:], atol=1e-5, rtol=0)
+
+
+def test_ctrl_c_between_chunks_keeps_the_chunks_already_fed(llama_target, monkeypatch):
+    prompt = [(3 * i + 2) % 90 + 3 for i in range(100)]
+    runner = CachedModel(llama_target, prefill_chunk=32)
+    forward = runner._forward
+    calls = []
+
+    def interrupted_third(new_ids, n_logits):
+        calls.append(len(new_ids))
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return forward(new_ids, n_logits)
+
+    monkeypatch.setattr(runner, "_forward", interrupted_third)
+    try:
+        runner.extend(prompt, 1)
+    except KeyboardInterrupt:
+        pass
+    assert calls == [32, 32, 32]
+    assert runner.ids == prompt[:64]
+    assert all(layer.keys.shape[-2] == 64 for layer in runner.cache.layers)
+    monkeypatch.undo()
+    logits = runner.extend(prompt, 1)
+    assert torch.allclose(logits, full_forward_logits(llama_target, prompt)[-1:], atol=1e-5, rtol=0)
+
+
+def test_the_draft_models_cache_equals_a_fresh_forward_after_rejections(llama_target, llama_near_draft):
+    """Sampling with a draft that really is rejected, often mid-draft: after every proposal the draft
+    model's cache holds exactly the keys and values a fresh forward over the same ids computes (nothing
+    of a rejected draft left), and every draft row equals the fresh forward's distribution there."""
+    from transformers import DynamicCache
+
+    from specdec_cli.drafters import DraftModelDrafter
+    from specdec_cli.engine import FixedK, SamplingParams, SpeculativeDecoder, logits_to_probs
+
+    drafter = DraftModelDrafter(llama_near_draft)
+    propose = drafter.propose
+    proposals = []
+
+    def checked_propose(ids, k, params, generator):
+        draft = propose(ids, k, params, generator)
+        sequence, runner = list(ids) + draft.ids, drafter.runner
+        assert runner.ids == sequence[: len(runner.ids)] and len(runner.ids) >= len(ids)
+        fresh = DynamicCache(config=llama_near_draft.config)
+        with torch.no_grad():
+            logits = llama_near_draft(input_ids=torch.tensor([sequence]), cache=fresh).logits[0]  # (T, V)
+        for mine, theirs in zip(runner.cache.layers, fresh.layers, strict=True):
+            torch.testing.assert_close(mine.keys, theirs.keys[..., : len(runner.ids), :], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(mine.values, theirs.values[..., : len(runner.ids), :], atol=1e-5, rtol=1e-4)
+        rows = logits[len(ids) - 1 : len(ids) - 1 + len(draft)]  # (k, V): row i scores draft token i
+        torch.testing.assert_close(draft.probs, logits_to_probs(rows, params), atol=1e-5, rtol=1e-4)
+        proposals.append(len(draft))
+        return draft
+
+    drafter.propose = checked_propose
+    decoder = SpeculativeDecoder(llama_target, drafter, FixedK(4))
+    events = list(decoder.stream([1, 5, 7, 9, 11], SamplingParams(temperature=1.0, seed=3), 60))
+    assert len(proposals) == len(events) > 10
+    assert sum(1 for event in events if 0 < event.accepted < event.drafted) >= 3  # rejected mid-draft
+    assert sum(1 for event in events if event.accepted == 0) >= 1 and any(e.accepted == e.drafted for e in events)

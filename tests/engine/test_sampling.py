@@ -42,7 +42,11 @@ def test_greedy_is_a_point_mass_on_argmax():
     assert probs.argmax(-1).tolist() == [0, 4] and probs.sum(-1).tolist() == [1.0, 1.0]
 
 
-@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_k=-1), dict(top_p=0), dict(top_p=1.5)])
+@pytest.mark.parametrize("kwargs", [
+    dict(temperature=-1), dict(top_k=-1), dict(top_p=0), dict(top_p=1.5),
+    dict(temperature=math.nan), dict(temperature=math.inf), dict(temperature=-math.inf),
+    dict(top_p=math.nan), dict(top_p=math.inf),
+])
 def test_invalid_params_are_refused(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)

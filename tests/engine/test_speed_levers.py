@@ -177,15 +177,21 @@ def test_cascade_looks_up_even_when_the_policy_says_no_draft(llama_target, llama
 
 
 def test_free_lookup_drafts_do_not_train_the_policy(llama_target, reference):
+    """The policy prices draft-model tokens: it learns from the plain steps (nothing drafted) and never
+    from a step whose draft was a free lookup."""
+
     class Recording(FixedK):
         def update(self, drafted, accepted, draft_seconds, verify_seconds):
-            self.updates = getattr(self, "updates", 0) + 1
+            self.seen.append(drafted)
 
     policy = Recording(4)
-    result = generate(llama_target, NgramDrafter(), policy)
-    assert result.tokens == reference
-    lookups = sum(1 for _ in range(result.stats.steps))  # every step is either a lookup or plain
-    assert getattr(policy, "updates", 0) < lookups
+    policy.seen = []
+    events = list(SpeculativeDecoder(llama_target, NgramDrafter(), policy).stream(PROMPT, SamplingParams(), NEW_TOKENS))
+    assert [token for event in events for token in event.tokens] == reference
+    lookups = [event for event in events if event.free]
+    assert lookups and all(event.drafted > 0 for event in lookups)
+    assert len(policy.seen) == len(events) - len(lookups)  # one update per plain step, none per lookup
+    assert set(policy.seen) == {0}
 
 
 def test_cost_model_learns_that_acceptance_rises_with_depth():

@@ -1,36 +1,37 @@
 """Speculative sampling over token trees follows the target's distribution exactly, and the same test
 catches a wrong residual (power check).
 
-As in test_decode_sampling: 20,000 seeded generations of 3 tokens from random trigram LMs, the 1st and
-3rd tokens compared with the target's exact probabilities. Trees have >= 2 children per node: sampled
-i.i.d. from the draft (the tree drafter) and, separately, chosen deterministically (point masses)."""
+The harness of test_decode_sampling (20,000 seeded generations, every one of the first 3 tokens
+compared with the target's exact marginals, chi-square and a TV ceiling), with the trigram LMs taught
+to read a tree mask. Trees have >= 2 children per node: sampled i.i.d. from the draft (the tree
+drafter) and, separately, chosen deterministically (point masses)."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from specdec_cli.drafters.tree import TreeDrafter
-from specdec_cli.engine import FixedK, SamplingParams, SpeculativeDecoder
+from specdec_cli.engine import SamplingParams
 from specdec_cli.engine import tree as tree_module
 from specdec_cli.engine.draft import Draft, Drafter
 
 from tests.conftest import TrigramLM
-from tests.engine.test_decode_sampling import CASES, PROMPT, VOCAB, exact_distributions
-from tests.stats import assert_follows, draw_counts
+from tests.engine.test_decode_sampling import VOCAB, Case, failures, make_pair, sample_case
 
-DRAWS = 20_000
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class TreeTrigramLM(TrigramLM):
     """The trigram LM, reading a 4D tree mask: a query's previous token is the latest cache entry it
     may see before itself (its parent, or the sequence's last token for a root)."""
 
-    def __init__(self, vocab_size: int, seed: int, scale: float = 1.0) -> None:
-        super().__init__(vocab_size, seed, scale)
-        self.config._attn_implementation = "eager"
+    def __init__(self, like: TrigramLM) -> None:
+        super().__init__(VOCAB, seed=0)
+        self.lm_head.weight = like.lm_head.weight
+        self.config._attn_implementation = "eager"  # an additive mask, as eager attention takes it
 
     def forward(self, input_ids, cache=None, use_cache=True, logits_to_keep=0, attention_mask=None, **kwargs):
-        from types import SimpleNamespace
-
         new = input_ids.float()[:, None, :, None]  # (1, 1, T, 1)
         keys, _ = cache.update(new, new, 0)
         ids = keys[0, 0, :, 0].long()  # (L,) every cached entry
@@ -64,49 +65,31 @@ class TopTwoTree(Drafter):
         return Draft(nodes, None, parents)
 
 
+CASES = {
+    "sampled tree, 6 nodes, 2 children": Case(lambda draft: TreeDrafter(draft, budget=6, branching=2), 2),
+    "sampled tree, top-k and top-p": Case(lambda draft: TreeDrafter(draft, budget=6, branching=3), 2,
+                                          SamplingParams(temperature=0.7, top_k=6, top_p=0.9)),
+    "point-mass tree": Case(TopTwoTree, 2),
+}
+
+
 @pytest.fixture(scope="module")
 def pair():
-    return TreeTrigramLM(VOCAB, seed=11, scale=1.5), TreeTrigramLM(VOCAB, seed=12, scale=2.5)
-
-
-def sample_tokens(decoder: SpeculativeDecoder, params: SamplingParams, target) -> None:
-    """Draw DRAWS generations; assert the 1st and 3rd tokens follow the target's exact distributions."""
-    first_exact, third_exact = exact_distributions(target, params)
-    firsts: list[int] = []
-    accepted = nodes = 0
-
-    def one_generation() -> int:
-        nonlocal accepted, nodes
-        seeded = SamplingParams(params.temperature, params.top_k, params.top_p, seed=len(firsts))
-        result = decoder.generate(PROMPT, seeded, 3)
-        firsts.append(result.tokens[0])
-        accepted, nodes = accepted + result.stats.tree_accepted, nodes + result.stats.tree_nodes
-        return result.tokens[2]
-
-    third_counts = draw_counts(one_generation, DRAWS, VOCAB)
-    first_counts = torch.bincount(torch.tensor(firsts), minlength=VOCAB).double()
-    assert 0 < accepted < nodes  # both acceptance and rejection were exercised
-    assert_follows(first_counts, first_exact)
-    assert_follows(third_counts, third_exact)
+    target, draft = make_pair()
+    return TreeTrigramLM(target), TreeTrigramLM(draft)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["temperature", "top_k_top_p"])
-def test_sampled_trees_follow_the_target_distribution(pair, case):
-    target, draft = pair
-    sample_tokens(SpeculativeDecoder(target, TreeDrafter(draft, budget=6, branching=2), FixedK(2)), CASES[case], target)
-
-
-@pytest.mark.slow
-def test_point_mass_trees_follow_the_target_distribution(pair):
-    target, draft = pair
-    sample_tokens(SpeculativeDecoder(target, TopTwoTree(draft), FixedK(2)), CASES["temperature"], target)
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_position_follows_the_target_distribution(pair, name):
+    result = sample_case(pair, CASES[name])
+    assert failures(pair, CASES[name], result) == []
+    assert 0 < result.stats.tree_accepted < result.stats.tree_nodes  # acceptance and rejection both ran
 
 
 @pytest.mark.slow
 def test_a_wrong_residual_is_caught(pair, monkeypatch):
     """Power check: keep the target's distribution after a rejection instead of subtracting the draft's."""
-    target, draft = pair
     monkeypatch.setattr(tree_module, "next_residual", lambda residual, draft_row: residual)
-    with pytest.raises(AssertionError, match="p="):
-        sample_tokens(SpeculativeDecoder(target, TopTwoTree(draft), FixedK(2)), CASES["temperature"], target)
+    case = CASES["point-mass tree"]
+    assert failures(pair, case, sample_case(pair, case)) != []

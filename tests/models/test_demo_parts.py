@@ -2,6 +2,8 @@
 
 import hashlib
 import importlib
+import json
+import os
 
 import pytest
 
@@ -73,3 +75,54 @@ def test_unknown_demo_name_lists_the_known_ones():
     with pytest.raises(ModelNotFoundError) as raised:
         demo.demo_model("demo:gpt-5")
     assert "demo:qwen2.5-coder-1.5b" in raised.value.hint and "demo:qwen2.5-coder-0.5b" in raised.value.hint
+
+
+def test_a_joined_file_is_hashed_once_and_trusted_while_its_stamp_matches(fake_demo, monkeypatch):
+    model, chunks, joined, site = fake_demo
+    _install_fake_parts(site, model.package_prefix, chunks)
+    path = demo.ensure_joined(model, progress=False)
+    stamp = json.loads(demo.stamp_path(path).read_text())
+    assert stamp == {"sha256": model.sha256, "size": len(joined), "mtime_ns": path.stat().st_mtime_ns}
+
+    def must_not_hash(path):
+        raise AssertionError("a stamped file must not be hashed again")
+
+    monkeypatch.setattr(demo, "file_sha256", must_not_hash)
+    assert demo.ensure_joined(model, progress=False) == path
+
+
+def test_a_changed_file_is_hashed_again_and_rejoined_when_corrupt(fake_demo):
+    """Same size, other bytes, a new mtime: the stamp no longer vouches for it; the hash fails; the
+    parts are joined again."""
+    model, chunks, joined, site = fake_demo
+    _install_fake_parts(site, model.package_prefix, chunks)
+    path = demo.ensure_joined(model, progress=False)
+    path.write_bytes(b"\0" * len(joined))
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    assert demo.ensure_joined(model, progress=False) == path
+    assert path.read_bytes() == joined
+    assert json.loads(demo.stamp_path(path).read_text())["mtime_ns"] == path.stat().st_mtime_ns
+
+
+def test_a_good_file_with_a_stale_stamp_is_verified_and_restamped_without_rejoining(fake_demo, monkeypatch):
+    model, chunks, joined, site = fake_demo
+    _install_fake_parts(site, model.package_prefix, chunks)
+    path = demo.ensure_joined(model, progress=False)
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # touched, not changed
+    hashed = []
+    real_hash = demo.file_sha256
+    monkeypatch.setattr(demo, "file_sha256", lambda file: hashed.append(file) or real_hash(file))
+    monkeypatch.setattr(demo, "_join", lambda *args: pytest.fail("a good file must not be joined again"))
+    assert demo.ensure_joined(model, progress=False) == path
+    assert hashed == [path]
+    assert json.loads(demo.stamp_path(path).read_text())["mtime_ns"] == path.stat().st_mtime_ns
+
+
+def test_a_file_without_a_stamp_is_hashed_before_it_is_trusted(fake_demo):
+    """A file left by an older version (size right, no stamp) is not trusted on its size."""
+    model, chunks, joined, site = fake_demo
+    _install_fake_parts(site, model.package_prefix, chunks)
+    path = demo.joined_path(model)
+    path.write_bytes(joined[::-1])  # the right size, the wrong bytes
+    assert demo.ensure_joined(model, progress=False) == path
+    assert path.read_bytes() == joined

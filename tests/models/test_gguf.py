@@ -65,3 +65,20 @@ def test_a_corrupt_gguf_is_a_one_line_load_error(tmp_path):
         load_model(str(path), device="cpu", progress=False)
     assert "broken.gguf" in raised.value.one_line()
     assert "\n" not in raised.value.one_line()
+
+
+def test_the_conversion_cache_key_names_the_converters_versions(tiny_gguf, specdec_home, monkeypatch):
+    """A conversion made by other transformers or gguf versions is not read back: it is made again."""
+    from importlib.metadata import version
+
+    path, _ = tiny_gguf
+    load_model(str(path), device="cpu", dtype="float32", progress=False)
+    (entry,) = _cache_entries(specdec_home)
+    assert f"-tf{version('transformers')}-gguf{version('gguf')}-float32" in entry
+
+    real_version = gguf._version
+    monkeypatch.setattr(gguf, "_version", lambda package: "9.9.9" if package == "transformers" else real_version(package))
+    assert gguf.existing_conversions(path) == []
+    load_model(str(path), device="cpu", dtype="float32", progress=False)
+    entries = _cache_entries(specdec_home)
+    assert len(entries) == 2 and any("-tf9.9.9-" in name for name in entries)

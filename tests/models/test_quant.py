@@ -1,4 +1,4 @@
-"""4-bit and 8-bit loading through bitsandbytes, for real, on the CPU."""
+"""nf4 and bnb8 (bitsandbytes 4-bit and 8-bit; old names 4bit, 8bit) loading, for real, on the CPU."""
 
 import sys
 
@@ -15,13 +15,13 @@ def test_4bit_load_quantises_the_linear_layers_and_runs(llama_folder):
     loaded = load_model(str(llama_folder), device="cpu", dtype="bfloat16", quantization="4bit", progress=False)
     quantised = [name for name, module in loaded.model.named_modules() if isinstance(module, bitsandbytes.nn.Linear4bit)]
     assert len(quantised) == 2 * 7  # q, k, v, o, gate, up, down in each of the 2 layers
-    assert loaded.quantization == "4bit"
+    assert loaded.quantization == "nf4"  # the old name "4bit" is an alias
     assert loaded.vocab_size == 300  # the output layer is not quantised
     with torch.no_grad():
         logits = loaded.model(torch.tensor([[1, 2, 3, 4]])).logits  # (B, T, V)
     assert logits.shape == (1, 4, 300)
     assert torch.isfinite(logits).all()
-    assert loaded.describe("draft").endswith("· 4bit")
+    assert loaded.describe("draft").endswith("· nf4 weights (bitsandbytes), bfloat16 compute")
 
 
 def test_missing_bitsandbytes_names_the_extra(llama_folder, monkeypatch):

@@ -101,6 +101,18 @@ def test_a_later_duplicate_id_is_an_error_and_the_first_runs():
     assert requests[2].id == "a"
 
 
+def test_a_duplicate_of_a_line_number_taken_as_id_says_so():
+    requests = read_requests([b'{"id": "a", "prompt": "x"}', b'{"prompt": "y"}', b'{"id": 2, "prompt": "z"}'])
+    assert [r.error for r in requests] == [
+        None, None, "line 3: duplicate id 2: line 2 has no id, so it took its line number 2 as id"]
+
+
+def test_a_line_without_an_id_that_repeats_an_earlier_id_says_so():
+    requests = read_requests([b'{"id": 2, "prompt": "x"}', b'{"prompt": "y"}'])
+    assert [r.error for r in requests] == [
+        None, "line 2: duplicate id 2 (first on line 1): this line has no id, so it took its line number as id"]
+
+
 def test_ids_7_and_the_string_7_are_different():
     requests = read_requests([b'{"id": 7, "prompt": "x"}', b'{"id": "7", "prompt": "y"}'])
     assert [r.error for r in requests] == [None, None]

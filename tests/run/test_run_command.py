@@ -9,6 +9,8 @@ from typer.testing import CliRunner
 from specdec_cli import batch
 from specdec_cli.cli import app
 
+from tests.cli_result import assert_exited
+
 WIDE = {"COLUMNS": "200"}
 TIMINGS = ("seconds", "tokens_per_second", "created")
 
@@ -114,7 +116,7 @@ def test_malformed_lines_become_error_records_and_the_batch_goes_on(run, tmp_pat
              {"custom_id": "u", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}}, MIXED[4]]
     (tmp_path / "in.jsonl").write_text(jsonl(lines))
     result = run(tmp_path / "in.jsonl", "-o", tmp_path / "out.jsonl")
-    assert result.exit_code == 1
+    assert_exited(result, 1)  # the failed records' exit code, not a crash
     records = read(tmp_path / "out.jsonl")
     assert [r["finish_reason"] for r in records[:3]] == ["length", "error", "error"]
     assert [records[1]["error"], records[2]["error"]] == ["line 2: not valid JSON (Expecting property name enclosed in double quotes at column 2)", 'line 3: "messages" is empty']
@@ -127,8 +129,11 @@ def test_malformed_lines_become_error_records_and_the_batch_goes_on(run, tmp_pat
 def test_a_file_of_only_bad_lines_needs_no_model(run, tmp_path):
     (tmp_path / "in.jsonl").write_text("nope\n")
     result = CliRunner().invoke(app, ["run", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--target", str(tmp_path / "absent")])
-    assert result.exit_code == 1
+    assert_exited(result, 1)  # the failed record's exit code, not a crash (CliRunner gives a crash exit code 1 too)
     assert read(tmp_path / "out.jsonl")[0]["error"] == "line 1: not valid JSON (Expecting value at column 1)"
+    assert "target:" not in result.stderr  # no model was loaded
+    assert result.stderr.strip().endswith(
+        f'1 of 1 records failed — their lines in {tmp_path / "out.jsonl"} have finish_reason "error" (or an "error" object) saying why')
 
 
 def test_an_existing_output_is_refused_and_left_alone(run, tmp_path):
@@ -218,7 +223,7 @@ def test_ctrl_c_keeps_the_finished_records_and_says_how_to_resume(run, tmp_path,
     [
         (["missing.jsonl", "-o", "out.jsonl"], "error: cannot read missing.jsonl: No such file or directory — check the input path"),
         (["in.jsonl", "-o", "in.jsonl"], "error: INPUT and OUTPUT are the same file — write the results to another file with -o"),
-        (["in.jsonl", "-o", "out.jsonl", "--temperature", "-1"], "error: temperature must be >= 0, got -1.0 — fix the sampling option"),
+        (["in.jsonl", "-o", "out.jsonl", "--temperature", "-1"], "error: temperature must be a finite number >= 0, got -1.0 — fix the sampling option"),
     ],
 )
 def test_command_line_mistakes_are_one_line(run, tmp_path, monkeypatch, args, message):

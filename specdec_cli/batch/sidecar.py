@@ -1,0 +1,91 @@
+"""The settings an OUTPUT was made with, in `OUTPUT.settings.json` beside it, so that `--resume` with other
+settings (a model, k, temperature, budget, system prompt ...) is refused instead of mixing two runs in one
+file. Written atomically (temporary file, fsync, rename) when a run starts a file. No torch."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from specdec_cli.errors import InputError
+
+if TYPE_CHECKING:  # settings imports torch; this package must not
+    from specdec_cli.settings import DecodingSettings, ModelChoice
+
+FORMAT = 1
+
+
+def settings_path(output: Path) -> Path:
+    return output.with_name(output.name + ".settings.json")
+
+
+def record_settings(choice: ModelChoice, settings: DecodingSettings) -> dict:
+    """What shapes a record: the models and their formats, the drafter, k, sampling, budget, system prompt."""
+    return {
+        "target": choice.target, "draft": choice.draft, "drafter": choice.drafter, "device": choice.device,
+        "dtype": choice.dtype, "target_quantization": choice.target_quantization,
+        "draft_quantization": choice.draft_quantization, "k": settings.k, "temperature": settings.temperature,
+        "top_p": settings.top_p, "top_k": settings.top_k, "seed": settings.seed,
+        "max_new_tokens": settings.max_new_tokens, "system": settings.system,
+    }
+
+
+def write_settings(output: Path, settings: dict) -> None:
+    path = settings_path(output)
+    temporary = path.with_name(path.name + ".tmp")
+    try:
+        with open(temporary, "w", encoding="utf-8") as file:
+            json.dump({"format": FORMAT, "settings": settings}, file, indent=1, ensure_ascii=False)
+            file.write("\n")
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except OSError as error:
+        raise InputError(f"cannot write {path}: {error.strerror}", "choose an -o in a folder you can write") from None
+
+
+def read_settings(output: Path) -> dict | None:
+    """The stored settings; None when OUTPUT has no settings file (made before specdec wrote one)."""
+    path = settings_path(output)
+    try:
+        stored = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as error:
+        raise InputError(f"cannot read {path}: {error}", "pass --force to resume without checking the settings, "
+                         "or --overwrite to start again") from None
+    if not isinstance(stored, dict) or not isinstance(stored.get("settings"), dict):
+        raise InputError(f"{path} is not a specdec settings file",
+                         "pass --force to resume without checking the settings, or --overwrite to start again")
+    return stored["settings"]
+
+
+def settings_differences(stored: dict, current: dict) -> list[str]:
+    """`name stored → current` for every setting that differs (JSON-compared, so 0 and 0.0 agree)."""
+    current = json.loads(json.dumps(current))
+    names = list(stored) + [name for name in current if name not in stored]
+    return [f"{name} {_shown(stored.get(name))} → {_shown(current.get(name))}"
+            for name in names if stored.get(name) != current.get(name)]
+
+
+def _shown(value: object) -> str:
+    return "none" if value is None else json.dumps(value, ensure_ascii=False)
+
+
+def check_resumed_settings(output: Path, current: dict, force: bool) -> str | None:
+    """Refuse to resume OUTPUT with other settings than it was made with (unless `force`); the returned
+    line, if any, is a note to print (no settings file, or differences let through by --force)."""
+    stored = read_settings(output)
+    if stored is None:
+        return (f"note: {output} has no settings file (made by an older specdec), so resuming cannot check that "
+                "the settings match")
+    differences = settings_differences(stored, current)
+    if not differences:
+        return None
+    listed = ", ".join(differences)
+    if force:
+        return f"note: --force: resuming {output} with other settings than it was made with ({listed})"
+    raise InputError(f"{output} was made with other settings: {listed}",
+                     "run with the same settings, pass --force to mix them in one file, or --overwrite to start again")

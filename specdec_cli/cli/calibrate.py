@@ -1,0 +1,71 @@
+"""`specdec calibrate`: time forwards of 1-16 new tokens for each model of a profile in each quantisation
+format on this machine, print them, and store them under the specdec home (what `auto` formats and the
+README's forward-cost tables read). The measuring is `specdec_cli.models.calibrate`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from specdec_cli.cli.app import error_console, report_errors
+from specdec_cli.cli.options import DtypeOption, ProfileOption
+from specdec_cli.errors import InputError
+from specdec_cli.models.calibrate import TOKEN_COUNTS, machine, measure_forward_costs, save_calibration
+from specdec_cli.models.quant import canonical
+from specdec_cli.profiles import DEFAULT_PROFILE, load_profile
+
+FormatsOption = Annotated[str, typer.Option(help="Comma-separated formats: none, int8, int4, nf4, bnb8.")]
+
+
+def _formats(value: str, flag: str) -> list[str]:
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    for name in names:
+        if name == "auto":
+            raise InputError(f"{flag} cannot hold auto", "name the formats to measure, e.g. none,int8,int4")
+        canonical(name)  # an unknown name: one line listing the formats
+    return names
+
+
+def _cells(seconds: dict[str, float]) -> list[str]:
+    one = seconds["1"]
+    return [f"{1000 * s:.0f} ms" + ("" if n == "1" else f" ×{s / one:.2f}") for n, s in seconds.items()]
+
+
+@report_errors
+def calibrate_command(
+    profile: ProfileOption = None,
+    target_formats: Annotated[str, typer.Option("--target-formats", help="Formats to time the target in (comma-separated: none, int8, int4, nf4, bnb8).")] = "none,int8,int4",
+    draft_formats: Annotated[str, typer.Option("--draft-formats", help="Formats to time the draft in.")] = "none,int8,int4",
+    dtype: DtypeOption = None,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed forwards per size (the median is kept).")] = 5,
+    context: Annotated[int, typer.Option("--context", min=1, help="Tokens already in the cache.")] = 200,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Also write the result to this file.")] = None,
+) -> None:
+    """Measure what a forward of 1, 2, 4, 8 and 16 new tokens costs for each model of a profile in each
+    quantisation format on this machine. Speculation pays while verifying k tokens costs about what one
+    does; which format keeps that flat depends on the CPU. Stored under the specdec home."""
+    chosen = load_profile(profile or DEFAULT_PROFILE)
+    formats = {"target": _formats(target_formats, "--target-formats"), "draft": _formats(draft_formats, "--draft-formats")}
+    if json_path is not None and json_path.is_dir():
+        raise InputError(f"{json_path} is a folder", "give a file name for --json")
+    models = {"target": chosen.target, **({"draft": chosen.draft} if chosen.draft else {})}
+    facts = machine()
+    console = Console(highlight=False)
+    console.print(f"{facts['cpu']} · {' '.join(facts['cpu_flags']) or 'no AVX-512/AMX'} · {facts['threads']} threads · "
+                  f"{context}-token cache, median of {repeats}", markup=False)
+    table = Table("model", "precision", *(f"n={n}" for n in TOKEN_COUNTS), title="forward costs (ratio to n=1)")
+
+    def show(entry: dict) -> None:
+        table.add_row(f"{entry['role']} {entry['model']}", entry["precision"], *_cells(entry["seconds"]))
+        error_console().print(f"measured {entry['role']} · {entry['precision']}", markup=False)
+
+    result = measure_forward_costs(models, formats, dtype=dtype or chosen.dtype, context_tokens=context,
+                                   repeats=repeats, on_result=show, progress=True)
+    console.print(table)
+    error_console().print(f"wrote {save_calibration(result)}", markup=False)
+    if json_path is not None:
+        save_calibration(result, json_path)

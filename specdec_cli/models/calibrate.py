@@ -1,0 +1,143 @@
+"""Forward costs per model and format on this machine: how long a forward of n new tokens takes on a
+warm cache. Speculation pays only while verifying k tokens costs about what one does, and which format
+is fastest depends on the CPU, so `specdec calibrate` measures this and `auto` will read it.
+
+`measure_forward_costs` is pure measurement and returns plain data; `save_calibration` /
+`load_calibration` keep it as JSON under the specdec home. Nothing here prints."""
+
+from __future__ import annotations
+
+import gc
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from specdec_cli.engine.kv import CachedModel
+from specdec_cli.models.loaded import LoadedModel, load_model
+from specdec_cli.models.paths import specdec_home
+
+TOKEN_COUNTS = (1, 2, 4, 8, 16)
+CONTEXT_TOKENS = 200
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
+CALIBRATION_FILE = "calibration.json"
+# "wall" is what a user waits. "cpu" (this process's CPU time) is for a busy machine: with one thread it
+# approximates an idle core's wall time, where wall time would mostly measure the other processes.
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def _token(i: int, vocab_size: int) -> int:
+    """An ordinary id (past the first few, which are often special) that varies with i."""
+    return 3 + (31 * i) % min(vocab_size - 3, 5000)
+
+
+def forward_seconds(model: torch.nn.Module, context: list[int], new_tokens: int, repeats: int,
+                    vocab_size: int, clock: str = "wall") -> float:
+    """Median seconds of a forward of `new_tokens` tokens after `context` (already cached); one warm-up."""
+    now = CLOCKS[clock]
+    runner = CachedModel(model)
+    runner.extend(context, 1)
+    times = []
+    for repeat in range(repeats + 1):
+        # another first id each repeat, so none of the new tokens is already cached
+        extra = [_token(len(context) + 1000 * repeat + 7 * i + 1, vocab_size) for i in range(new_tokens)]
+        started = now()
+        runner.extend(context + extra, new_tokens)  # crops back to `context`, then runs the new tokens
+        times.append(now() - started)
+    return statistics.median(times[1:])
+
+
+def forward_costs(loaded: LoadedModel, token_counts: Iterable[int] = TOKEN_COUNTS,
+                  context_tokens: int = CONTEXT_TOKENS, repeats: int = 5, clock: str = "wall") -> dict[str, float]:
+    """{"n": seconds} for a forward of n new tokens on a `context_tokens`-token cache."""
+    context = [_token(i, loaded.vocab_size) for i in range(context_tokens)]
+    vocab_size = loaded.vocab_size
+    return {str(n): forward_seconds(loaded.model, context, n, repeats, vocab_size, clock) for n in token_counts}
+
+
+def machine() -> dict:
+    """What decides the costs: CPU model and the flags that pick kernels, threads, library versions."""
+    import transformers
+
+    flags: set[str] = set()
+    name = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                name = value.strip()
+            elif key.strip() == "flags":
+                flags |= set(value.split())
+    return {
+        "cpu": name, "cpu_flags": sorted(flag for flag in CPU_FLAGS if flag in flags),
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
+        "platform": platform.platform(),
+    }
+
+
+def measure_forward_costs(
+    models: dict[str, str],
+    formats: dict[str, Iterable[str]],
+    *,
+    device: str = "cpu",
+    dtype: str = "auto",
+    token_counts: Iterable[int] = TOKEN_COUNTS,
+    context_tokens: int = CONTEXT_TOKENS,
+    repeats: int = 5,
+    clock: str = "wall",
+    on_result: Callable[[dict], None] | None = None,
+    progress: bool = False,
+) -> dict:
+    """Load each role's model (`models`: role → spec) once per format (`formats`: role → names such as
+    "none", "int8", "int4"), one at a time, and time its forwards. `on_result` sees each entry as it
+    is measured. `clock`: "wall" or "cpu" (see CLOCKS). Returns {"machine", "context_tokens", "clock",
+    "measured_at", "entries": [...]}, each entry
+    {"role", "model", "quantization", "precision", "dtype", "seconds": {"n": s}}."""
+    token_counts = tuple(token_counts)
+    entries = []
+    for role, spec in models.items():
+        for quantization in formats.get(role, ()):
+            loaded = load_model(spec, device=device, dtype=dtype, quantization=quantization, progress=progress)
+            entry = {
+                "role": role, "model": spec, "quantization": loaded.quantization or "none",
+                "precision": loaded.precision, "dtype": str(loaded.dtype).removeprefix("torch."),
+                "seconds": forward_costs(loaded, token_counts, context_tokens, repeats, clock),
+            }
+            del loaded
+            gc.collect()  # one model in memory at a time
+            entries.append(entry)
+            if on_result:
+                on_result(entry)
+    return {
+        "machine": machine(), "context_tokens": context_tokens, "clock": clock,
+        "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "entries": entries,
+    }
+
+
+def calibration_path() -> Path:
+    return specdec_home() / CALIBRATION_FILE
+
+
+def save_calibration(result: dict, path: Path | None = None) -> Path:
+    """Write `result` as JSON (atomically: a reader never sees half a file); returns the path."""
+    path = path or calibration_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(f".{path.name}.tmp")
+    staging.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    staging.replace(path)
+    return path
+
+
+def load_calibration(path: Path | None = None) -> dict | None:
+    """The stored measurement, or None when there is none (or it is unreadable: measure again)."""
+    path = path or calibration_path()
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None

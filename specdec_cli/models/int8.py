@@ -1,0 +1,108 @@
+"""int8 on the CPU: int8 weights with one scale per output channel, activations quantised to int8 on
+the fly with one scale per token, int32 accumulation (torch's oneDNN int8 matmul, prepacked weights).
+
+Why one scale per token: with one scale for the whole activation tensor (what torch's deprecated
+`quantize_dynamic` does) the logits of a token depend on the other tokens in the same forward, so
+verifying k draft tokens in one forward would not give what k one-token forwards give, and a
+speculative run of an int8 target would not reproduce that target's own greedy output. Here a row's
+quantisation reads that row only and the matmul is exact integer arithmetic, so a layer gives row i
+the same output whatever else is in the forward; with attention computed row by row too
+(rowwise_attention.py), row i of a k-token forward is the one-token forward of token i, bit for bit.
+
+Why not torchao's `Int8DynamicActivationInt8WeightConfig` (also per token): in eager mode on a CPU
+with AVX512-VNNI but no AMX, torchao 0.18 recomputes the column sums of every weight on every call
+(its u8s8 compensation), which costs ~30x the matmul itself; it pays only under torch.compile."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def activation_bits() -> int:
+    """8 on a CPU with VNNI. Without VNNI, x86 sums pairs of uint8×int8 products in int16, which can
+    saturate: 7-bit activations (uint8 in 1..127) keep every pair below 2**15."""
+    has_vnni = getattr(torch.cpu, "_is_vnni_supported", None)  # private in torch 2.13: absent means "assume not"
+    return 8 if has_vnni is not None and has_vnni() else 7
+
+
+def quantize_rows(rows: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 of a (M, K) float tensor: (uint8 values offset by the zero point, (M, 1) scales)."""
+    limit = 2 ** (bits - 1) - 1  # 127 or 63
+    rows = rows.float()
+    scales = rows.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / limit  # (M, 1)
+    values = torch.round(rows / scales).clamp_(-limit, limit).add_(limit + 1).to(torch.uint8)  # (M, K)
+    return values, scales
+
+
+class PerTokenInt8Linear(torch.nn.Module):
+    """A drop-in for a CPU `nn.Linear`: y = x Wᵀ + b with W in int8 per output channel and x in int8 per token."""
+
+    def __init__(self, weight_int8: torch.Tensor, weight_scales: torch.Tensor, bias: torch.Tensor | None,
+                 bits: int | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight_int8.shape
+        self.bits = bits or activation_bits()
+        # (K, N) in oneDNN's blocked layout: an opaque tensor, counted as a buffer (1 byte per weight).
+        self.register_buffer("packed_weight", torch.ops.onednn.qlinear_prepack(weight_int8.contiguous(), None))
+        self.register_buffer("weight_scales", weight_scales.float().contiguous())  # (N,)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        self._zero_points = torch.zeros(1, dtype=torch.int64)  # symmetric weights
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, bits: int | None = None) -> "PerTokenInt8Linear":
+        weight = linear.weight.detach().float()  # (N, K)
+        scales = weight.abs().amax(dim=1).clamp_min(1e-12) / 127  # (N,)
+        weight_int8 = torch.round(weight / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+        return cls(weight_int8, scales, linear.bias, bits)
+
+    def int8_weight(self) -> torch.Tensor:
+        """(N, K) int8, read back from the packed layout."""
+        return self.packed_weight.to_dense().t()
+
+    def select_rows(self, rows: torch.Tensor) -> "PerTokenInt8Linear":
+        """A layer holding only output rows `rows`: the same int8 values and scales, so the same scores."""
+        bias = None if self.bias is None else self.bias[rows]
+        return PerTokenInt8Linear(self.int8_weight()[rows], self.weight_scales[rows], bias, self.bits)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        values, scales = quantize_rows(x.reshape(-1, self.in_features), self.bits)  # (M, K), (M, 1)
+        zero_point = 2 ** (self.bits - 1)
+        out = torch.ops.onednn.qlinear_pointwise(
+            values, 1.0, zero_point, self.packed_weight, self.weight_scales, self._zero_points,
+            None, 1.0, 0, torch.float32, "none", [], "",
+        )  # (M, N): (x_int8 · W_int8) * weight scale, exact int32 sums
+        out = out * scales if self.bias is None else torch.addcmul(self.bias, out, scales)
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def __deepcopy__(self, memo) -> "PerTokenInt8Linear":  # the packed tensor is opaque: rebuild it
+        bias = None if self.bias is None else self.bias.clone()
+        return PerTokenInt8Linear(self.int8_weight().clone(), self.weight_scales.clone(), bias, self.bits)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, activations=int{self.bits} per token"
+
+
+@functools.cache
+def int8_kernel_problem() -> str | None:
+    """None when this torch build and CPU run the oneDNN int8 matmul; else why not (one probe, cached)."""
+    if not torch.backends.mkldnn.is_available():
+        return "this torch build has no oneDNN"
+    try:
+        layer = PerTokenInt8Linear.from_linear(torch.nn.Linear(32, 8))
+        layer(torch.randn(2, 32))
+    except (RuntimeError, AttributeError, NotImplementedError) as error:
+        return f"torch's oneDNN int8 matmul does not run here ({type(error).__name__})"
+    return None
+
+
+def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
+    """Every nn.Linear (the output layer too) to `PerTokenInt8Linear`, in place; the rest in float32.
+    A tied output layer gets its own int8 copy; the input embedding keeps the float weights. Layers are
+    replaced before the float32 cast, so a bfloat16 model never exists in float32 whole."""
+    linears = [(name, module) for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    for name, linear in linears:
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, PerTokenInt8Linear.from_linear(linear))
+    return model.float()

@@ -1,0 +1,90 @@
+"""--target-quant / --draft-quant on the commands, and `specdec calibrate`, on the tiny pair."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from specdec_cli.cli import app
+from specdec_cli.errors import InputError, ModelLoadError
+from specdec_cli.settings import ModelOverrides, choose_models
+
+WIDE = {"COLUMNS": "200"}
+
+
+def choose(**flags):
+    return choose_models(ModelOverrides(**flags))
+
+
+def test_quant_flags_set_each_model_and_win_over_the_profile():
+    choice = choose(target_quant="int8", draft_quant="int4")
+    assert (choice.target_quantization, choice.draft_quantization) == ("int8", "int4")
+    assert choose(draft_quant="none").draft_quantization == "none"  # the demo profile's int8 draft dropped
+    assert choose().draft_quantization == "int8"
+
+
+@pytest.mark.parametrize(("flags", "complaint"), [
+    ({"target_quant": "int8", "target_4bit": True}, "--target-quant and an older quantisation flag"),
+    ({"draft_quant": "int4", "draft_int8": True}, "--draft-quant and an older quantisation flag"),
+    ({"target_quant": "int8", "load_in_8bit": True}, "--target-quant and an older quantisation flag"),
+])
+def test_a_quant_flag_beside_an_old_alias_is_refused(flags, complaint):
+    with pytest.raises(InputError, match=complaint):
+        choose(**flags)
+
+
+def test_an_unknown_format_names_the_known_ones():
+    with pytest.raises(ModelLoadError, match="unknown quantization 'int3'") as error:
+        choose(target_quant="int3")
+    assert "none, int8, int4, nf4, bnb8, auto" in error.value.one_line()
+
+
+def test_run_with_an_int8_target_writes_records_naming_nothing_new(tiny_pair, tmp_path):
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"id": "a", "prompt": "def add(a, b):"}) + "\n")
+    result = CliRunner().invoke(app, [
+        "run", str(source), "-o", str(tmp_path / "out.jsonl"), "--target", tiny_pair.target, "--draft", tiny_pair.draft,
+        "--dtype", "float32", "-n", "6", "-t", "0", "--target-quant", "int8", "--draft-quant", "int8",
+    ], env=WIDE)
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert result.exit_code == 0, result.output
+    assert "int8 weights, per-token int8 activations" in result.output  # the target's line names its precision
+    record = json.loads((tmp_path / "out.jsonl").read_text())
+    assert record["finish_reason"] in ("stop", "length") and record["completion_tokens"] >= 1
+
+
+def test_run_with_an_unknown_format_is_one_line_and_exit_2(tiny_pair, tmp_path):
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"prompt": "x"}) + "\n")
+    result = CliRunner().invoke(app, ["run", str(source), "-o", str(tmp_path / "out.jsonl"), "--target", tiny_pair.target,
+                                      "--target-quant", "int3"], env=WIDE)
+    assert isinstance(result.exception, SystemExit) and result.exit_code == 2
+    assert "unknown quantization 'int3'" in result.output
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_calibrate_measures_each_format_and_stores_it(tiny_pair, tmp_path, monkeypatch):
+    profiles = tmp_path / "home" / "profiles"
+    profiles.mkdir(parents=True)
+    (profiles / "tiny.toml").write_text(f'target = "{tiny_pair.target}"\ndraft = "{tiny_pair.draft}"\ndrafter = "model"\n')
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    out = tmp_path / "costs.json"
+    result = CliRunner().invoke(app, [
+        "calibrate", "--profile", "tiny", "--target-formats", "none,int8", "--draft-formats", "int8",
+        "--dtype", "float32", "--repeats", "1", "--context", "8", "--json", str(out),
+    ], env=WIDE)
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert result.exit_code == 0, result.output
+    stored = json.loads(out.read_text())
+    assert [(entry["role"], entry["quantization"]) for entry in stored["entries"]] == [
+        ("target", "none"), ("target", "int8"), ("draft", "int8")]
+    assert all(set(entry["seconds"]) == {"1", "2", "4", "8", "16"} for entry in stored["entries"])
+    assert json.loads((tmp_path / "home" / "calibration.json").read_text())["entries"] == stored["entries"]
+    assert "n=16" in result.output
+
+
+def test_calibrate_refuses_auto_and_unknown_formats_in_one_line():
+    for formats, complaint in (("auto", "cannot hold auto"), ("int3", "unknown quantization")):
+        result = CliRunner().invoke(app, ["calibrate", "--target-formats", formats], env=WIDE)
+        assert isinstance(result.exception, SystemExit) and result.exit_code == 2, result.output
+        assert complaint in result.output

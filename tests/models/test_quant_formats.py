@@ -1,0 +1,135 @@
+"""The quantisation names (none, int8, int4, nf4, bnb8, auto and the old aliases), int4 loaded for real,
+and the one-line errors: a missing package, a CPU-only format off the CPU, a CPU without the kernel."""
+
+import importlib.util
+import sys
+
+import pytest
+import torch
+
+from specdec_cli.errors import MissingExtraError, ModelLoadError
+from specdec_cli.models import load_model, load_pair
+from specdec_cli.models import int4 as int4_module
+from specdec_cli.models import int8 as int8_module
+from specdec_cli.models.preflight import estimate_weight_bytes
+from specdec_cli.models.quant import canonical, check_quantization, resolve_auto
+from specdec_cli.profiles import load_profile
+
+CPU = torch.device("cpu")
+needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs the quant extra (torchao)")
+
+
+@pytest.mark.parametrize(("name", "meaning"), [
+    ("none", None), (None, None), ("int8", "int8"), ("int4", "int4"), ("nf4", "nf4"), ("bnb8", "bnb8"),
+    ("auto", "auto"), ("4bit", "nf4"), ("8bit", "bnb8"),
+])
+def test_each_name_and_alias_means_one_format(name, meaning):
+    assert canonical(name) == meaning
+
+
+def test_an_unknown_name_lists_the_known_ones():
+    with pytest.raises(ModelLoadError) as raised:
+        canonical("int3")
+    assert raised.value.one_line() == (
+        "unknown quantization 'int3' — use one of none, int8, int4, nf4, bnb8, auto (or the old 4bit, 8bit)"
+    )
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_a_cpu_only_format_off_the_cpu_names_what_to_use(name):
+    with pytest.raises(ModelLoadError) as raised:
+        check_quantization(name, torch.device("cuda"))
+    assert raised.value.one_line() == (
+        f"{name} runs on the CPU only, not on cuda — on a GPU use nf4 or bnb8 (bitsandbytes), or pass --device cpu"
+    )
+
+
+def test_a_cpu_without_the_int8_kernel_names_another_format(monkeypatch):
+    monkeypatch.setattr(int8_module, "int8_kernel_problem", lambda: "this torch build has no oneDNN")
+    with pytest.raises(ModelLoadError) as raised:
+        check_quantization("int8", CPU)
+    assert raised.value.one_line() == (
+        "int8 cannot run on this machine: this torch build has no oneDNN — use int4, nf4 or none instead"
+    )
+
+
+@needs_torchao
+def test_a_cpu_without_the_int4_kernel_names_another_format(monkeypatch):
+    monkeypatch.setattr(int4_module, "_probe", lambda: "this torch build has no CPU int4 matmul")
+    with pytest.raises(ModelLoadError) as raised:
+        check_quantization("int4", CPU)
+    assert raised.value.hint == "use int8, nf4 or none instead"
+
+
+def test_int4_without_torchao_says_what_to_install(llama_folder, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao", None)  # the import fails as if it were not installed
+    with pytest.raises(MissingExtraError) as raised:
+        load_model(str(llama_folder), device="cpu", quantization="int4", progress=False)
+    assert raised.value.one_line() == "int4 needs torchao, which is not installed — pip install 'specdec[quant]'"
+
+
+def test_int8_needs_no_extra(llama_folder, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    loaded = load_model(str(llama_folder), device="cpu", quantization="int8", progress=False)
+    assert loaded.quantization == "int8"
+
+
+def test_auto_until_calibration_quantises_a_cpu_draft_only():
+    assert resolve_auto("draft", CPU) == "int8"
+    assert resolve_auto("target", CPU) is None
+    assert resolve_auto("draft", torch.device("cuda")) is None
+
+
+def test_auto_in_a_pair_loads_an_int8_draft_and_a_plain_target(llama_folder):
+    target, draft = load_pair(str(llama_folder), str(llama_folder), device="cpu", dtype="float32",
+                              target_quantization="auto", draft_quantization="auto", progress=False)
+    assert (target.quantization, draft.quantization) == (None, "int8")
+    assert target.describe("target").endswith("· cpu · float32")
+
+
+@needs_torchao
+def test_int4_load_quantises_the_linear_layers_and_runs(llama_folder):
+    loaded = load_model(str(llama_folder), device="cpu", dtype="float32", quantization="int4", progress=False)
+    int4_layers = [name for name, parameter in loaded.model.named_parameters() if hasattr(parameter, "qdata")]
+    assert len(int4_layers) == 2 * 7  # the 300-row output layer stays bfloat16: the kernel needs rows in 16s
+    assert (loaded.quantization, loaded.dtype, loaded.vocab_size) == ("int4", torch.bfloat16, 300)
+    with torch.no_grad():
+        logits = loaded.model(torch.tensor([[1, 2, 3, 4]])).logits  # (B, T, V)
+    assert logits.shape == (1, 4, 300) and torch.isfinite(logits).all()
+    assert loaded.describe("target").endswith(
+        "· cpu · bfloat16 · int4 weights (groups of up to 128), bfloat16 activations")
+    assert loaded.precision == "int4 weights (groups of up to 128), bfloat16 activations"
+
+
+def _held_bytes(model: torch.nn.Module) -> int:
+    """Parameter bytes, counting an int4 weight by its packed values and its scales and zeros."""
+    total = 0
+    for parameter in model.parameters():
+        inner = [parameter.qdata, parameter.scale_and_zero] if hasattr(parameter, "qdata") else [parameter]
+        total += sum(tensor.numel() * tensor.element_size() for tensor in inner)
+    return total
+
+
+@needs_torchao
+@pytest.mark.parametrize("tied", [True, False])
+def test_int4_memory_estimate_is_what_the_quantised_model_holds(tmp_path, tied):
+    from transformers import AutoConfig
+
+    from tests.tiny import build_tiny_model
+
+    build_tiny_model(tmp_path, arch="llama", vocab_size=320)  # 320 rows: the output layer is int4 too
+    config = AutoConfig.from_pretrained(tmp_path)
+    config.tie_word_embeddings = tied
+    config.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path), device="cpu", dtype="float32", quantization="int4", progress=False)
+    assert hasattr(loaded.model.get_output_embeddings().weight, "qdata")
+    assert estimate_weight_bytes(config, torch.float32, "int4") == _held_bytes(loaded.model)
+
+
+def test_profiles_take_the_new_names_and_none(specdec_home):
+    folder = specdec_home / "profiles"
+    folder.mkdir(parents=True)
+    (folder / "cpu.toml").write_text('target = "org/big"\ndraft = "org/small"\n'
+                                     'target_quantization = "int4"\ndraft_quantization = "none"\n')
+    profile = load_profile("cpu")
+    assert (profile.target_quantization, profile.draft_quantization) == ("int4", None)

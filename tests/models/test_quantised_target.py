@@ -1,0 +1,111 @@
+"""A quantised target verifies k tokens exactly as k one-token forwards would: int8 scales activations per
+token (exact integer sums), int4 quantises weights only, and attention runs row by row, so the logits
+of a verify forward are bit-identical to one-token decoding and speculative decoding on a quantised
+target reproduces that quantised target's own output. The per-tensor int8 of torch's `quantize_dynamic`
+does not (the power check).
+
+No sampling-distribution run here: the engine's (tests/engine/test_decode_sampling.py) holds for any
+target whose verify rows equal its one-token forwards, which is what the row checks assert; a 20,000-draw
+run through an int8 layer took ~13 minutes on the shared 2-core machine."""
+
+import copy
+import importlib.util
+import warnings
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from specdec_cli.drafters import DraftModelDrafter
+from specdec_cli.engine import FixedK, SamplingParams, SpeculativeDecoder
+from specdec_cli.models.quant import quantize
+from specdec_cli.models.rowwise_attention import _visible_keys, rowwise_attention_forward
+
+from tests.conftest import hf_greedy, tiny_causal_lm
+
+needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs the quant extra (torchao)")
+IDS = torch.tensor([[1] + [(7 * i + 2) % 90 + 3 for i in range(40)]])
+VERIFIED = 8  # rows verified in one forward
+MODELS = [("llama", 0), ("qwen2", 2)]
+
+
+def per_tensor_int8(model: torch.nn.Module) -> torch.nn.Module:
+    """What specdec's int8 used to be: torch's deprecated dynamic quantisation, one activation scale per forward."""
+    from torch.ao import quantization as ao
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ao.quantize_dynamic(model.float(), {torch.nn.Linear: ao.per_channel_dynamic_qconfig}, dtype=torch.qint8)
+
+
+@torch.no_grad()
+def verify_and_decode(model: torch.nn.Module, ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of the last `rows` tokens of `ids` after a cached prefix: (from one forward over all of
+    them, as verification runs; from one forward per token, as decoding runs), each (rows, V)."""
+    prefix = ids[:, :-rows]
+    together = DynamicCache(config=model.config)
+    model(input_ids=prefix, cache=together)
+    verified = model(input_ids=ids[:, -rows:], cache=together).logits[0]
+    alone = DynamicCache(config=model.config)
+    model(input_ids=prefix, cache=alone)
+    decoded = [model(input_ids=ids[:, i : i + 1], cache=alone).logits[0, 0] for i in range(ids.shape[1] - rows, ids.shape[1])]
+    return verified, torch.stack(decoded)
+
+
+@pytest.mark.parametrize("arch, seed", MODELS)
+def test_int8_verify_rows_are_the_one_token_logits_bit_for_bit(arch, seed):
+    model = quantize(tiny_causal_lm(arch, seed=seed, logit_scale=8.0, layers=4), "int8")
+    verified, decoded = verify_and_decode(model, IDS, VERIFIED)
+    assert torch.equal(verified, decoded)
+
+
+@needs_torchao
+@pytest.mark.parametrize("arch, seed", MODELS)
+def test_int4_verify_rows_are_the_one_token_logits_bit_for_bit(arch, seed):
+    model = quantize(tiny_causal_lm(arch, seed=seed, logit_scale=8.0, layers=4), "int4")  # bfloat16 activations
+    verified, decoded = verify_and_decode(model, IDS, VERIFIED)
+    assert torch.equal(verified, decoded)
+
+
+@pytest.mark.parametrize("arch, seed", MODELS)
+def test_per_tensor_int8_verify_rows_are_not_the_one_token_logits(arch, seed):
+    model = per_tensor_int8(tiny_causal_lm(arch, seed=seed, logit_scale=8.0, layers=4))
+    verified, decoded = verify_and_decode(model, IDS, VERIFIED)
+    assert (verified - decoded).abs().max() > 1e-2  # an activation scale shared by the rows: whole steps apart
+
+
+def test_rowwise_attention_reads_the_keys_each_row_may_see():
+    assert _visible_keys(None, row=1, rows=3, keys=10) == slice(0, 9)  # causal: 7 cached + rows 0 and 1
+    tree = torch.tensor([[True, True, False, True, False]])[None, None]  # (1, 1, 1, 5): a branch, not a prefix
+    assert torch.equal(_visible_keys(tree, row=0, rows=1, keys=5), torch.tensor([0, 1, 3]))
+
+
+def test_rowwise_attention_with_a_tree_mask_is_masked_attention():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(1, 4, n, 8, generator=generator) for n in (3, 7, 7))  # (1, heads, n, dim)
+    mask = torch.ones(1, 1, 3, 7, dtype=torch.bool)
+    mask[0, 0, 1, 4] = mask[0, 0, 2, 5] = False  # rows 1 and 2 on different branches
+    mask[0, 0, 0, 5:] = mask[0, 0, 1, 6] = False
+    module = torch.nn.Module()
+    ours, _ = rowwise_attention_forward(module, query, key, value, mask, scaling=8**-0.5)
+    reference, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=8**-0.5)
+    assert torch.allclose(ours, reference, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def int8_draft(llama_near_draft):
+    return quantize(copy.deepcopy(llama_near_draft), "int8")
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_speculative_greedy_on_a_quantised_target_is_that_target_alone(llama_target, int8_draft, quantization, k):
+    if quantization == "int4" and importlib.util.find_spec("torchao") is None:
+        pytest.skip("needs the quant extra (torchao)")
+    target = quantize(copy.deepcopy(llama_target), quantization)
+    prompt = [1] + [(7 * i + 2) % 60 + 3 for i in range(30)]
+    result = SpeculativeDecoder(target, DraftModelDrafter(int8_draft), FixedK(k)).generate(prompt, SamplingParams(), 40)
+    assert result.tokens == hf_greedy(target, prompt, 40)
+    assert result.stats.accepted > 0  # verification of several tokens at once happened

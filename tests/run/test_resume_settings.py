@@ -1,0 +1,91 @@
+"""`--resume` checks the settings OUTPUT was made with (OUTPUT.settings.json) and refuses others unless --force."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from specdec_cli import batch
+from specdec_cli.cli import app
+
+LINES = [{"id": f"r{i}", "prompt": f"Hello {i}"} for i in range(3)]
+
+
+@pytest.fixture
+def run(tiny_pair, tmp_path):
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in LINES))
+
+    def invoke(*args):
+        arguments = ["run", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--target", tiny_pair.target,
+                     "--draft", tiny_pair.draft, "--dtype", "float32", "-t", "0", *map(str, args)]
+        return CliRunner().invoke(app, arguments)
+    return invoke
+
+
+def stored(tmp_path) -> dict:
+    return json.loads((tmp_path / "out.jsonl.settings.json").read_text())["settings"]
+
+
+def test_a_run_stores_the_settings_that_shape_its_records(run, tmp_path, tiny_pair):
+    assert run("-n", "5", "--k", "3", "--system", "Be brief.").exit_code == 0
+    assert stored(tmp_path) == {
+        "target": tiny_pair.target, "draft": tiny_pair.draft, "drafter": "model", "device": "auto", "dtype": "float32",
+        "target_quantization": None, "draft_quantization": None, "k": 3, "temperature": 0.0, "top_p": 1.0,
+        "top_k": 0, "seed": None, "max_new_tokens": 5, "system": "Be brief.",
+    }
+
+
+def test_resume_with_other_settings_is_refused_naming_what_differs(run, tmp_path, monkeypatch):
+    assert run("-n", "5", "--limit", "1").exit_code == 0
+    before = (tmp_path / "out.jsonl").read_bytes()
+    monkeypatch.setattr(batch.ModelGeneration, "load", lambda *a, **k: pytest.fail("loaded the models"))
+    result = run("-n", "50", "--k", "2", "--resume")
+    assert result.exit_code == 2, result.output
+    assert result.stderr == (
+        f"error: {tmp_path / 'out.jsonl'} was made with other settings: k \"auto\" → 2, "
+        f"max_new_tokens 5 → 50 — run with the same settings, pass --force to mix them in one file, or --overwrite "
+        "to start again\n")
+    assert (tmp_path / "out.jsonl").read_bytes() == before
+
+
+def test_resume_with_the_same_settings_continues(run, tmp_path):
+    assert run("-n", "5", "--limit", "1").exit_code == 0
+    result = run("-n", "5", "--resume")
+    assert result.exit_code == 0, result.output
+    assert "note:" not in result.stderr
+    assert [json.loads(line)["id"] for line in (tmp_path / "out.jsonl").read_text().splitlines()] == ["r0", "r1", "r2"]
+
+
+def test_force_resumes_with_other_settings_and_says_so(run, tmp_path):
+    assert run("-n", "5", "--limit", "1").exit_code == 0
+    result = run("-n", "6", "--temperature", "0.5", "--resume", "--force")
+    assert result.exit_code == 0, result.output
+    assert (f"note: --force: resuming {tmp_path / 'out.jsonl'} with other settings than it was made with "
+            "(temperature 0.0 → 0.5, max_new_tokens 5 → 6)") in result.stderr
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 3
+    assert stored(tmp_path)["max_new_tokens"] == 5  # the file's first settings stay on record
+
+
+def test_overwrite_replaces_the_settings_file(run, tmp_path):
+    assert run("-n", "5").exit_code == 0
+    assert run("-n", "7", "--overwrite").exit_code == 0
+    assert stored(tmp_path)["max_new_tokens"] == 7
+
+
+def test_an_output_without_a_settings_file_resumes_with_a_note(run, tmp_path):
+    assert run("-n", "5", "--limit", "1").exit_code == 0
+    (tmp_path / "out.jsonl.settings.json").unlink()
+    result = run("-n", "50", "--resume")
+    assert result.exit_code == 0, result.output
+    assert (f"note: {tmp_path / 'out.jsonl'} has no settings file (made by an older specdec), so resuming cannot "
+            "check that the settings match\n") in result.stderr
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 3
+
+
+def test_a_broken_settings_file_is_one_line(run, tmp_path):
+    assert run("-n", "5", "--limit", "1").exit_code == 0
+    (tmp_path / "out.jsonl.settings.json").write_text("[1, 2]")
+    result = run("-n", "5", "--resume")
+    assert result.exit_code == 2
+    assert result.stderr == (f"error: {tmp_path / 'out.jsonl.settings.json'} is not a specdec settings file — pass "
+                             "--force to resume without checking the settings, or --overwrite to start again\n")
