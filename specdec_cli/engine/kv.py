@@ -203,8 +203,9 @@ class CachedModel:
                    for node in self.tree_nodes)
 
     def _tree_mask(self, start: int, length: int, node_sees_node: torch.Tensor) -> torch.Tensor:
-        """(1, 1, Q, K) mask, boolean or additive as the model takes it (`_tree_mask_form`): fed sequence tokens ids[start:length] see causally; fed nodes see
-        all of ids and their cached or fed ancestors (node_sees_node: (nodes fed, tree entries))."""
+        """(1, 1, Q, K) mask, boolean or additive as the model takes it (`_tree_mask_form`): fed sequence
+        tokens ids[start:length] see causally; fed nodes see all of ids and their cached or fed ancestors
+        (node_sees_node: (nodes fed, tree entries))."""
         fed_ids, fed_nodes = length - start, node_sees_node.shape[0]
         keys = length + node_sees_node.shape[1]
         allowed = torch.zeros(fed_ids + fed_nodes, keys, dtype=torch.bool)

@@ -11,7 +11,9 @@ way, so the logits are bit-identical and speculation reproduces the quantised ta
 Cost: k SDPA calls per layer instead of one, and a copy of the keys each row sees: measured on one
 thread (CPU time, busy machine) a 16-token forward of the 1.5B int8 target went from ~240 to ~320 ms,
 4 tokens no measurable change. Batch size 1 only (the engine's); other batches, or masks that are not
-boolean, fall back to transformers' SDPA."""
+boolean, fall back to transformers' SDPA. A token tree's 4D mask comes boolean (engine/kv.py makes the
+form the attention's mask builder, sdpa_mask, makes), so each node attends to exactly the keys that
+one-token decoding along its path would see, in the same order: a tree verify is bit-identical too."""
 
 from __future__ import annotations
 
