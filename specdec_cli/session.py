@@ -10,12 +10,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specdec_cli.drafters import CascadeDrafter, DraftModelDrafter, NgramDrafter
-from specdec_cli.drafters.tree import DEFAULT_BUDGET, TreeDrafter
+from specdec_cli.drafters.tree import DEFAULT_BUDGET, TreeDrafter, budget_from_costs
 from specdec_cli.engine import DraftLengthPolicy, DraftOrNot, FixedK, SpeculativeDecoder
 from specdec_cli.engine.draft import DraftRule, Drafter
 from specdec_cli.engine.kv import tree_capable
 from specdec_cli.errors import InputError
 from specdec_cli.models import LoadedModel
+from specdec_cli.models.calibrate import load_calibration, measured_costs
 from specdec_cli.profiles import DRAFTERS, MAX_K
 
 # End-of-turn tokens that chat templates close an assistant turn with. Some checkpoints (GGUF
@@ -50,11 +51,13 @@ def make_policy(k: int | str, clock_free: bool = False) -> DraftLengthPolicy:
     return FixedK(AUTO_MAX_K, rule) if clock_free else DraftOrNot(max_k=AUTO_MAX_K, rule=rule)
 
 
-def make_drafter(drafter: str, draft: LoadedModel | None, k: int | str = "auto",
-                 tree_budget: int = DEFAULT_BUDGET) -> Drafter | None:
+def make_drafter(drafter: str, draft: LoadedModel | None, k: int | str = "auto", target: LoadedModel | None = None,
+                 tree_budget: int | None = None) -> Drafter | None:
     """model: the draft model; ngram: prompt lookup; cascade: prompt lookup when it matches, else
-    the draft model; tree: the draft model proposing a token tree of `tree_budget` nodes, as deep as k
-    allows; none: the target alone. It obeys k's stop rule (`draft_rule`) from the start."""
+    the draft model; tree: the draft model proposing a token tree of `tree_budget` nodes (None: as
+    `tree_budget_for` the target says), as deep as k allows, or the draft model's chains where the draft
+    or the target cannot take a tree mask (`tree_note` says so); none: the target alone. It obeys k's
+    stop rule (`draft_rule`) from the start."""
     if drafter == "none":
         return None
     if drafter == "ngram":
@@ -63,15 +66,29 @@ def make_drafter(drafter: str, draft: LoadedModel | None, k: int | str = "auto",
         raise InputError(f"unknown drafter {drafter!r}", f"use one of: {', '.join(DRAFTERS)}")
     if draft is None:
         raise InputError(f"the {drafter} drafter needs a draft model", "pass --draft NAME, or --drafter ngram")
-    if drafter == "tree":
-        if not tree_capable(draft.model):
-            raise InputError("this draft model cannot attend with a tree mask (it needs eager or sdpa attention "
-                             "and no sliding window)", "use --drafter model")
-        return TreeDrafter(draft.model, budget=tree_budget)
+    if drafter == "tree" and tree_note(target, draft) is None:
+        return TreeDrafter(draft.model, budget=tree_budget or tree_budget_for(target))
     model_drafter = DraftModelDrafter(draft.model)
     chosen = CascadeDrafter(model_drafter) if drafter == "cascade" else model_drafter
     chosen.obey(draft_rule(k))
     return chosen
+
+
+def tree_budget_for(target: LoadedModel | None) -> int:
+    """A tree's nodes for this target: what its measured forward-cost curve keeps flat (`specdec
+    calibrate`, same model, format and dtype; see drafters/tree.py), else DEFAULT_BUDGET."""
+    costs = measured_costs(target, load_calibration()) if target is not None else None
+    return (budget_from_costs(costs) if costs else None) or DEFAULT_BUDGET
+
+
+def tree_note(target: LoadedModel | None, draft: LoadedModel) -> str | None:
+    """One line when the tree drafter must draft chains: a model whose attention takes no tree mask."""
+    for role, model in (("draft", draft), ("target", target)):
+        if model is not None and not tree_capable(model.model):
+            attention = getattr(model.model.config, "_attn_implementation", None)
+            return (f"note: the {role} ({attention} attention) cannot take a tree mask; the tree drafter drafts "
+                    "chains (trees need eager, sdpa or int8/int4 attention and no sliding window)")
+    return None
 
 
 def eos_token_ids(model: LoadedModel) -> tuple[int, ...]:
@@ -82,13 +99,12 @@ def eos_token_ids(model: LoadedModel) -> tuple[int, ...]:
 
 def build_decoder(
     target: LoadedModel, draft: LoadedModel | None, drafter: str, k: int | str, clock_free: bool = False,
-    tree_budget: int = DEFAULT_BUDGET,
+    tree_budget: int | None = None,
 ) -> SpeculativeDecoder:
     """drafter: "model", "ngram", "cascade", "tree" or "none" (the target alone); k: an int or "auto" (see
-    make_policy; for a tree, its depth limit); tree_budget: a tree's nodes. The policy's rule binds the
-    drafter (`SpeculativeDecoder.set_drafting`). A target that cannot take a tree mask verifies the
-    tree's first-child chain (see engine/decode.py)."""
-    chosen = make_drafter(drafter, draft, k, tree_budget) if k != 0 else None
+    make_policy; for a tree, its depth limit); tree_budget: a tree's nodes (None: `tree_budget_for`). The
+    policy's rule binds the drafter (`SpeculativeDecoder.set_drafting`)."""
+    chosen = make_drafter(drafter, draft, k, target, tree_budget) if k != 0 else None
     policy = make_policy(k, clock_free) if chosen else FixedK(0)
     return SpeculativeDecoder(target.model, chosen, policy, eos_token_ids(target))
 

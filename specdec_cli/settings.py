@@ -168,7 +168,18 @@ def load_choice(choice: ModelChoice, console: Printer | None = None) -> tuple[Lo
     )
     console.print(target.describe("target"), markup=False)
     console.print(draft.describe("draft") if draft else "draft: n-gram lookup", markup=False)
+    if choice.drafter == "tree" and draft is not None:
+        say_tree_note(target, draft, console)
     return target, draft
+
+
+def say_tree_note(target: LoadedModel, draft: LoadedModel, console: Printer) -> None:
+    """The one line saying the tree drafter will draft chains, when a model cannot take a tree mask."""
+    from specdec_cli.session import tree_note
+
+    note = tree_note(target, draft)
+    if note:
+        console.print(note, markup=False)
 
 
 def _draft_quantization(choice: ModelChoice, console: Printer) -> str | None:

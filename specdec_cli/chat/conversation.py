@@ -104,7 +104,7 @@ class Conversation:
         k = parse_k(value)
         drafter = self.decoder.drafter
         if drafter is None and k != 0:
-            drafter = make_drafter(self.drafter_name, self.draft, k)
+            drafter = make_drafter(self.drafter_name, self.draft, k, self.target)
         self.decoder.set_drafting(drafter, make_policy(k))
         self.settings = replace(self.settings, k=k)
         return k

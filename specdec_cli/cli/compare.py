@@ -25,7 +25,9 @@ from specdec_cli.cli.options import (
 )
 from specdec_cli.errors import InputError, MissingExtraError
 from specdec_cli.prompts import builtin_prompts, read_prompt_file, select_prompts
-from specdec_cli.settings import choose_models, decoding_settings, load_choice, load_plain_draft, parse_k, sampling_params
+from specdec_cli.settings import (
+    choose_models, decoding_settings, load_choice, load_plain_draft, parse_k, sampling_params, say_tree_note,
+)
 
 DEFAULT_MAX_NEW_TOKENS = 128
 _PROMPTS, _OUTPUT = "Prompts", "Output"
@@ -93,6 +95,8 @@ def compare_command(
     target_model, draft_model = load_choice(choice, error_console())
     if with_hf and draft_model is None:
         error_console().print("note: HF assisted generation needs a draft model — skipped (HF prompt lookup runs)")
+    if "tree" in (drafters or [choice.drafter]) and draft_model is not None and choice.drafter != "tree":
+        say_tree_note(target_model, draft_model, error_console())  # load_choice said it already otherwise
     plain_draft = load_plain_draft(choice, draft_model, error_console()) if with_hf else None
     configs = bench.configurations(drafters or [choice.drafter], ks, with_hf, draft_model is not None,
                                    plain_draft=draft_model.quantization if plain_draft else None,

@@ -13,12 +13,17 @@ i.i.d. from the draft's distribution (shaped like the target's) and reports that
 as multi-candidate rejection needs (see engine/tree.py). A repeated draw stays in the tree (dropping it
 would bias the result) but is never expanded: its subtree would repeat its twin's.
 
-After the step, `update` keeps the accepted branch's entries in the draft's cache (`keep_path`)."""
+After the step, `update` keeps the accepted branch's entries in the draft's cache (`keep_path`).
+
+How many nodes: a tree pays while verifying it costs about what verifying one token does. Given the
+target's measured forward costs (`specdec calibrate`), `budget_from_costs` takes the tokens a forward
+holds before its cost passes FLAT_RATIO times a one-token forward's; without a measurement, or when
+not even two tokens stay flat, the budget is DEFAULT_BUDGET."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,6 +38,29 @@ if TYPE_CHECKING:
 
 DEFAULT_BUDGET = 16
 DEFAULT_BRANCHING = 2
+# "About as much as one token": the issue's flat formats measured x1.13 at 8 tokens (bf16, AVX512-BF16)
+# and x1.06 at 4 (int8, AVX2); a forward past x1.2 no longer hides the extra nodes.
+FLAT_RATIO = 1.2
+
+
+def budget_from_costs(seconds: Mapping[str, float], flat_ratio: float = FLAT_RATIO) -> int | None:
+    """Tree nodes from a forward-cost curve ({"n": seconds of a forward of n new tokens}, as calibrate
+    stores it): the most tokens a verify forward takes while it costs at most `flat_ratio` x a
+    one-token forward (linear between measured counts, never past the largest), less the one sequence
+    token the verify feeds too. None when the curve says nothing (no n = 1, nothing past it) or is not
+    flat even for a 2-node tree."""
+    curve = sorted((int(n), float(cost)) for n, cost in seconds.items() if str(n).isdigit() and cost > 0)
+    one = dict(curve).get(1)
+    if one is None or len(curve) < 2:
+        return None
+    flat_tokens = float(curve[-1][0])
+    for (n_before, cost_before), (n, cost) in zip(curve, curve[1:]):
+        if cost > flat_ratio * one:
+            reach = (flat_ratio * one - cost_before) / (cost - cost_before)  # 0..1 of the way to n
+            flat_tokens = n_before + max(0.0, reach) * (n - n_before)
+            break
+    nodes = math.floor(flat_tokens + 1e-9) - 1  # 1e-9: 2.9999999 tokens from float round-off are 3
+    return nodes if nodes >= 2 else None
 
 
 class TreeDrafter(Drafter):

@@ -141,3 +141,14 @@ def load_calibration(path: Path | None = None) -> dict | None:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+
+
+def measured_costs(loaded: LoadedModel, calibration: dict | None) -> dict[str, float] | None:
+    """The {"n": seconds} measured for this model (the name as given) in its format and dtype, whichever
+    role it was measured in (the last such entry); None when the calibration has none."""
+    wanted = (loaded.name, loaded.quantization or "none", str(loaded.dtype).removeprefix("torch."))
+    found = None
+    for entry in (calibration or {}).get("entries", ()):
+        if isinstance(entry, dict) and (entry.get("model"), entry.get("quantization"), entry.get("dtype")) == wanted:
+            found = entry.get("seconds")
+    return found if isinstance(found, dict) else None

@@ -26,3 +26,18 @@ def test_a_bad_tree_size_is_refused(tiny_pair, tmp_path):
     result = invoke("--target", tiny_pair.target, "--draft", tiny_pair.draft, "--drafter", "tree",
                     "--tree-size", "8,x", env={"SPECDEC_HOME": str(tmp_path / "home")})
     assert result.exit_code == 2 and "not a list of node counts" in result.output
+
+
+def test_a_model_without_tree_attention_drafts_chains_with_one_note(tiny_pair, tmp_path, monkeypatch):
+    from specdec_cli import session
+
+    monkeypatch.setattr(session, "tree_capable", lambda model: False)
+    result = invoke(
+        "--target", tiny_pair.target, "--draft", tiny_pair.draft, "--dtype", "float32", "--device", "cpu",
+        "--prompts", spec_bench_file(tmp_path / "q.jsonl"), "--category", "coding", "--n-prompts", "1",
+        "--drafter", "tree", "--k", "3", "--max-new-tokens", "8", env={"SPECDEC_HOME": str(tmp_path / "home")},
+    )
+    assert result.exit_code == 0 and result.exception is None, result.output
+    notes = [line for line in result.stderr.splitlines() if "tree mask" in line]
+    assert len(notes) == 1 and notes[0].startswith("note: the draft (sdpa attention) cannot take a tree mask")
+    assert [row[-1] for row in table_rows(result.stdout)[:2]] == ["1/1", "1/1"]

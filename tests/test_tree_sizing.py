@@ -1,0 +1,84 @@
+"""How big a token tree is and whether there is one: the node budget from the target's measured
+forward-cost curve (`specdec calibrate`), the default without one, and chains with a one-line note
+where a model cannot take a tree mask."""
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from specdec_cli.drafters import DraftModelDrafter
+from specdec_cli.drafters.tree import DEFAULT_BUDGET, TreeDrafter, budget_from_costs
+from specdec_cli.models.calibrate import save_calibration
+from specdec_cli.session import build_decoder, make_drafter, tree_budget_for, tree_note
+
+FLAT_TO_16 = {"1": 0.100, "2": 0.101, "4": 0.104, "8": 0.110, "16": 0.118}
+
+
+@pytest.mark.parametrize("seconds, nodes", [
+    (FLAT_TO_16, 15),  # flat as far as measured: 16 tokens, one of them the sequence's last
+    ({"1": 0.1, "2": 0.1, "4": 0.105, "8": 0.11, "16": 0.15}, 9),  # x1.2 is reached at 8 + 8 * 0.01/0.04 = 10
+    ({"1": 0.1, "2": 0.11, "4": 0.13, "8": 0.2}, 2),  # x1.2 half way from 2 to 4 tokens: 3 tokens, 2 nodes
+    ({"8": 0.1, "1": 0.1, "4": 0.1}, 7),  # the order of the keys does not matter
+])
+def test_the_budget_is_the_nodes_a_verify_takes_while_it_stays_flat(seconds, nodes):
+    assert budget_from_costs(seconds) == nodes
+
+
+@pytest.mark.parametrize("seconds", [
+    {"1": 0.1, "2": 0.15, "4": 0.3},  # not flat even for two tokens
+    {"2": 0.1, "4": 0.1},             # no one-token cost to compare with
+    {"1": 0.1},                       # nothing past one token
+    {},
+])
+def test_no_budget_from_a_curve_that_is_not_flat_or_says_nothing(seconds):
+    assert budget_from_costs(seconds) is None
+
+
+def loaded(model, name="org/big", quantization=None):
+    return SimpleNamespace(model=model, name=name, quantization=quantization, dtype=torch.float32,
+                           tokenizer=SimpleNamespace(get_vocab=dict), eos_token_ids=(2,))
+
+
+def calibration(*entries):
+    return {"machine": {}, "entries": [{"role": role, "model": model, "quantization": quantization, "dtype": dtype,
+                                        "seconds": seconds} for role, model, quantization, dtype, seconds in entries]}
+
+
+def test_the_budget_comes_from_the_target_s_own_measurement(llama_target):
+    target = loaded(llama_target, quantization="int8")
+    assert tree_budget_for(target) == DEFAULT_BUDGET  # nothing measured yet
+    save_calibration(calibration(
+        ("target", "org/big", "none", "float32", {"1": 0.1, "2": 0.1, "4": 0.1, "8": 0.1}),     # another format
+        ("target", "org/big", "int8", "bfloat16", {"1": 0.1, "2": 0.1, "4": 0.1, "8": 0.1}),   # another dtype
+        ("target", "org/other", "int8", "float32", {"1": 0.1, "2": 0.1, "4": 0.1, "8": 0.1}),  # another model
+    ))
+    assert tree_budget_for(target) == DEFAULT_BUDGET
+    save_calibration(calibration(("draft", "org/big", "int8", "float32", {"1": 0.1, "2": 0.1, "4": 0.11, "8": 0.3})))
+    assert tree_budget_for(target) == 3  # measured as a draft: the same model and format cost the same
+
+
+def test_a_curve_that_is_not_flat_falls_back_to_the_default(llama_target):
+    save_calibration(calibration(("target", "org/big", "none", "float32", {"1": 0.1, "2": 0.2, "4": 0.4})))
+    assert tree_budget_for(loaded(llama_target)) == DEFAULT_BUDGET
+
+
+def test_the_tree_drafter_gets_the_calibrated_budget_unless_one_is_given(llama_target, llama_near_draft):
+    save_calibration(calibration(("target", "org/big", "none", "float32", FLAT_TO_16)))
+    target, draft = loaded(llama_target), loaded(llama_near_draft, name="org/small")
+    assert make_drafter("tree", draft, 4, target).budget == 15
+    assert make_drafter("tree", draft, 4, target, tree_budget=5).budget == 5
+    assert build_decoder(target, draft, "tree", 4).drafter.budget == 15
+    assert tree_note(target, draft) is None
+
+
+@pytest.mark.parametrize("role", ["draft", "target"])
+def test_a_model_without_tree_attention_drafts_chains_with_a_one_line_note(llama_target, llama_near_draft, role):
+    models = {"target": copy.deepcopy(llama_target), "draft": copy.deepcopy(llama_near_draft)}
+    models[role].config._attn_implementation = "flash_attention_2"
+    target, draft = loaded(models["target"]), loaded(models["draft"], name="org/small")
+    note = tree_note(target, draft)
+    assert note.startswith(f"note: the {role} (flash_attention_2 attention) cannot take a tree mask") and "\n" not in note
+    drafter = make_drafter("tree", draft, 4, target)
+    assert isinstance(drafter, DraftModelDrafter) and not isinstance(drafter, TreeDrafter)
