@@ -203,3 +203,14 @@ def test_sampling_tree_steps_run_through_the_decoder(llama_target):
     for event in events:
         assert event.tree_depth <= 12 - emitted - 1 and len(event.tokens) == event.accepted + 1
         emitted += len(event.tokens)
+
+
+def test_a_long_prompt_reaches_a_tree_forward_in_prefill_chunks(llama_target):
+    prompt = [1] + [(5 * i + 3) % 90 + 3 for i in range(40)]
+    tree_ids = [10, 11, 12, 13, 14, 15]
+    chunked, whole = CachedModel(llama_target, prefill_chunk=16), CachedModel(llama_target, prefill_chunk=512)
+    logits = chunked.extend_tree(prompt, tree_ids, PARENTS, sequence_logits=True)
+    assert chunked.forwards == 3  # 16 + 16 prompt tokens alone, then the last 9 with the tree
+    assert torch.allclose(logits, whole.extend_tree(prompt, tree_ids, PARENTS, sequence_logits=True), atol=1e-5)
+    chunked.keep_path([0, 3, 5])
+    assert chunked.ids == prompt + [10, 13, 15] and all(layer.keys.shape[-2] == 44 for layer in chunked.cache.layers)
