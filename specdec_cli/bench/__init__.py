@@ -10,7 +10,7 @@
 from specdec_cli.bench.measure import Benchmark, ProgressCallback, encode_prompt, write_json
 from specdec_cli.bench.peers import hf_generation_config
 from specdec_cli.bench.probes import ForwardCounter, MemoryProbe, environment, forward_seconds
-from specdec_cli.bench.report import measurement_table, theory_table, write_plot
+from specdec_cli.bench.report import measurement_table, theory_table, theory_tables, tree_theory_table, write_plot
 from specdec_cli.bench.runs import (
     BASELINE, DRAFT, FORWARD_TIMINGS, HF_ASSISTED, HF_LOOKUP, HF_LOOKUP_TOKENS, PLAIN_DRAFT, POSITIONS, SCHEMA, SPECDEC,
     TARGET, WARMUP_TOKENS, BenchSettings, Configuration, Run, configurations, run_order,
@@ -23,5 +23,6 @@ __all__ = [
     "SCHEMA", "SPECDEC", "TARGET", "WARMUP_TOKENS", "BenchSettings", "Benchmark", "Configuration", "ForwardCounter",
     "MemoryProbe", "ProgressCallback", "Run", "configurations", "cut_at_eos", "encode_prompt", "environment",
     "expected_speedup", "forward_seconds", "hf_generation_config", "identical_prompts", "measurement_table",
-    "run_order", "summary_row", "target_step_seconds", "theory", "theory_table", "write_json", "write_plot",
+    "run_order", "summary_row", "target_step_seconds", "theory", "theory_table", "theory_tables", "tree_theory_table",
+    "write_json", "write_plot",
 ]

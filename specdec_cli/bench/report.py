@@ -66,29 +66,61 @@ def _caption(benchmark: Benchmark) -> str:
     )
 
 
+def theory_tables(rows: list[dict], warmup: dict) -> list[Table]:
+    """The chains' theory table and the trees', each when a row has that theory (none: nothing drafted)."""
+    chains = [theory_table(rows, warmup)] if _with_theory(rows, "chain") else []
+    return chains + ([tree_theory_table(rows)] if _with_theory(rows, "tree") else [])
+
+
+def _with_theory(rows: list[dict], kind: str) -> list[tuple[dict, dict]]:
+    """(row, its theory) for the rows whose theory is of `kind` ("chain" or "tree")."""
+    return [(row, row["theory"]) for row in rows if row["theory"] is not None and row["theory"]["kind"] == kind]
+
+
 def theory_table(rows: list[dict], warmup: dict) -> Table:
-    table = Table(
-        "configuration", "α", "γ", "c", "lookup steps", "expected", "measured", "efficiency",
+    cells = []
+    for row, theory in _with_theory(rows, "chain"):
+        model, lookup = theory["model"], theory["lookup"]
+        steps = model["steps"] + lookup["steps"]
+        lookup_cell = (f"{lookup['steps'] / steps:.0%} · α {lookup['alpha']:.2f} · γ {lookup['gamma']:.1f}"
+                       if lookup["steps"] else "–")
+        cells.append([escape(row["configuration"]), f"{model['alpha']:.2f}", f"{model['gamma']:.2f}",
+                      f"{theory['c']:.3f}", lookup_cell, *_outcome(row, theory)])
+    return _table(
+        ["configuration", "α", "γ", "c", "lookup steps", "expected", "measured", "efficiency"], cells,
         title="theory: expected = (1 - α^(γ+1)) / ((1 - α)(γc + 1))",
         caption="α accepted/drafted · γ mean drafted per step · c = seconds to draft one token / one target step "
                 "(both measured in this run, prefill left out). Lookup steps (free drafts: share of steps, their α "
                 "and γ) enter with c = 0; expected = (tokens per step of both sources) / (cost of both), weighed by "
                 "steps." + _forward_note(warmup),
-        caption_justify="left",
     )
-    for row in rows:
-        theory = row["theory"]
-        if theory is None:
-            continue
-        model, lookup = theory["model"], theory["lookup"]
-        steps = model["steps"] + lookup["steps"]
-        lookup_cell = (f"{lookup['steps'] / steps:.0%} · α {lookup['alpha']:.2f} · γ {lookup['gamma']:.1f}"
-                       if lookup["steps"] else "–")
-        table.add_row(
-            escape(row["configuration"]), f"{model['alpha']:.2f}", f"{model['gamma']:.2f}", f"{theory['c']:.3f}",
-            lookup_cell, _fixed(theory["expected_speedup"], "×{:.2f}"), _fixed(row["speedup"], "×{:.2f}"),
-            _fixed(theory["efficiency"], "{:.0%}"),
-        )
+
+
+def tree_theory_table(rows: list[dict]) -> Table:
+    cells = [[escape(row["configuration"]), f"{theory['nodes_per_step']:.1f}", f"{theory['accepted']:.2f}",
+              f"{theory['expected_accepted']:.2f}", f"{theory['c']:.3f}", *_outcome(row, theory)]
+             for row, theory in _with_theory(rows, "tree")]
+    return _table(
+        ["configuration", "nodes/step", "accepted/step", "expected accepted", "c", "expected", "measured",
+         "efficiency"], cells,
+        title="tree theory: expected = (1 + Σ_nodes Π_path a) / (c + 1)",
+        caption="a: a place in the tree (its sibling ranks from the root) accepted once its parent was, in this run; "
+                "expected accepted = Σ over the steps' nodes of Π a along the node's path, per step; accepted/step "
+                "as measured. c = seconds drafting a tree / one target step (prefill left out); the verify counts as "
+                "one target step.",
+    )
+
+
+def _outcome(row: dict, theory: dict) -> list[str]:
+    """expected, measured, efficiency."""
+    return [_fixed(theory["expected_speedup"], "×{:.2f}"), _fixed(row["speedup"], "×{:.2f}"),
+            _fixed(theory["efficiency"], "{:.0%}")]
+
+
+def _table(columns: list[str], cells: list[list[str]], title: str, caption: str) -> Table:
+    table = Table(*columns, title=title, caption=caption, caption_justify="left")
+    for row_cells in cells:
+        table.add_row(*row_cells)
     return table
 
 

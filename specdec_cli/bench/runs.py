@@ -90,6 +90,10 @@ class Run:
     lookup_steps: int = 0  # steps whose draft was free (prompt lookup); included in steps/drafted/accepted
     lookup_drafted: int = 0
     lookup_accepted: int = 0
+    tree_steps: int = 0  # steps that verified a token tree, their nodes and accepted depths (GenerationStats')
+    tree_nodes: int = 0
+    tree_accepted: int = 0
+    tree_places: dict[str, list[int]] = field(default_factory=dict)  # per place in the tree (GenerationStats')
 
     @classmethod
     def from_stats(cls, configuration: str, tokens: list[int], stats: GenerationStats, finish_reason: str,
@@ -99,7 +103,8 @@ class Run:
                    "verify_seconds": first.verify_seconds, "free": first.free}
         return cls(configuration, -1, -1, tokens, stats.seconds, stats.steps, finish_reason, working_bytes,
                    stats.drafted, stats.accepted, stats.drafted_at, stats.accepted_at, stats.draft_seconds,
-                   stats.verify_seconds, prefill, stats.lookup_steps, stats.lookup_drafted, stats.lookup_accepted)
+                   stats.verify_seconds, prefill, stats.lookup_steps, stats.lookup_drafted, stats.lookup_accepted,
+                   stats.tree_steps, stats.tree_nodes, stats.tree_accepted, stats.tree_places)
 
     def stats(self) -> GenerationStats:
         """The run as the engine's stats (drafting counts 0 where not reported), to merge with others."""
@@ -107,7 +112,9 @@ class Run:
             new_tokens=len(self.tokens), steps=self.steps, drafted=self.drafted or 0, accepted=self.accepted or 0,
             seconds=self.seconds, draft_seconds=self.draft_seconds or 0.0, verify_seconds=self.verify_seconds or 0.0,
             drafted_at=list(self.drafted_at), accepted_at=list(self.accepted_at), lookup_steps=self.lookup_steps,
-            lookup_drafted=self.lookup_drafted, lookup_accepted=self.lookup_accepted,
+            lookup_drafted=self.lookup_drafted, lookup_accepted=self.lookup_accepted, tree_steps=self.tree_steps,
+            tree_nodes=self.tree_nodes, tree_accepted=self.tree_accepted,
+            tree_places={place: list(counts) for place, counts in self.tree_places.items()},
         )
 
 

@@ -7,6 +7,7 @@ Every sum over runs is `GenerationStats.merge`'s."""
 
 from __future__ import annotations
 
+import math
 import statistics
 
 from specdec_cli.bench.runs import POSITIONS, Configuration, Run
@@ -55,7 +56,10 @@ def summary_row(config: Configuration, runs: list[Run], baseline: list[Run], gre
         "memory_bytes": memory_bytes + max((run.working_bytes for run in runs), default=0),
         "identical": identical[0] if identical else None, "compared": identical[1] if identical else None,
     }
-    return row | _drafting_fields(runs, total) | {"theory": theory(runs, baseline, overall)}
+    # a tree's size and its accepted depth, per tree step (None without trees)
+    trees = {"tree_nodes_per_step": _ratio(total.tree_nodes, total.tree_steps),
+             "tree_depth_per_step": _ratio(total.tree_accepted, total.tree_steps)}
+    return row | _drafting_fields(runs, total) | trees | {"theory": theory(runs, baseline, overall)}
 
 
 def _drafting_fields(runs: list[Run], total: GenerationStats) -> dict:
@@ -84,6 +88,8 @@ def theory(runs: list[Run], baseline: list[Run], measured: float | None) -> dict
     total = GenerationStats.total(run.stats() for run in runs)
     if not total.drafted:
         return None
+    if total.tree_steps:
+        return tree_theory(runs, total, target_step_seconds(baseline), measured)
     model = _source(total.steps - total.lookup_steps, total.drafted - total.lookup_drafted,
                     total.accepted - total.lookup_accepted)
     lookup = _source(total.lookup_steps, total.lookup_drafted, total.lookup_accepted)
@@ -104,9 +110,40 @@ def theory(runs: list[Run], baseline: list[Run], measured: float | None) -> dict
     expected = tokens / cost if steps else None
     efficiency = _ratio(measured, expected)
     return {
-        "alpha": total.accepted / total.drafted, "gamma": total.drafted / total.steps,
+        "kind": "chain", "alpha": total.accepted / total.drafted, "gamma": total.drafted / total.steps,
         "c": c, "model": model, "lookup": lookup, "expected_speedup": expected, "efficiency": efficiency,
     }
+
+
+def expected_tree_accepted(places: dict[str, list[int]], steps: int) -> float:
+    """Expected accepted tokens per step from the acceptance per place in the tree (GenerationStats'
+    `tree_places`: present, reached, accepted). A place p is accepted, once its parent was, at the rate
+    a(p) = accepted / reached; a node at p is on the accepted path with chance Π a(q) over p and the
+    places above it, and the accepted length counts the accepted nodes, so
+    E[accepted] = Σ_p present(p) · Π_{q from the root to p} a(q) / steps."""
+    rate = {place: accepted / reached if reached else 0.0 for place, (_, reached, accepted) in places.items()}
+    expected = 0.0
+    for place, (present, _, _) in places.items():
+        ranks = place.split(".")
+        expected += present * math.prod(rate.get(".".join(ranks[: depth + 1]), 0.0) for depth in range(len(ranks)))
+    return expected / steps if steps else 0.0
+
+
+def tree_theory(runs: list[Run], total: GenerationStats, target_step: float | None, measured: float | None
+                ) -> dict | None:
+    """Trees: expected = (1 + E[accepted]) / (c + 1), E[accepted] from the run's own acceptance per place
+    (`expected_tree_accepted`), c = drafting seconds per step over one baseline target step (both after
+    the prefill step), the verify forward taken as one target step. None without a step cost."""
+    draft_step = _ratio(sum(run.draft_seconds - run.prefill["draft_seconds"] for run in runs),
+                        sum(run.steps - 1 for run in runs))
+    if not target_step or draft_step is None:
+        return None
+    c = draft_step / target_step
+    accepted = expected_tree_accepted(total.tree_places, total.steps)
+    expected = (1 + accepted) / (c + 1)
+    return {"kind": "tree", "c": c, "nodes_per_step": total.tree_nodes / total.tree_steps,
+            "expected_accepted": accepted, "accepted": total.accepted / total.steps,
+            "expected_speedup": expected, "efficiency": _ratio(measured, expected)}
 
 
 def _source(steps: int, drafted: int, accepted: int) -> dict:

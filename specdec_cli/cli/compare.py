@@ -107,8 +107,8 @@ def compare_command(
     if not console.is_terminal:  # a file or a pipe: keep the whole table instead of folding it to 80 columns
         console = Console(width=200)
     console.print(bench.measurement_table(benchmark, by_category))
-    if any(row["theory"] is not None for row in benchmark.summary()):  # --k 0 alone: no drafts, no theory
-        console.print(bench.theory_table(benchmark.summary(), benchmark.warmup))
+    for table in bench.theory_tables(benchmark.summary(), benchmark.warmup):  # --k 0 alone: no drafts, no theory
+        console.print(table)
     if json_path:
         bench.write_json(json_path, benchmark.report(by_category))
         error_console().print(f"wrote {json_path}")

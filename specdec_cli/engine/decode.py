@@ -35,7 +35,7 @@ from specdec_cli.engine.kv import CachedModel, tree_capable
 from specdec_cli.engine.policy import DraftLengthPolicy, FixedK
 from specdec_cli.engine.sampling import SamplingParams, logits_to_probs, make_generator
 from specdec_cli.engine.stats import GenerationStats
-from specdec_cli.engine.tree import depths, first_child_chain, greedy_tree_verdict, sampling_tree_verdict
+from specdec_cli.engine.tree import addresses, depths, first_child_chain, greedy_tree_verdict, sampling_tree_verdict
 
 
 class Provenance(str, Enum):
@@ -57,6 +57,8 @@ class StepEvent:
     free: bool = False  # the draft cost nothing (a lookup drafter's)
     tree_nodes: int = 0  # a tree draft's size (`drafted` counts its nodes too); 0 for a chain
     tree_depth: int = 0  # a tree draft's deepest path, in tokens (`accepted` is the accepted path's)
+    tree_addresses: tuple[tuple[int, ...], ...] = ()  # each node's place (tree.addresses); () for a chain
+    tree_accepted_address: tuple[int, ...] = ()  # the place of the accepted path's last node (its prefixes too)
 
 
 @dataclass
@@ -161,6 +163,7 @@ class SpeculativeDecoder:
         started = time.perf_counter()
         draft = self._draft(ids, params, generator, remaining)
         drafted_at = time.perf_counter()
+        path: list[int] = []
         if draft.parents is None:
             verdict = self._verify(ids, draft, params, generator)
             accepted_ids = draft.ids[: verdict.accepted]
@@ -180,9 +183,10 @@ class SpeculativeDecoder:
             self.policy.update(tree_depth or len(draft), verdict.accepted, *timed)
         if self.drafter is not None:
             self.drafter.update(ids + tokens, len(draft), verdict.accepted)
+        places = tuple(addresses(draft.parents)) if draft.parents is not None else ()
         return StepEvent(
             tokens, provenance, len(draft), verdict.accepted, draft_seconds, verify_seconds, finish_reason,
-            draft.free, len(draft) if draft.parents is not None else 0, tree_depth,
+            draft.free, len(places), tree_depth, places, places[path[-1]] if path else (),
         )
 
     def _draft(

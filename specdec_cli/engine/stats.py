@@ -32,6 +32,9 @@ class GenerationStats:
     tree_steps: int = 0       # steps that verified a token tree; included in the totals above
     tree_nodes: int = 0       # their nodes (drafted counts them too)
     tree_accepted: int = 0    # their accepted depths, summed (accepted counts them too)
+    # Per place in the tree ("0.1": the first root's second child, see tree.addresses):
+    # [steps whose tree had it, steps its parent was accepted (or it is a root), steps it was accepted].
+    tree_places: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def acceptance_rate(self) -> float:
@@ -69,6 +72,15 @@ class GenerationStats:
             self.tree_steps += 1
             self.tree_nodes += event.tree_nodes
             self.tree_accepted += event.accepted
+            self._count_places(event.tree_addresses, event.tree_accepted_address)
+
+    def _count_places(self, places, accepted: tuple[int, ...]) -> None:
+        for place in places:
+            counts = self.tree_places.setdefault(".".join(map(str, place)), [0, 0, 0])
+            counts[0] += 1
+            if place[:-1] == accepted[: len(place) - 1]:  # its parent was accepted, or it is a root
+                counts[1] += 1
+                counts[2] += place == accepted[: len(place)]
 
     def merge(self, other: GenerationStats) -> None:
         for name in _SUMMED:
@@ -77,6 +89,8 @@ class GenerationStats:
             mine.extend([0] * (len(theirs) - len(mine)))
             for i, count in enumerate(theirs):
                 mine[i] += count
+        for place, counts in other.tree_places.items():
+            self.tree_places[place] = [a + b for a, b in zip(self.tree_places.get(place, [0, 0, 0]), counts)]
 
     @classmethod
     def total(cls, parts) -> GenerationStats:

@@ -58,6 +58,19 @@ def path_to(node: int, parents: list[int]) -> list[int]:
     return path[::-1]
 
 
+def addresses(parents: list[int]) -> list[tuple[int, ...]]:
+    """Each node's place in the tree as sibling ranks from the root down: (0,) the first root, (1, 0)
+    the second root's first child. The same place in two steps' trees is the same address, so
+    acceptance can be counted per place (stats.py)."""
+    found: list[tuple[int, ...]] = []
+    children: dict[int, int] = {}
+    for parent in parents:
+        rank = children.get(parent, 0)
+        children[parent] = rank + 1
+        found.append((found[parent] if parent >= 0 else ()) + (rank,))
+    return found
+
+
 def ancestry(parents: list[int]) -> torch.Tensor:
     """(T, T) bool: [i, j] when node j is node i or one of its ancestors."""
     size = len(parents)
@@ -83,17 +96,12 @@ def greedy_tree_verdict(draft_ids: list[int], parents: list[int], target_logits:
     """target_logits: (T+1, V_target); row 0 scores the token after the sequence, row i+1 the token
     after node i's path."""
     target_argmax = target_logits.argmax(dim=-1).tolist()  # (T+1,)
-    children = children_of(parents)
-    path: list[int] = []
-    node = -1
-    while True:
+
+    def choose(node: int, kids: list[int]) -> tuple[int | None, int | None]:
         wanted = target_argmax[node + 1]
-        kids = children.get(node, [])
-        match = next((child for child in kids if draft_ids[child] == wanted), None)
-        if match is None:
-            return TreeVerdict(path, wanted, not kids)
-        path.append(match)
-        node = match
+        return next((child for child in kids if draft_ids[child] == wanted), None), wanted
+
+    return _walk(parents, choose)
 
 
 def sampling_tree_verdict(
@@ -109,24 +117,33 @@ def sampling_tree_verdict(
     target_probs = target_probs.float().cpu()
     draft_probs = None if draft_probs is None else draft_probs.float().cpu()
     width = target_probs.shape[-1]
-    children = children_of(parents)
-    path: list[int] = []
-    node = -1
-    while True:
+
+    def choose(node: int, kids: list[int]) -> tuple[int | None, int | None]:
         residual = target_probs[node + 1]
-        kids = children.get(node, [])
-        accepted = None
         for child in kids:
             token = draft_ids[child]
             draft_row = _draft_row(token, draft_probs, child, width)
             p_token = float(residual[token]) if token < width else 0.0
             q_token = float(draft_row[token]) if token < width else 1.0
             if float(torch.rand(1, generator=generator)) * q_token < p_token:
-                accepted = child
-                break
+                return child, None
             residual = next_residual(residual, draft_row)
+        return None, sample(residual, generator)
+
+    return _walk(parents, choose)
+
+
+def _walk(parents: list[int], choose) -> TreeVerdict:
+    """Walk down from the sequence: at each node `choose(node, its children)` gives (the accepted child,
+    None) or (None, the target's own next token), which ends the walk."""
+    children = children_of(parents)
+    path: list[int] = []
+    node = -1
+    while True:
+        kids = children.get(node, [])
+        accepted, next_token = choose(node, kids)
         if accepted is None:
-            return TreeVerdict(path, sample(residual, generator), not kids)
+            return TreeVerdict(path, next_token, not kids)
         path.append(accepted)
         node = accepted
 
