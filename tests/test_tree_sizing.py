@@ -10,26 +10,26 @@ import torch
 
 from specdec_cli.drafters import DraftModelDrafter
 from specdec_cli.drafters.tree import DEFAULT_BUDGET, TreeDrafter, budget_from_costs
-from specdec_cli.models.calibrate import save_calibration
+from specdec_cli.models.calibrate import machine, save_calibration
 from specdec_cli.session import build_decoder, make_drafter, tree_budget_for, tree_note
 
-FLAT_TO_16 = {"1": 0.100, "2": 0.101, "4": 0.104, "8": 0.110, "16": 0.118}
+FLAT_TO_16 = {1: 0.100, 2: 0.101, 4: 0.104, 8: 0.110, 16: 0.118}
 
 
 @pytest.mark.parametrize("seconds, nodes", [
     (FLAT_TO_16, 15),  # flat as far as measured: 16 tokens, one of them the sequence's last
-    ({"1": 0.1, "2": 0.1, "4": 0.105, "8": 0.11, "16": 0.15}, 9),  # x1.2 is reached at 8 + 8 * 0.01/0.04 = 10
-    ({"1": 0.1, "2": 0.11, "4": 0.13, "8": 0.2}, 2),  # x1.2 half way from 2 to 4 tokens: 3 tokens, 2 nodes
-    ({"8": 0.1, "1": 0.1, "4": 0.1}, 7),  # the order of the keys does not matter
+    ({1: 0.1, 2: 0.1, 4: 0.105, 8: 0.11, 16: 0.15}, 9),  # x1.2 is reached at 8 + 8 * 0.01/0.04 = 10
+    ({1: 0.1, 2: 0.11, 4: 0.13, 8: 0.2}, 2),  # x1.2 half way from 2 to 4 tokens: 3 tokens, 2 nodes
+    ({8: 0.1, 1: 0.1, 4: 0.1}, 7),  # the order of the keys does not matter
 ])
 def test_the_budget_is_the_nodes_a_verify_takes_while_it_stays_flat(seconds, nodes):
     assert budget_from_costs(seconds) == nodes
 
 
 @pytest.mark.parametrize("seconds", [
-    {"1": 0.1, "2": 0.15, "4": 0.3},  # not flat even for two tokens
-    {"2": 0.1, "4": 0.1},             # no one-token cost to compare with
-    {"1": 0.1},                       # nothing past one token
+    {1: 0.1, 2: 0.15, 4: 0.3},  # not flat even for two tokens
+    {2: 0.1, 4: 0.1},             # no one-token cost to compare with
+    {1: 0.1},                       # nothing past one token
     {},
 ])
 def test_no_budget_from_a_curve_that_is_not_flat_or_says_nothing(seconds):
@@ -42,25 +42,29 @@ def loaded(model, name="org/big", quantization=None):
 
 
 def calibration(*entries):
-    return {"machine": {}, "entries": [{"role": role, "model": model, "quantization": quantization, "dtype": dtype,
+    return {"machine": machine(), "entries": [{"role": role, "model": model, "quantization": quantization, "dtype": dtype,
                                         "seconds": seconds} for role, model, quantization, dtype, seconds in entries]}
 
 
-def test_the_budget_comes_from_the_target_s_own_measurement(llama_target):
-    target = loaded(llama_target, quantization="int8")
+def test_the_budget_comes_from_the_target_s_own_measurement_on_this_machine(llama_target):
+    target = loaded(llama_target)
     assert tree_budget_for(target) == DEFAULT_BUDGET  # nothing measured yet
+    flat = {1: 0.1, 2: 0.1, 4: 0.1, 8: 0.1}
     save_calibration(calibration(
-        ("target", "org/big", "none", "float32", {"1": 0.1, "2": 0.1, "4": 0.1, "8": 0.1}),     # another format
-        ("target", "org/big", "int8", "bfloat16", {"1": 0.1, "2": 0.1, "4": 0.1, "8": 0.1}),   # another dtype
-        ("target", "org/other", "int8", "float32", {"1": 0.1, "2": 0.1, "4": 0.1, "8": 0.1}),  # another model
+        ("target", "org/big", "int8", "float32", flat),    # another format
+        ("target", "org/big", "none", "bfloat16", flat),   # another dtype
+        ("target", "org/other", "none", "float32", flat),  # another model
     ))
     assert tree_budget_for(target) == DEFAULT_BUDGET
-    save_calibration(calibration(("draft", "org/big", "int8", "float32", {"1": 0.1, "2": 0.1, "4": 0.11, "8": 0.3})))
+    elsewhere = calibration(("target", "org/big", "none", "float32", flat)) | {"machine": {"cpu": "another CPU"}}
+    save_calibration(elsewhere)
+    assert tree_budget_for(target) == DEFAULT_BUDGET
+    save_calibration(calibration(("draft", "org/big", "none", "float32", {1: 0.1, 2: 0.1, 4: 0.11, 8: 0.3})))
     assert tree_budget_for(target) == 3  # measured as a draft: the same model and format cost the same
 
 
 def test_a_curve_that_is_not_flat_falls_back_to_the_default(llama_target):
-    save_calibration(calibration(("target", "org/big", "none", "float32", {"1": 0.1, "2": 0.2, "4": 0.4})))
+    save_calibration(calibration(("target", "org/big", "none", "float32", {1: 0.1, 2: 0.2, 4: 0.4})))
     assert tree_budget_for(loaded(llama_target)) == DEFAULT_BUDGET
 
 

@@ -16,7 +16,7 @@ would bias the result) but is never expanded: its subtree would repeat its twin'
 After the step, `update` keeps the accepted branch's entries in the draft's cache (`keep_path`).
 
 How many nodes: a tree pays while verifying it costs about what verifying one token does. Given the
-target's measured forward costs (`specdec calibrate`), `budget_from_costs` takes the tokens a forward
+target's forward costs measured on this machine (`specdec calibrate`), `budget_from_costs` takes the tokens a forward
 holds before its cost passes FLAT_RATIO times a one-token forward's; without a measurement, or when
 not even two tokens stay flat, the budget is DEFAULT_BUDGET."""
 
@@ -43,13 +43,13 @@ DEFAULT_BRANCHING = 2
 FLAT_RATIO = 1.2
 
 
-def budget_from_costs(seconds: Mapping[str, float], flat_ratio: float = FLAT_RATIO) -> int | None:
-    """Tree nodes from a forward-cost curve ({"n": seconds of a forward of n new tokens}, as calibrate
-    stores it): the most tokens a verify forward takes while it costs at most `flat_ratio` x a
+def budget_from_costs(seconds: Mapping[int, float], flat_ratio: float = FLAT_RATIO) -> int | None:
+    """Tree nodes from a forward-cost curve ({n: seconds of a forward of n new tokens}, as `specdec
+    calibrate` measured it): the most tokens a verify forward takes while it costs at most `flat_ratio` x a
     one-token forward (linear between measured counts, never past the largest), less the one sequence
     token the verify feeds too. None when the curve says nothing (no n = 1, nothing past it) or is not
     flat even for a 2-node tree."""
-    curve = sorted((int(n), float(cost)) for n, cost in seconds.items() if str(n).isdigit() and cost > 0)
+    curve = sorted((int(n), float(cost)) for n, cost in seconds.items() if cost > 0)
     one = dict(curve).get(1)
     if one is None or len(curve) < 2:
         return None
