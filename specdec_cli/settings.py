@@ -51,7 +51,7 @@ class ModelChoice:
     profile: Profile
     target: str
     draft: str | None
-    drafter: str  # "model" | "ngram" | "cascade"
+    drafter: str  # "model" | "ngram" | "cascade" | "tree"
     device: str
     dtype: str
     target_quantization: str | None
@@ -101,7 +101,7 @@ def _base_profile(profile: str | None, target: str | None, draft: str | None) ->
 
 def _drafter_and_draft(base: Profile, draft: str | None, drafter: str | None) -> tuple[str, str | None]:
     if drafter is not None and drafter not in DRAFTERS:
-        raise InputError(f"unknown drafter {drafter!r}", "use --drafter model, ngram or cascade")
+        raise InputError(f"unknown drafter {drafter!r}", f"use --drafter {', '.join(DRAFTERS[:-1])} or {DRAFTERS[-1]}")
     if draft is not None and drafter == "ngram":
         raise InputError("--draft and --drafter ngram contradict each other", "drop one of them")
     chosen_drafter = drafter or ("model" if draft is not None and base.drafter == "ngram" else base.drafter)

@@ -45,7 +45,7 @@ def configurations(drafters: Sequence[str], ks: Sequence[int | str], with_hf: bo
     load it and with ours, so that our quantisation lever is not credited to the engine."""
     chosen = [Configuration("target alone", BASELINE)]
     for drafter in dict.fromkeys(drafters):
-        if drafter == "tree":  # one configuration per tree size (`tree_budgets`, or the drafter's default)
+        if drafter == "tree":  # one configuration per tree size (`tree_budgets`; none given: the session's)
             chosen += [Configuration(f"tree{budget or ''} k={k}", SPECDEC, drafter, k, tree_budget=budget)
                        for budget in dict.fromkeys(tree_budgets or [None]) for k in dict.fromkeys(ks) if k != 0]
             continue

@@ -43,4 +43,6 @@ def test_a_model_without_tree_attention_drafts_chains_with_one_note(tiny_pair, t
     assert result.exit_code == 0 and result.exception is None, result.output
     notes = [line for line in result.stderr.splitlines() if "tree mask" in line]
     assert len(notes) == 1 and notes[0].startswith("note: the draft (sdpa attention) cannot take a tree mask")
-    assert [row[-1] for row in table_rows(result.stdout)[:2]] == ["1/1", "1/1"]
+    rows = table_rows(result.stdout)[:2]
+    assert [row[0] for row in rows] == ["target alone", "tree16 k=3"]  # no calibration: the default size, named
+    assert [row[-1] for row in rows] == ["1/1", "1/1"]

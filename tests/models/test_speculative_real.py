@@ -57,14 +57,14 @@ def test_target_alone_equals_hf_generate(fp32_pair, prompts, baselines):
         assert output[0, len(prompt):].tolist() == ours
 
 
-@pytest.mark.parametrize("drafter, k", [("model", 4), ("model", "auto"), ("ngram", 4)])
+@pytest.mark.parametrize("drafter, k", [("model", 4), ("model", "auto"), ("ngram", 4), ("tree", 4)])
 def test_speculative_equals_target_alone(fp32_pair, prompts, baselines, drafter, k):
     target, draft = fp32_pair
     decoder = build_decoder(target, draft, drafter, k)
-    drafted = 0
+    drafted = tree_steps = 0
     for prompt, baseline in zip(prompts, baselines):
         decoder.reset()
         result = decoder.generate(prompt, SamplingParams(), NEW_TOKENS)
         assert result.tokens == baseline
-        drafted += result.stats.drafted
-    assert drafted > 0
+        drafted, tree_steps = drafted + result.stats.drafted, tree_steps + result.stats.tree_steps
+    assert drafted > 0 and (tree_steps > 0) == (drafter == "tree")  # a tree drafter verified trees
