@@ -1,10 +1,11 @@
-"""A token tree verified on an int8 target gives, for every node, the logits of one-token decoding along
-that node's path, bit for bit: the tree mask reaches the row-wise attention as a boolean mask, which it
+"""A token tree verified on an int8 (or int4) target gives, for every node, the logits of one-token
+decoding along that node's path, bit for bit: the tree mask reaches the row-wise attention as a boolean mask, which it
 computes row by row over the keys each node may see (its prefix and ancestors). So speculative tree
-greedy on an int8 target is that target's own output. The power check: the same tree under an additive
+greedy on a quantised target is that target's own output. The power check: the same tree under an additive
 mask (which the row-wise attention hands to plain SDPA) is not bit-identical."""
 
 import copy
+import importlib.util
 
 import pytest
 import torch
@@ -30,10 +31,14 @@ IDS = [1] + [(7 * i + 2) % 90 + 3 for i in range(40)]
 TREE, PARENTS = [5, 9, 11, 12, 13, 14], [-1, -1, 0, 0, 1, 3]
 
 
-@pytest.fixture(scope="module", params=[("llama", 0), ("qwen2", 2)], ids=["llama", "qwen2"])
-def int8_model(request):
-    arch, seed = request.param
-    return quantize(tiny_causal_lm(arch, seed=seed, logit_scale=8.0, layers=4), "int8")
+@pytest.fixture(scope="module", params=[("llama", 0, "int8"), ("qwen2", 2, "int8"), ("llama", 0, "int4")],
+                ids=["llama-int8", "qwen2-int8", "llama-int4"])
+def quantised_model(request):
+    """Int8 models, and an int4 one (its attention runs row by row too)."""
+    arch, seed, quantization = request.param
+    if quantization == "int4" and importlib.util.find_spec("torchao") is None:
+        pytest.skip("needs the quant extra (torchao)")
+    return quantize(tiny_causal_lm(arch, seed=seed, logit_scale=8.0, layers=4), quantization)
 
 
 @torch.no_grad()
@@ -59,23 +64,28 @@ def rows_equal_to_decoding(model, rows: torch.Tensor) -> list[bool]:
     return [torch.equal(row, one_token_decoding(model, IDS[:-1], path)) for row, path in zip(rows, paths)]
 
 
-def test_the_row_wise_attention_takes_a_tree_mask(int8_model):
-    assert int8_model.config._attn_implementation == "specdec_rowwise" and tree_capable(int8_model)
+def test_the_row_wise_attention_takes_a_tree_mask(quantised_model):
+    assert quantised_model.config._attn_implementation == "specdec_rowwise" and tree_capable(quantised_model)
 
 
-def test_int8_tree_rows_are_one_token_decoding_along_each_path_bit_for_bit(int8_model):
-    assert rows_equal_to_decoding(int8_model, tree_rows(int8_model)) == [True] * (len(TREE) + 1)
+def test_tree_rows_are_one_token_decoding_along_each_path_bit_for_bit(quantised_model):
+    assert rows_equal_to_decoding(quantised_model, tree_rows(quantised_model)) == [True] * (len(TREE) + 1)
 
 
-def test_an_additive_tree_mask_would_not_be_bit_identical(int8_model, monkeypatch):
+@pytest.mark.parametrize("arch, seed", [("llama", 0), ("qwen2", 2)])
+def test_an_additive_tree_mask_would_not_be_bit_identical_on_int8(arch, seed, monkeypatch):
+    """(On the tiny int4 model plain SDPA happens to match bit for bit: no power there.)"""
+    model = quantize(tiny_causal_lm(arch, seed=seed, logit_scale=8.0, layers=4), "int8")
     monkeypatch.setattr(kv_module, "_tree_mask_form", lambda model: "additive")
-    assert not all(rows_equal_to_decoding(int8_model, tree_rows(int8_model)))
+    assert not all(rows_equal_to_decoding(model, tree_rows(model)))
 
 
-@pytest.mark.parametrize("budget, branching", [(6, 2), (12, 3)])
-def test_speculative_tree_greedy_on_an_int8_target_is_that_target_alone(llama_target, llama_near_draft, budget,
-                                                                        branching):
-    target = quantize(copy.deepcopy(llama_target), "int8")
+@pytest.mark.parametrize("quantization, budget, branching", [("int8", 6, 2), ("int8", 12, 3), ("int4", 8, 2)])
+def test_speculative_tree_greedy_on_a_quantised_target_is_that_target_alone(llama_target, llama_near_draft,
+                                                                            quantization, budget, branching):
+    if quantization == "int4" and importlib.util.find_spec("torchao") is None:
+        pytest.skip("needs the quant extra (torchao)")
+    target = quantize(copy.deepcopy(llama_target), quantization)
     prompt = [1] + [(7 * i + 2) % 60 + 3 for i in range(30)]
     drafter = TreeDrafter(quantize(copy.deepcopy(llama_near_draft), "int8"), budget, branching)
     result = SpeculativeDecoder(target, drafter, FixedK(5)).generate(prompt, SamplingParams(), 40)
