@@ -1,0 +1,231 @@
+"""`run --engine ray`: the requests answered by Ray actors, each holding the model pair once.
+
+`RayWorkers` is a `Stream` (loop.py): it hands each request to the next idle worker and yields the
+outcomes in input order, so the driver writes every record through the same writer, the moment it is
+next. A worker runs `ModelGeneration`, the code of `--engine local`, and every request starts from
+empty caches with its own seed, so a record does not depend on which worker made it.
+
+A worker that dies mid-request (killed, out of memory) is restarted by Ray (it loads the pair again)
+and the request goes to a worker once more; a request whose worker dies twice gets an error record and
+the job goes on. Ray is imported only here, and only when used (`pip install 'specdec[ray]'`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from specdec_cli.batch.generation import ModelGeneration, first_line
+from specdec_cli.batch.loop import Outcome
+from specdec_cli.batch.records import Completion
+from specdec_cli.batch.requests import Request
+from specdec_cli.engine.stats import GenerationStats
+from specdec_cli.errors import InputError, MissingExtraError, SpecdecError
+
+if TYPE_CHECKING:
+    from specdec_cli.settings import DecodingSettings, ModelChoice
+
+ATTEMPTS = 2  # a request whose worker dies this often gets an error record
+POLL_SECONDS = 0.5  # how long the driver waits for a result before it lets Python see Ctrl-C / SIGTERM
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    address: str | None = None  # None: a Ray started on this machine for the job (or the one already running)
+    workers: int | None = None  # None: as many as the cluster's CPUs (or GPUs) hold
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 0.0
+
+
+@dataclass
+class WorkerReport:
+    """One worker's share of the job, for the closing summary."""
+
+    name: str  # host:pid of its first process
+    records: int = 0
+    lost: int = 0  # requests it died on (each retried, or failed after the second death)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise MissingExtraError("--engine ray needs Ray, which is not installed",
+                                "pip install 'specdec[ray]' (on every machine of the cluster)") from None
+    return ray
+
+
+class Worker:
+    """The actor (wrapped by `ray.remote` when the job starts): the pair, loaded once, answering one request
+    at a time. Errors travel as text: a SpecdecError's own fields do not survive pickling."""
+
+    def __init__(self, choice: ModelChoice, settings: DecodingSettings, threads: int) -> None:
+        import torch
+
+        torch.set_num_threads(threads)
+        self.name = f"{socket.gethostname()}:{os.getpid()}"
+        self.load_error: str | None = None
+        try:
+            self.generation = ModelGeneration.load(choice, settings, _Silent())
+        except SpecdecError as error:
+            self.load_error = error.one_line()
+
+    def ready(self) -> tuple[str, str | None]:
+        return self.name, self.load_error
+
+    def generate(self, request: Request) -> tuple[Completion | None, str | None, float]:
+        started = time.perf_counter()
+        try:
+            completion, error = self.generation(request), None
+        except SpecdecError as failure:
+            completion, error = None, failure.one_line()
+        return completion, error, time.perf_counter() - started
+
+
+class _Silent:
+    """A worker's loading says nothing (the driver says once what loads where); `quiet` turns off progress bars."""
+
+    quiet = True
+
+    def print(self, text: str, *, markup: bool = False) -> None:
+        pass
+
+
+class RayWorkers:
+    """`with RayWorkers(...) as workers:` — connected, the actors started and their pairs loaded; then
+    `workers(requests)` is a `Stream`. Leaving the block kills the actors (and stops a Ray it started)."""
+
+    def __init__(self, choice: ModelChoice, settings: DecodingSettings, options: RayOptions) -> None:
+        self.choice, self.settings, self.options = choice, settings, options
+        self.ray = import_ray()
+        self.actors: list = []
+        self.reports: list[WorkerReport] = []
+        self._started_ray = False
+
+    def __enter__(self) -> RayWorkers:
+        self._started_ray = _connect(self.ray, self.options.address)
+        try:
+            self._start_actors()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for actor in self.actors:
+            self.ray.kill(actor, no_restart=True)
+        self.actors = []
+        if self._started_ray:
+            self.ray.shutdown()
+            self._started_ray = False
+
+    def _start_actors(self) -> None:
+        options = self.options
+        resources = self.ray.cluster_resources()
+        count = options.workers or _workers_that_fit(resources, options)
+        _check_fit(resources, options, count)
+        remote = self.ray.remote(num_cpus=options.cpus_per_worker, num_gpus=options.gpus_per_worker,
+                                 max_restarts=-1, max_task_retries=0)(Worker)
+        threads = max(1, int(options.cpus_per_worker))
+        self.actors = [remote.remote(self.choice, self.settings, threads) for _ in range(count)]
+        try:
+            started = self.ray.get([actor.ready.remote() for actor in self.actors])
+        except self.ray.exceptions.RayActorError as error:
+            raise SpecdecError(f"a Ray worker could not start ({first_line(error)})",
+                               "run with --debug to see why") from error
+        for name, load_error in started:
+            if load_error is not None:
+                raise SpecdecError(f"a Ray worker ({name}) could not load the models: {load_error}")
+            self.reports.append(WorkerReport(name))
+
+    def __call__(self, runnable: Sequence[Request]) -> Iterator[Outcome]:
+        """Each request to the next idle worker; outcomes yielded in input order as soon as they are next."""
+        waiting = deque(range(len(runnable)))  # positions not handed out yet (a retry goes back to the front)
+        idle = deque(range(len(self.actors)))
+        running: dict = {}  # ObjectRef -> (worker, position)
+        done: dict[int, Outcome] = {}
+        deaths = [0] * len(runnable)
+        for position in range(len(runnable)):
+            while position not in done:
+                while idle and waiting:
+                    worker, request = idle.popleft(), waiting.popleft()
+                    running[self.actors[worker].generate.remote(runnable[request])] = (worker, request)
+                finished, _ = self.ray.wait(list(running), num_returns=1, timeout=POLL_SECONDS)
+                for reference in finished:
+                    worker, request = running.pop(reference)
+                    idle.append(worker)
+                    outcome = self._collect(reference, worker, deaths, request)
+                    if outcome is None:
+                        waiting.appendleft(request)
+                    else:
+                        done[request] = outcome
+            yield done.pop(position)
+
+    def _collect(self, reference, worker: int, deaths: list[int], request: int) -> Outcome | None:
+        """The request's outcome, counted to its worker; None when the worker died and the request goes again."""
+        report = self.reports[worker]
+        try:
+            completion, error, seconds = self.ray.get(reference)
+        except _lost_worker_errors(self.ray) as lost:
+            report.lost += 1
+            deaths[request] += 1
+            if deaths[request] < ATTEMPTS:
+                return None
+            return WorkerLostError(type(lost).__name__), 0.0
+        report.records += 1
+        if completion is None:
+            report.stats.seconds += seconds
+            return SpecdecError(error), seconds
+        report.stats.merge(completion.stats(seconds))
+        return completion, seconds
+
+
+class WorkerLostError(SpecdecError):
+    def __init__(self, cause: str) -> None:
+        super().__init__(f"the Ray worker running it died, twice ({cause})",
+                         "the other records go on; a request that kills its worker may need more memory per worker")
+
+
+def _lost_worker_errors(ray) -> tuple[type[BaseException], ...]:
+    """What `ray.get` raises when the worker process went away (killed, out of memory, its node lost)."""
+    exceptions = ray.exceptions
+    return (exceptions.RayActorError, exceptions.WorkerCrashedError, exceptions.OutOfMemoryError,
+            exceptions.ObjectLostError, exceptions.NodeDiedError)
+
+
+def _connect(ray, address: str | None) -> bool:
+    """Join the cluster at `address` (None: start one on this machine); True when this call started Ray."""
+    if ray.is_initialized():  # a caller (a test, a notebook) already did
+        return False
+    try:
+        ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+    except (ConnectionError, ValueError, RuntimeError) as error:
+        where = f"at {address}" if address else "on this machine"
+        raise InputError(f"cannot connect to a Ray cluster {where} ({first_line(error)})",
+                         "start one with `ray start --head` (see README), or check --address") from None
+    return True
+
+
+def _check_fit(resources: dict, options: RayOptions, count: int) -> None:
+    """Workers that the cluster cannot place would wait for ever: refuse them before any model loads."""
+    for name, per_worker, flag in (("CPU", options.cpus_per_worker, "--cpus-per-worker"),
+                                   ("GPU", options.gpus_per_worker, "--gpus-per-worker")):
+        have = resources.get(name, 0)
+        if count * per_worker > have:
+            raise InputError(f"{count} Ray workers × {per_worker:g} {name} need {count * per_worker:g} {name}s, "
+                             f"and the cluster has {have:g}", f"use fewer --workers or a smaller {flag}")
+
+
+def _workers_that_fit(resources: dict, options: RayOptions) -> int:
+    """As many workers as the cluster's GPUs (when each needs some) or CPUs hold; at least one."""
+    if options.gpus_per_worker > 0:
+        return max(1, int(resources.get("GPU", 0) // options.gpus_per_worker))
+    return max(1, int(resources.get("CPU", 1) // options.cpus_per_worker))
+
+
