@@ -11,6 +11,7 @@ the job goes on. Ray is imported only here, and only when used (`pip install 'sp
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import socket
@@ -146,44 +147,75 @@ class RayWorkers:
 
     def __call__(self, runnable: Sequence[Request]) -> Iterator[Outcome]:
         """Each request to the next idle worker; outcomes yielded in input order as soon as they are next."""
-        waiting = deque(range(len(runnable)))  # positions not handed out yet (a retry goes back to the front)
-        idle = deque(range(len(self.actors)))
-        running: dict = {}  # ObjectRef -> (worker, position)
-        done: dict[int, Outcome] = {}
-        deaths = [0] * len(runnable)
+        job = _Job(runnable, idle=deque(range(len(self.actors))))
         for position in range(len(runnable)):
-            while position not in done:
-                while idle and waiting:
-                    worker, request = idle.popleft(), waiting.popleft()
-                    running[self.actors[worker].generate.remote(runnable[request])] = (worker, request)
-                finished, _ = self.ray.wait(list(running), num_returns=1, timeout=POLL_SECONDS)
+            while position not in job.done:
+                self._hand_out(job)
+                finished, _ = self.ray.wait(list(job.running), num_returns=1, timeout=POLL_SECONDS)
                 for reference in finished:
-                    worker, request = running.pop(reference)
-                    idle.append(worker)
-                    outcome = self._collect(reference, worker, deaths, request)
-                    if outcome is None:
-                        waiting.appendleft(request)
+                    worker, request = job.running.pop(reference)
+                    if request is None:
+                        self._welcome_back(job, reference, worker)
                     else:
-                        done[request] = outcome
-            yield done.pop(position)
+                        self._collect(job, reference, worker, request)
+            yield job.done.pop(position)
 
-    def _collect(self, reference, worker: int, deaths: list[int], request: int) -> Outcome | None:
-        """The request's outcome, counted to its worker; None when the worker died and the request goes again."""
+    def _hand_out(self, job: _Job) -> None:
+        while job.idle and job.waiting:
+            worker, request = job.idle.popleft(), job.waiting.popleft()
+            job.running[self.actors[worker].generate.remote(job.requests[request])] = (worker, request)
+        if job.waiting and not job.running:
+            raise SpecdecError("every Ray worker is gone: the restarted ones could not load the models again",
+                               "the records so far are in OUTPUT; run the same command with --resume")
+
+    def _collect(self, job: _Job, reference, worker: int, request: int) -> None:
+        """The request's outcome, counted to its worker. A worker that died is probed until Ray has restarted
+        it; its request goes to a worker again, or becomes an error record after its second death."""
         report = self.reports[worker]
         try:
             completion, error, seconds = self.ray.get(reference)
         except _lost_worker_errors(self.ray) as lost:
             report.lost += 1
-            deaths[request] += 1
-            if deaths[request] < ATTEMPTS:
-                return None
-            return WorkerLostError(type(lost).__name__), 0.0
+            job.deaths[request] += 1
+            if job.deaths[request] < ATTEMPTS:
+                job.waiting.appendleft(request)
+            else:
+                job.done[request] = WorkerLostError(type(lost).__name__), 0.0
+            # A plain call to a restarting actor fails at once; this one waits until it is back.
+            job.running[self.actors[worker].ready.options(max_task_retries=-1).remote()] = (worker, None)
+            return
+        job.idle.append(worker)
         report.records += 1
         if completion is None:
             report.stats.seconds += seconds
-            return SpecdecError(error), seconds
-        report.stats.merge(completion.stats(seconds))
-        return completion, seconds
+            job.done[request] = SpecdecError(error), seconds
+        else:
+            report.stats.merge(completion.stats(seconds))
+            job.done[request] = completion, seconds
+
+    def _welcome_back(self, job: _Job, reference, worker: int) -> None:
+        """A restarted worker that loaded the pair again takes requests again; one that could not stays out."""
+        try:
+            _, load_error = self.ray.get(reference)
+        except _lost_worker_errors(self.ray):
+            return
+        if load_error is None:
+            job.idle.append(worker)
+
+
+@dataclass
+class _Job:
+    """The scheduler's state: positions in `requests`, which worker runs what, the outcomes not yet yielded."""
+
+    requests: Sequence[Request]
+    idle: deque[int]  # workers
+    waiting: deque[int] = field(default_factory=deque)  # positions not handed out yet (a retry goes to the front)
+    running: dict = field(default_factory=dict)  # ObjectRef -> (worker, position), or (worker, None) for a probe
+    done: dict[int, Outcome] = field(default_factory=dict)
+    deaths: collections.Counter = field(default_factory=collections.Counter)
+
+    def __post_init__(self) -> None:
+        self.waiting.extend(range(len(self.requests)))
 
 
 class WorkerLostError(SpecdecError):
