@@ -37,7 +37,7 @@ POLL_SECONDS = 0.5  # how long the driver waits for a result before it lets Pyth
 
 @dataclass(frozen=True)
 class RayOptions:
-    address: str | None = None  # None: a Ray started on this machine for the job (or the one already running)
+    address: str | None = None  # None: a Ray of its own on this machine, for this job only
     workers: int | None = None  # None: as many as the cluster's CPUs (or GPUs) hold
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0
@@ -236,7 +236,7 @@ def _connect(ray, address: str | None) -> bool:
     if ray.is_initialized():  # a caller (a test, a notebook) already did
         return False
     try:
-        ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+        ray.init(address=address or "local", include_dashboard=False, logging_level=logging.WARNING)
     except (ConnectionError, ValueError, RuntimeError) as error:
         where = f"at {address}" if address else "on this machine"
         raise InputError(f"cannot connect to a Ray cluster {where} ({first_line(error)})",

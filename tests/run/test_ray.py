@@ -22,10 +22,10 @@ from specdec_cli.batch import BatchSummary, Completion, RayWorkers, WorkerReport
 from specdec_cli.cli import app
 
 from tests.cli_result import assert_exited
+from tests.run.test_run_command import jsonl, read, without_timings
 
 ROOT = Path(__file__).resolve().parents[2]
 WIDE = {"COLUMNS": "200"}
-TIMINGS = ("seconds", "tokens_per_second", "created")
 RECORDS = 40
 
 LINES = [
@@ -62,22 +62,6 @@ def ray_processes() -> list[str]:
         except psutil.Error:
             pass
     return [line for line in found if "ray" in line]
-
-
-def jsonl(records) -> str:
-    return "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records)
-
-
-def read(path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def without_timings(value):
-    if isinstance(value, dict):
-        return {key: without_timings(item) for key, item in value.items() if key not in TIMINGS}
-    if isinstance(value, list):
-        return [without_timings(item) for item in value]
-    return value
 
 
 def pair_args(tiny_pair, tokens: int = 8) -> list[str]:
