@@ -34,6 +34,7 @@ class Profile:
     device: str = "auto"
     target_quantization: str | None = None  # None | "4bit" | "8bit" | "int8"
     draft_quantization: str | None = None
+    target_auto_formats: tuple[str, ...] | None = None  # what target_quantization "auto" may pick (None: none, int8)
     k: str | int = "auto"  # draft length: "auto" (adaptive) or a fixed number of tokens
     temperature: float = 0.7
     top_p: float = 1.0
@@ -119,6 +120,9 @@ _RULES: dict[str, tuple[str, Callable[[object], bool]]] = {
                lambda value: isinstance(value, str) and _DEVICE.fullmatch(value) is not None),
     "target_quantization": _one_of(_QUANTIZATION_NAMES),
     "draft_quantization": _one_of(_QUANTIZATION_NAMES),
+    "target_auto_formats": ("a list of formats from none, int8, int4, nf4, bnb8",
+                            lambda value: isinstance(value, list) and bool(value)
+                            and all(name in ("none", "int8", "int4", "nf4", "bnb8") for name in value)),
     "k": (f'"auto" or a whole number from 0 to {MAX_K}',
           lambda value: value == "auto" or (_is_integer(value) and 0 <= value <= MAX_K)),
     "temperature": ("a finite number >= 0 (0 = greedy)", lambda value: _is_number(value) and value >= 0),
@@ -160,6 +164,8 @@ def _parse(name: str, path: Path) -> Profile:
     if drafter == "ngram":
         data = {**data, "draft": None, "draft_quantization": None}
     data = {key: None if key.endswith("_quantization") and value == "none" else value for key, value in data.items()}
+    if "target_auto_formats" in data:
+        data["target_auto_formats"] = tuple(data["target_auto_formats"])
     return Profile(name=name, path=path, **{**data, "drafter": drafter})
 
 

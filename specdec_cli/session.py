@@ -14,6 +14,7 @@ from specdec_cli.engine import DraftLengthPolicy, DraftOrNot, FixedK, Speculativ
 from specdec_cli.engine.draft import DraftRule, Drafter
 from specdec_cli.errors import InputError
 from specdec_cli.models import LoadedModel
+from specdec_cli.models.calibrate import calibrated_seconds
 from specdec_cli.profiles import DRAFTERS, MAX_K
 
 # End-of-turn tokens that chat templates close an assistant turn with. Some checkpoints (GGUF
@@ -32,7 +33,7 @@ def draft_rule(k: int | str) -> DraftRule:
     return DraftRule(min_survival=AUTO_SURVIVAL if k == "auto" else 0.0)
 
 
-def make_policy(k: int | str, clock_free: bool = False) -> DraftLengthPolicy:
+def make_policy(k: int | str, clock_free: bool = False, verify_curve: dict[int, float] | None = None) -> DraftLengthPolicy:
     """auto: the cost model says whether to draft (0 when drafting does not pay; up to AUTO_MAX_K when it
     does, the draft model stopping on its own odds); a number: always that many. The policy carries the
     drafter's stop rule (`draft_rule`).
@@ -41,11 +42,16 @@ def make_policy(k: int | str, clock_free: bool = False) -> DraftLengthPolicy:
     the same file — the cost model's timings differ from run to run, and with them which tokens are
     drafted, which changes the random draws of sampling (the distribution stays exact, the sample not).
     auto then always drafts up to AUTO_MAX_K and the odds cut alone decides how far, without the
-    fallback to plain decoding."""
+    fallback to plain decoding.
+
+    verify_curve: the target's calibrated forward seconds per token count on this machine (`specdec
+    calibrate`), which the cost model scales by the run's timings; None: it learns the curve from the run."""
     rule = draft_rule(k)
     if k != "auto":
         return FixedK(int(k), rule)
-    return FixedK(AUTO_MAX_K, rule) if clock_free else DraftOrNot(max_k=AUTO_MAX_K, rule=rule)
+    if clock_free:
+        return FixedK(AUTO_MAX_K, rule)
+    return DraftOrNot(max_k=AUTO_MAX_K, rule=rule, verify_curve=verify_curve)
 
 
 def make_drafter(drafter: str, draft: LoadedModel | None, k: int | str = "auto") -> Drafter | None:
@@ -77,8 +83,13 @@ def build_decoder(
     """drafter: "model", "ngram", "cascade" or "none" (the target alone); k: an int or "auto" (see
     make_policy). The policy's rule binds the drafter (`SpeculativeDecoder.set_drafting`)."""
     chosen = make_drafter(drafter, draft, k) if k != 0 else None
-    policy = make_policy(k, clock_free) if chosen else FixedK(0)
+    policy = make_policy(k, clock_free, verify_curve(target)) if chosen else FixedK(0)
     return SpeculativeDecoder(target.model, chosen, policy, eos_token_ids(target))
+
+
+def verify_curve(target: LoadedModel) -> dict[int, float] | None:
+    """What `specdec calibrate` measured on this machine for the target as loaded (None: not measured)."""
+    return calibrated_seconds(target.name, target.quantization, str(target.dtype).removeprefix("torch."))
 
 
 def encode_chat(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:

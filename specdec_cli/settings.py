@@ -165,6 +165,7 @@ def load_choice(choice: ModelChoice, console: Printer | None = None) -> tuple[Lo
         trust_remote_code=choice.trust_remote_code,
         allow_pickle=choice.allow_pickle,
         progress=not getattr(console, "quiet", False),  # -q: no spinners, no "Loading weights" bars
+        target_auto_formats=choice.profile.target_auto_formats,
     )
     console.print(target.describe("target"), markup=False)
     console.print(draft.describe("draft") if draft else "draft: n-gram lookup", markup=False)

@@ -23,6 +23,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from specdec_cli.bench.peers import assistant_settings, hf_generate, hf_generation_config, pad_token_id, quiet_transformers
+from specdec_cli.bench.quality import agreement, reference_tokens
 from specdec_cli.bench.probes import ForwardCounter, MemoryProbe, _weight_bytes, environment, forward_seconds
 from specdec_cli.bench.runs import (
     DRAFT, HF_ASSISTED, HF_LOOKUP, HF_LOOKUP_TOKENS, PLAIN_DRAFT, SCHEMA, TARGET, WARMUP_TOKENS, BenchSettings,
@@ -55,6 +56,7 @@ class Benchmark:
         self.order = run_order(len(prompts), settings.repeats, len(self.configs))
         self.runs: list[Run] = []
         self.warmup: dict = {}
+        self.quality: dict | None = None
         self.models_used: dict[str, list[str]] = {}
         self.loaded = {TARGET: target, DRAFT: draft, PLAIN_DRAFT: plain_draft}
         models = {role: loaded.model for role, loaded in self.loaded.items() if loaded is not None}
@@ -131,6 +133,16 @@ class Benchmark:
         steps = counter.counts[TARGET] - forwards
         return Run(config.name, -1, -1, tokens, seconds, steps, finish_reason, self._probe.peak())
 
+    def measure_quality(self, reference: LoadedModel) -> dict:
+        """The target's greedy output (the baseline's first runs) against `reference`'s — the same model
+        unquantised — on the same prompts: identical prompts and the median first divergence (untimed)."""
+        baseline = {run.prompt_index: run.tokens for run in self.runs
+                    if run.configuration == self.configs[0].name and run.repeat == 0}
+        with quiet_transformers():
+            tokens = reference_tokens(reference.model, self.prompt_ids, self.settings.max_new_tokens, self.eos_ids)
+        self.quality = agreement(tokens, baseline) | {"target": self.target.precision, "reference": reference.precision}
+        return self.quality
+
     # ---- results ----
 
     def memory_bytes(self, config: Configuration) -> int:
@@ -167,6 +179,8 @@ class Benchmark:
             "runs": [asdict(run) for run in self.runs],
             "summary": self.summary(),
         }
+        if self.quality is not None:
+            report["quality"] = self.quality
         if by_category:
             report["summary_by_category"] = {category: self.summary(category) for category in self.categories()}
         return report

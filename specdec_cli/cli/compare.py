@@ -24,6 +24,7 @@ from specdec_cli.cli.options import (
     TrustRemoteCodeOption, model_overrides,
 )
 from specdec_cli.errors import InputError, MissingExtraError
+from specdec_cli.models import load_model
 from specdec_cli.prompts import builtin_prompts, read_prompt_file, select_prompts
 from specdec_cli.settings import choose_models, decoding_settings, load_choice, load_plain_draft, parse_k, sampling_params
 
@@ -52,6 +53,10 @@ WithHfOption = Annotated[bool, typer.Option(
     f"(prompt_lookup_num_tokens={bench.HF_LOOKUP_TOKENS}) on the same prompts.")]
 JsonOption = Annotated[Path | None, typer.Option(
     "--json", help="Write every raw measurement and the environment to this file.", rich_help_panel=_OUTPUT)]
+QualityOption = Annotated[bool, typer.Option(
+    "--quality/--no-quality", help="With a quantised target and greedy decoding: also decode every prompt with the "
+    "target unquantised (untimed) and report how often the outputs are identical and where they first diverge.",
+    rich_help_panel=_OUTPUT)]
 PlotOption = Annotated[Path | None, typer.Option(
     "--plot", help="Write a PNG: speedup per configuration, acceptance by draft position (needs the plot extra).",
     rich_help_panel=_OUTPUT)]
@@ -68,7 +73,7 @@ def compare_command(
     prompts: PromptsOption = None, category: CategoryOption = None, n_prompts: NPromptsOption = None,
     k: KListOption = None, max_new_tokens: MaxNewTokensOption = None, temperature: TemperatureOption = None,
     repeats: RepeatsOption = 1, by_category: ByCategoryOption = False, with_hf: WithHfOption = False,
-    json_path: JsonOption = None, plot: PlotOption = None,
+    json_path: JsonOption = None, plot: PlotOption = None, quality: QualityOption = True,
 ) -> None:
     """Benchmark speculative configurations against the target alone on the same prompts, with the
     theory's expected speedup beside each measurement. Greedy unless --temperature; 128 new tokens
@@ -94,12 +99,17 @@ def compare_command(
                                    plain_draft=draft_model.quantization if plain_draft else None)
     benchmark = bench.Benchmark(target_model, draft_model, configs, chosen_prompts, bench_settings, plain_draft)
     _measure(benchmark, json_path)
+    quality_line = None
+    if quality and target_model.quantization and bench_settings.params.greedy:
+        quality_line = _measure_quality(benchmark, choice)
     console = Console()
     if not console.is_terminal:  # a file or a pipe: keep the whole table instead of folding it to 80 columns
         console = Console(width=200)
     console.print(bench.measurement_table(benchmark, by_category))
     if any(row["theory"] is not None for row in benchmark.summary()):  # --k 0 alone: no drafts, no theory
         console.print(bench.theory_table(benchmark.summary(), benchmark.warmup))
+    if quality_line:
+        console.print(quality_line, markup=False)
     if json_path:
         bench.write_json(json_path, benchmark.report(by_category))
         error_console().print(f"wrote {json_path}")
@@ -166,3 +176,16 @@ def _measure(benchmark: bench.Benchmark, json_path: Path | None) -> None:
                 bench.write_json(json_path, benchmark.report(by_category=False) | {"interrupted": True})
                 error_console().print(f"wrote the {len(benchmark.runs)} runs measured so far to {json_path}")
             raise
+
+
+def _measure_quality(benchmark: bench.Benchmark, choice) -> str:
+    """Load the target unquantised and decode the prompts with it: what quantising the target changed."""
+    error_console().print("quality: decoding the prompts with the target unquantised (untimed)", markup=False)
+    reference = load_model(choice.target, device=choice.device, dtype=choice.dtype, quantization=None,
+                           trust_remote_code=choice.trust_remote_code, allow_pickle=choice.allow_pickle)
+    found = benchmark.measure_quality(reference)
+    del reference
+    diverged = found["median_first_divergence"]
+    where = "" if diverged is None else f"; the others first differ at token {diverged:g} (median)"
+    return (f"quality: the {found['target']} target's greedy output equals the {found['reference']} target's on "
+            f"{found['identical']}/{found['compared']} prompts{where}")

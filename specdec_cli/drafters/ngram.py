@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdec_cli.engine.draft import EMPTY_DRAFT, Draft, Drafter
+from specdec_cli.engine.draft import EMPTY_DRAFT, Draft, DraftRule, Drafter
 
 if TYPE_CHECKING:
     from specdec_cli.engine.sampling import SamplingParams
@@ -25,6 +25,7 @@ class NgramDrafter(Drafter):
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.max_n = max_n
         self.min_n = min_n
+        self.lookup_k: int | None = None  # set by a policy's rule (`obey`); None: propose k
         self.reset()
 
     def reset(self) -> None:
@@ -34,6 +35,8 @@ class NgramDrafter(Drafter):
     def propose(
         self, ids: Sequence[int], k: int, params: SamplingParams, generator: torch.Generator
     ) -> Draft:
+        if self.lookup_k is not None:  # a policy's rule: the lookup length it prices worth verifying
+            k = min(k, self.lookup_k) if k > 0 else 0
         if k <= 0:
             return EMPTY_DRAFT
         start = self.lookup(ids)
@@ -61,3 +64,6 @@ class NgramDrafter(Drafter):
             for n in range(self.min_n, min(self.max_n, end) + 1):
                 self._continuation_at[tuple(ids[end - n : end])] = end
         self._indexed = list(ids)
+
+    def obey(self, rule: DraftRule) -> None:
+        self.lookup_k = rule.lookup_k

@@ -5,7 +5,8 @@ Each step, in order:
   2. verify   — one target forward over [last token, drafts] scores all k+1 positions;
   3. accept   — the acceptance rule keeps a prefix of the drafts and adds the target's own next token;
   4. trim     — stop at an EOS id or at max_new_tokens, whichever comes first;
-  5. learn    — the policy and the drafter see how many drafts were accepted.
+  5. learn    — the policy and the drafter see how many drafts were accepted (lookups too: free to
+                 draft, not to verify), and the drafter takes the policy's rule when it changed.
 Caches are not cropped here: both models' `CachedModel.extend` cut their caches back to the accepted
 sequence at the start of their next forward.
 
@@ -24,7 +25,7 @@ import torch
 
 from specdec_cli.engine.acceptance import Verdict, greedy_verdict, sampling_verdict
 from specdec_cli.engine.context import Budget, context_length, fit_budget, smallest_context
-from specdec_cli.engine.draft import EMPTY_DRAFT, Draft, Drafter
+from specdec_cli.engine.draft import EMPTY_DRAFT, Draft, DraftRule, Drafter
 from specdec_cli.engine.kv import CachedModel
 from specdec_cli.engine.policy import DraftLengthPolicy, FixedK
 from specdec_cli.engine.sampling import SamplingParams, logits_to_probs, make_generator
@@ -82,8 +83,15 @@ class SpeculativeDecoder:
         k each step, and its `rule` (when it has one) binds the drafter's stop rule, in place."""
         self.drafter = drafter
         self.policy = policy
-        if drafter is not None and policy.rule is not None:
-            drafter.obey(policy.rule)
+        self._obeyed: DraftRule | None = None
+        self._obey_policy()
+
+    def _obey_policy(self) -> None:
+        """Hand the drafter the policy's rule when it changed (a cost model re-chooses the lookup length)."""
+        rule = self.policy.rule
+        if self.drafter is not None and rule is not None and rule != self._obeyed:
+            self.drafter.obey(rule)
+            self._obeyed = rule
 
     @property
     def context(self) -> int | None:
@@ -157,10 +165,9 @@ class SpeculativeDecoder:
         provenance = [Provenance.ACCEPTED] * verdict.accepted + [_provenance_of_next(draft, verdict)]
         tokens, provenance, finish_reason = self._trim(tokens, provenance, remaining)
         draft_seconds, verify_seconds = drafted_at - started, verified_at - drafted_at
-        if not draft.free:
-            # The first step also prefills the prompt: its seconds say nothing of a step's cost.
-            timed = (None, None) if first else (draft_seconds, verify_seconds)
-            self.policy.update(len(draft), verdict.accepted, *timed)
+        # The first step also prefills the prompt: its seconds say nothing of a step's cost.
+        timed = (None, None) if first else (draft_seconds, verify_seconds)
+        self.policy.update(len(draft), verdict.accepted, *timed, free=draft.free)
         if self.drafter is not None:
             self.drafter.update(ids + tokens, len(draft), verdict.accepted)
         return StepEvent(
@@ -175,6 +182,7 @@ class SpeculativeDecoder:
         k = min(self.policy.next_k(), remaining - 1)
         if self.drafter is None or remaining <= 1:
             return EMPTY_DRAFT
+        self._obey_policy()
         # Called with k = 0 too: a drafter with a free source (the cascade's lookup) may still propose.
         draft = self.drafter.propose(ids, k, params, generator)
         if len(draft) > remaining - 1:

@@ -7,7 +7,7 @@ to the drafter (`Drafter.obey`), so the policy is the one owner of "how far to d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from specdec_cli.engine.draft import DraftRule
@@ -18,8 +18,10 @@ class DraftLengthPolicy(Protocol):
 
     def next_k(self) -> int: ...
 
-    def update(self, drafted: int, accepted: int, draft_seconds: float | None, verify_seconds: float | None) -> None:
-        """Seconds are None for a step whose timing is not representative (it prefilled a prompt)."""
+    def update(self, drafted: int, accepted: int, draft_seconds: float | None, verify_seconds: float | None,
+               free: bool = False) -> None:
+        """Seconds are None for a step whose timing is not representative (it prefilled a prompt); `free`:
+        the draft was a lookup's (it cost nothing to draft, its verify still cost what it did)."""
 
     def reset(self) -> None: ...
 
@@ -32,7 +34,8 @@ class FixedK:
     def next_k(self) -> int:
         return self.k
 
-    def update(self, drafted: int, accepted: int, draft_seconds: float | None, verify_seconds: float | None) -> None:
+    def update(self, drafted: int, accepted: int, draft_seconds: float | None, verify_seconds: float | None,
+               free: bool = False) -> None:
         pass
 
     def reset(self) -> None:
@@ -57,8 +60,9 @@ class AdaptiveK:
     def next_k(self) -> int:
         return self.k
 
-    def update(self, drafted: int, accepted: int, draft_seconds: float | None, verify_seconds: float | None) -> None:
-        if drafted == 0:
+    def update(self, drafted: int, accepted: int, draft_seconds: float | None, verify_seconds: float | None,
+               free: bool = False) -> None:
+        if drafted == 0 or free:  # lookups are not this heuristic's to judge
             return
         if accepted == drafted:
             self.k = min(self.max_k, self.k + self.grow)
@@ -85,52 +89,58 @@ class CostModelK:
       tends to get the next ones right too — so a_i usually rises with i, and a single i.i.d. rate
       would choose drafts that are too short. Positions never tried take the deepest known rate.
       Expected tokens for k: 1 + sum_{i<=k} prod_{j<=i} a_j.
-    - cost of one draft token, and verify cost as a line in k (intercept + slope), from measured
-      seconds, decayed likewise.
+    - cost of one draft token from measured seconds, decayed likewise; the cost of verifying k drafts
+      is a target forward of k + 1 tokens (`VerifyCost`: this machine's calibrated curve when there is
+      one, scaled by the run's own timings; else a line through the run's timings).
     k = 0 (plain decoding) wins when drafting does not pay. Every `probe_every`-th step drafts two
     tokens past the best k (at least `probe_k`), so deeper positions stay measured and drafting
-    resumes when the text becomes predictable again."""
+    resumes when the text becomes predictable again.
+
+    Lookup drafts (free: `update(..., free=True)`) are priced too: they cost nothing to draft but a
+    verify of n tokens costs what the curve says. Their acceptance by position is kept apart, and the
+    rule's `lookup_k` becomes the lookup length with the best expected tokens per second — 0 (no
+    lookups) when that is below what drafting with the model, or plain decoding, gives; a lookup is
+    still tried every `probe_every`-th step so that it comes back when the text starts repeating."""
 
     def __init__(self, max_k: int = 10, prior_alpha: float = 0.6, prior_weight: float = 2.0,
-                 decay: float = 0.97, probe_every: int = 8, probe_k: int = 3, rule: DraftRule | None = None) -> None:
-        self.rule = rule
+                 decay: float = 0.97, probe_every: int = 8, probe_k: int = 3, rule: DraftRule | None = None,
+                 verify_curve: dict[int, float] | None = None, max_lookup: int = 12) -> None:
+        self.base_rule = rule
         self.max_k, self.prior_alpha, self.prior_weight = max_k, prior_alpha, prior_weight
         self.decay, self.probe_every, self.probe_k = decay, probe_every, probe_k
+        self.verify_curve, self.max_lookup = verify_curve, max_lookup
         self.reset()
 
     def reset(self) -> None:
-        self.reached = [0.0] * self.max_k   # decayed count of steps that drafted position i+1 with 1..i accepted
-        self.kept = [0.0] * self.max_k      # ... and in which position i+1 was accepted too
+        self.model = _Positions(self.max_k, self.prior_alpha, self.prior_weight)
+        self.lookups = _Positions(self.max_lookup, self.prior_alpha, self.prior_weight)
         self.draft_cost = _Mean()    # seconds per drafted token
-        self.verify = _Line()        # verify seconds as intercept + slope * k
-        self.steps_since_probe = 0
+        self.verify = VerifyCost(self.verify_curve)
+        self.steps_since_probe = self.steps_since_lookup_probe = 0
         self.k = self.probe_k
+        self.lookup_k = self.base_rule.lookup_k if self.base_rule is not None else self.max_lookup
+
+    @property
+    def rule(self) -> DraftRule | None:
+        """The base rule with the lookup length this policy chose (None: leave the drafter as built)."""
+        return None if self.base_rule is None else replace(self.base_rule, lookup_k=self.lookup_k)
 
     def acceptance_by_position(self) -> list[float]:
-        # Each position's prior is the rate of the position before it: rarely tried positions
-        # follow the deepest well-measured one instead of falling back to a fixed guess.
-        rates, previous = [], self.prior_alpha
-        for reached, kept in zip(self.reached, self.kept):
-            previous = min((kept + previous * self.prior_weight) / (reached + self.prior_weight), 0.999)
-            rates.append(previous)
-        return rates
+        return self.model.rates()
 
     def next_k(self) -> int:
         return self.k
 
-    def update(self, drafted: int, accepted: int, draft_seconds: float | None, verify_seconds: float | None) -> None:
+    def update(self, drafted: int, accepted: int, draft_seconds: float | None, verify_seconds: float | None,
+               free: bool = False) -> None:
         if drafted:
-            for position in range(self.max_k):
-                self.reached[position] *= self.decay
-                self.kept[position] *= self.decay
-            for position in range(min(accepted + 1, drafted, self.max_k)):
-                self.reached[position] += 1.0
-                self.kept[position] += 1.0 if position < accepted else 0.0
-            if draft_seconds is not None:
+            (self.lookups if free else self.model).add(drafted, accepted, self.decay)
+            if draft_seconds is not None and not free:
                 self.draft_cost.add(draft_seconds / drafted, self.decay)
         if verify_seconds is not None:
-            self.verify.add(drafted, verify_seconds, self.decay)
+            self.verify.add(drafted + 1, verify_seconds, self.decay)
         self.k = self._choose()
+        self.lookup_k = self._choose_lookup()
 
     def _choose(self) -> int:
         if not self.draft_cost.known or not self.verify.known:
@@ -143,16 +153,33 @@ class CostModelK:
             return min(self.max_k, max(best + 2, self.probe_k))
         return best
 
+    def _choose_lookup(self) -> int:
+        if not self.verify.known:
+            return self.lookup_k
+        best = max(range(1, self.max_lookup + 1), key=self.lookup_tokens_per_second)
+        if self.lookup_tokens_per_second(best) > self.best_model_rate():
+            return best
+        self.steps_since_lookup_probe += 1
+        if self.steps_since_lookup_probe >= self.probe_every:
+            self.steps_since_lookup_probe = 0
+            return best
+        return 0
+
     def expected_tokens(self, k: int) -> float:
-        total, survive = 1.0, 1.0
-        for rate in self.acceptance_by_position()[:k]:
-            survive *= rate
-            total += survive
-        return total
+        return self.model.expected_tokens(k)
 
     def tokens_per_second(self, k: int) -> float:
-        seconds = k * self.draft_cost.value + self.verify.at(k)
+        seconds = (k * self.draft_cost.value if k else 0.0) + self.verify.at(k + 1)
         return self.expected_tokens(k) / max(seconds, 1e-9)
+
+    def lookup_tokens_per_second(self, k: int) -> float:
+        return self.lookups.expected_tokens(k) / max(self.verify.at(k + 1), 1e-9)
+
+    def best_model_rate(self) -> float:
+        """Tokens per second of the best model draft length (plain decoding while drafting costs are unknown)."""
+        if not self.draft_cost.known:
+            return self.tokens_per_second(0) if self.verify.known else 0.0
+        return max(self.tokens_per_second(k) for k in range(self.max_k + 1))
 
 
 class DraftOrNot(CostModelK):
@@ -210,3 +237,75 @@ class _Line:
         spread = self.sxx / self.n - mean_x * mean_x
         slope = max(0.0, (self.sxy / self.n - mean_x * mean_y) / spread) if spread > 1e-9 else 0.0
         return mean_y + slope * (x - mean_x)
+
+
+class _Positions:
+    """Acceptance by draft position from decayed counts: position i's rate is P(accepted | 1..i-1 were),
+    each position's prior the rate of the position before it (rarely tried positions follow the deepest
+    well-measured one instead of falling back to a fixed guess)."""
+
+    def __init__(self, positions: int, prior_alpha: float, prior_weight: float) -> None:
+        self.prior_alpha, self.prior_weight = prior_alpha, prior_weight
+        self.reached = [0.0] * positions  # decayed count of steps that drafted position i+1 with 1..i accepted
+        self.kept = [0.0] * positions     # ... and in which position i+1 was accepted too
+
+    def add(self, drafted: int, accepted: int, decay: float) -> None:
+        for position in range(len(self.reached)):
+            self.reached[position] *= decay
+            self.kept[position] *= decay
+        for position in range(min(accepted + 1, drafted, len(self.reached))):
+            self.reached[position] += 1.0
+            self.kept[position] += 1.0 if position < accepted else 0.0
+
+    def rates(self) -> list[float]:
+        rates, previous = [], self.prior_alpha
+        for reached, kept in zip(self.reached, self.kept):
+            previous = min((kept + previous * self.prior_weight) / (reached + self.prior_weight), 0.999)
+            rates.append(previous)
+        return rates
+
+    def expected_tokens(self, k: int) -> float:
+        """1 + sum_{i<=k} prod_{j<=i} a_j: the drafts expected to survive plus the target's own token."""
+        total, survive = 1.0, 1.0
+        for rate in self.rates()[:k]:
+            survive *= rate
+            total += survive
+        return total
+
+
+class VerifyCost:
+    """Seconds of a target forward of n new tokens (a verify of n - 1 drafts).
+
+    With a prior curve ({n: seconds}, what `specdec calibrate` measured on this machine for this model and
+    format): the curve's shape — piecewise linear between the measured n, the last segment's slope past
+    them — times the decayed mean ratio of the run's own timings to it (a busier machine, a longer
+    context). Without one: a line through the run's timings (intercept + slope·n, never sloping down)."""
+
+    def __init__(self, curve: dict[int, float] | None = None) -> None:
+        self.points = sorted((int(n), float(s)) for n, s in curve.items()) if curve else []
+        self.line = _Line()
+        self.scale = _Mean()
+
+    @property
+    def known(self) -> bool:
+        return bool(self.points) or self.line.known
+
+    def add(self, n: int, seconds: float, decay: float) -> None:
+        self.line.add(n, seconds, decay)
+        if self.points:
+            self.scale.add(seconds / max(self.prior(n), 1e-9), decay)
+
+    def at(self, n: int) -> float:
+        if not self.points:
+            return self.line.at(n)
+        return self.prior(n) * (self.scale.value if self.scale.known else 1.0)
+
+    def prior(self, n: float) -> float:
+        points = self.points
+        if n <= points[0][0] or len(points) == 1:
+            return points[0][1]
+        for (n0, s0), (n1, s1) in zip(points, points[1:]):
+            if n <= n1:
+                return s0 + (s1 - s0) * (n - n0) / (n1 - n0)
+        (n0, s0), (n1, s1) = points[-2], points[-1]
+        return s1 + max(0.0, (s1 - s0) / (n1 - n0)) * (n - n1)

@@ -141,3 +141,30 @@ def load_calibration(path: Path | None = None) -> dict | None:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+
+
+def same_machine(measured: dict, here: dict | None = None) -> bool:
+    """Whether a stored measurement was taken on a machine like this one: same CPU, kernel flags, threads."""
+    here = here or machine()
+    return all(measured.get(key) == here.get(key) for key in ("cpu", "cpu_flags", "threads"))
+
+
+def calibrated_seconds(model: str, quantization: str | None, dtype: str | None = None,
+                       calibration: dict | None = None) -> dict[int, float] | None:
+    """{n: seconds} of a forward of n new tokens for `model` in `quantization` ("none" or None: float at
+    `dtype`; a quantised format: whatever dtype it computes in), as stored by `specdec calibrate` on this
+    machine; None when it was not measured here."""
+    calibration = calibration if calibration is not None else load_calibration()
+    if not calibration or not same_machine(calibration.get("machine", {})):
+        return None
+    quantization = quantization or "none"
+    for entry in calibration.get("entries", ()):
+        if entry.get("model") != model or entry.get("quantization") != quantization:
+            continue
+        if quantization == "none" and dtype is not None and entry.get("dtype") != dtype:
+            continue
+        try:
+            return {int(n): float(seconds) for n, seconds in entry["seconds"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+    return None

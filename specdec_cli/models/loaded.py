@@ -74,12 +74,13 @@ def _first_line(error: Exception) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def _plan(spec, device, dtype, quantization, trust_remote_code, allow_pickle, progress, role="target") -> _Plan:
+def _plan(spec, device, dtype, quantization, trust_remote_code, allow_pickle, progress, role="target",
+          auto_formats=None) -> _Plan:
     chosen_device = resolve_device(device)
-    if quantization == "auto":
-        quantization = resolve_auto(role, chosen_device)
-    chosen_quantization = check_quantization(quantization, chosen_device)
     chosen_dtype = resolve_dtype(dtype, chosen_device)
+    if quantization == "auto":
+        quantization = resolve_auto(role, chosen_device, spec, chosen_dtype, auto_formats)
+    chosen_quantization = check_quantization(quantization, chosen_device)
     source = resolve(spec, progress)
     return _Plan(source, chosen_device, chosen_dtype, chosen_quantization, trust_remote_code, allow_pickle, progress)
 
@@ -167,9 +168,12 @@ def load_model(
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
     progress: bool = True,
+    auto_formats: tuple[str, ...] | None = None,
 ) -> LoadedModel:
-    """Resolve `spec`, check its weights fit in memory, then load tokenizer and weights."""
-    plan = _plan(spec, device, dtype, quantization, trust_remote_code, allow_pickle, progress)
+    """Resolve `spec`, check its weights fit in memory, then load tokenizer and weights. `auto_formats`: what
+    quantization "auto" may pick for this (target) model (None: `quant.AUTO_FORMATS`)."""
+    plan = _plan(spec, device, dtype, quantization, trust_remote_code, allow_pickle, progress,
+                 auto_formats=auto_formats)
     preflight.check_memory({spec: _weight_bytes(plan)}, plan.device)
     return _load_weights(plan, _load_tokenizer(plan))
 
@@ -185,16 +189,20 @@ def load_pair(
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
     progress: bool = True,
+    target_auto_formats: tuple[str, ...] | None = None,
 ) -> tuple[LoadedModel, LoadedModel | None]:
-    """Target and (optional) draft: memory pre-flight for both, tokenizer pre-flight, then weights."""
+    """Target and (optional) draft: memory pre-flight for both, tokenizer pre-flight, then weights.
+    `target_auto_formats`: what a target quantization of "auto" may pick (a profile's list)."""
     if draft is None:
         target_model = load_model(
             target, device=device, dtype=dtype, quantization=target_quantization,
             trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, progress=progress,
+            auto_formats=target_auto_formats,
         )
         return target_model, None
     shared = (device, dtype)
-    target_plan = _plan(target, *shared, target_quantization, trust_remote_code, allow_pickle, progress)
+    target_plan = _plan(target, *shared, target_quantization, trust_remote_code, allow_pickle, progress,
+                        auto_formats=target_auto_formats)
     draft_plan = _plan(draft, *shared, draft_quantization, trust_remote_code, allow_pickle, progress, role="draft")
     preflight.check_memory(
         {f"target {target}": _weight_bytes(target_plan), f"draft {draft}": _weight_bytes(draft_plan)},

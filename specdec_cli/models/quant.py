@@ -41,13 +41,40 @@ def canonical(quantization: str | None) -> str | None:
     return None if name == "none" else name
 
 
-def resolve_auto(role: str, device: torch.device) -> str | None:
-    """What `auto` means until `specdec calibrate` measures this machine (the hook calibration will
-    replace): a draft gets int8 on the CPU (lossless: the target checks every draft token) and no
-    quantisation elsewhere; a target is never quantised by `auto` yet, so its output does not change."""
-    if role == "draft" and device.type == "cpu" and _kernel_problem("int8") is None:
-        return "int8"
-    return None
+# What `auto` may pick per role when a profile does not say. A draft's format never changes the output
+# (the target checks every draft token), so any format that runs may be picked; a target's changes what it
+# says, so by default only int8 (per-channel weights, per-token activations: close to the float model).
+AUTO_FORMATS = {"target": ("none", "int8"), "draft": ("none", "int8", "int4")}
+
+
+def resolve_auto(role: str, device: torch.device, spec: str | None = None, dtype: torch.dtype | None = None,
+                 allowed: tuple[str, ...] | None = None) -> str | None:
+    """What `auto` means for `role` on `device`: among the `allowed` formats (a profile's
+    `target_auto_formats`; else AUTO_FORMATS) that run here, the fastest one `specdec calibrate` measured on
+    this machine for `spec` (a target by its 1-, 4- and 8-token forwards, where verification lives; a
+    draft by its one-token forward). Without a calibration: int8 on the CPU (2.5-4x faster than float on
+    both CPU kinds measured, and flat up to 4-8 tokens), no quantisation elsewhere."""
+    allowed = tuple(canonical(name) or "none" for name in (allowed or AUTO_FORMATS[role]))
+    runnable = [name for name in allowed if name == "none" or (device.type == "cpu" and name in CPU_ONLY
+                                                                and _runs_here(name))]
+    if spec is not None:
+        from specdec_cli.models.calibrate import calibrated_seconds
+
+        dtype_name = None if dtype is None else str(dtype).removeprefix("torch.")
+        measured = {name: calibrated_seconds(spec, name, dtype_name) for name in runnable}
+        measured = {name: seconds for name, seconds in measured.items() if seconds}
+        if measured:
+            sizes = (1, 4, 8) if role == "target" else (1,)
+            score = lambda name: sum(measured[name].get(n, measured[name][1]) for n in sizes)
+            return canonical(min(measured, key=score))
+    return "int8" if "int8" in runnable else None
+
+
+def _runs_here(name: str) -> bool:
+    try:
+        return _kernel_problem(name) is None
+    except MissingExtraError:  # int4 without torchao: `auto` passes it over
+        return False
 
 
 def _kernel_problem(name: str) -> str | None:

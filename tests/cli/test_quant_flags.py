@@ -19,8 +19,8 @@ def choose(**flags):
 def test_quant_flags_set_each_model_and_win_over_the_profile():
     choice = choose(target_quant="int8", draft_quant="int4")
     assert (choice.target_quantization, choice.draft_quantization) == ("int8", "int4")
-    assert choose(draft_quant="none").draft_quantization == "none"  # the demo profile's int8 draft dropped
-    assert choose().draft_quantization == "int8"
+    assert choose(draft_quant="none").draft_quantization == "none"  # the demo profile's auto draft overridden
+    assert choose().draft_quantization == "auto"
 
 
 @pytest.mark.parametrize(("flags", "complaint"), [

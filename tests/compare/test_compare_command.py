@@ -169,3 +169,24 @@ def test_k_0_alone_prints_no_empty_theory_table(tiny_pair, tmp_path):
                     "--drafter", "model", "--k", "0", "--max-new-tokens", "4")
     assert result.exit_code == 0, result.output
     assert "configuration" in result.stdout and "theory" not in result.stdout
+
+
+def test_an_int8_target_is_compared_with_itself_unquantised(tiny_pair, tmp_path):
+    result = invoke("--target", tiny_pair.target, "--draft", tiny_pair.same, "--target-quant", "int8", "--dtype",
+                    "float32", "--device", "cpu", "--prompts", spec_bench_file(tmp_path / "q.jsonl"), "--drafter",
+                    "model", "--k", "2", "--max-new-tokens", "6", "--json", tmp_path / "out.json",
+                    env={"SPECDEC_HOME": str(tmp_path / "home")})
+    assert result.exit_code == 0, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    quality = json.loads((tmp_path / "out.json").read_text())["quality"]
+    assert quality["compared"] == 4 and 0 <= quality["identical"] <= 4
+    assert quality["target"].startswith("int8") and quality["reference"] == "float32"
+    line = [line for line in result.stdout.splitlines() if line.startswith("quality:")]
+    assert line == [f"quality: the {quality['target']} target's greedy output equals the float32 target's on "
+                    f"{quality['identical']}/4 prompts" + ("" if quality["identical"] == 4 else
+                    f"; the others first differ at token {quality['median_first_divergence']:g} (median)")]
+
+
+def test_an_unquantised_target_gets_no_quality_line(compared):
+    result, folder = compared
+    assert "quality:" not in result.stdout and "quality" not in json.loads((folder / "out.json").read_text())

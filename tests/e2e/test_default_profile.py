@@ -1,5 +1,6 @@
 """What a user runs first: the installed `specdec` console script on its default profile (the offline demo
-pair: cascade drafting, an int8 draft on a CPU, k = auto with the odds cut, sampled at the profile's
+pair: cascade drafting, target and draft in the formats `auto` picks on this machine (int8 on a CPU until
+`specdec calibrate` measured it), k = auto with the odds cut, sampled at the profile's
 temperature / top-p / top-k). No model option is given; only the token budget (and a seed) are set, to keep
 each test to a minute or two.
 
@@ -40,11 +41,22 @@ def specdec(*args: str, stdin: str | None = None, cwd: Path) -> subprocess.Compl
 
 
 def check_models_line(stderr: str) -> None:
-    assert re.search(r"^target: demo:qwen2\.5-coder-1\.5b · ", stderr, re.M), stderr[-2000:]
+    target_line = re.search(r"^target: demo:qwen2\.5-coder-1\.5b · .*$", stderr, re.M)
     draft_line = re.search(r"^draft: demo:qwen2\.5-coder-0\.5b · .*$", stderr, re.M)
-    assert draft_line, stderr[-2000:]
-    if not torch.cuda.is_available():
-        assert re.search(r" · int8\b", draft_line.group(0))  # the profile's int8 draft, on a CPU
+    assert target_line and draft_line, stderr[-2000:]
+    if not torch.cuda.is_available():  # the profile's auto formats, as this machine resolves them
+        for line, role, spec in ((target_line, "target", "demo:qwen2.5-coder-1.5b"),
+                                 (draft_line, "draft", "demo:qwen2.5-coder-0.5b")):
+            expected = auto_format(role, spec)
+            assert expected in ("int8", "int4") and f" · {expected} weights" in line.group(0), (expected, line.group(0))
+
+
+def auto_format(role: str, spec: str) -> str | None:
+    from specdec_cli.models.device import resolve_dtype
+    from specdec_cli.models.quant import resolve_auto
+
+    cpu = torch.device("cpu")
+    return resolve_auto(role, cpu, spec, resolve_dtype("auto", cpu), ("none", "int8") if role == "target" else None)
 
 
 def test_a_piped_chat_prints_the_reply_and_its_stats_and_saves_the_same(tmp_path):

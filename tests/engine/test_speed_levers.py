@@ -6,6 +6,8 @@ import torch
 from specdec_cli.drafters import CascadeDrafter, DraftModelDrafter, NgramDrafter
 from specdec_cli.drafters.subset_head import SubsetHeadLM, frequent_token_ids
 from specdec_cli.engine import CostModelK, DraftOrNot, FixedK, SamplingParams, SpeculativeDecoder, expected_tokens
+from specdec_cli.engine.draft import DraftRule
+from specdec_cli.engine.policy import VerifyCost
 
 from tests.conftest import hf_greedy
 
@@ -176,22 +178,87 @@ def test_cascade_looks_up_even_when_the_policy_says_no_draft(llama_target, llama
     assert max(result.stats.drafted_at and range(len(result.stats.drafted_at))) + 1 <= 6
 
 
-def test_free_lookup_drafts_do_not_train_the_policy(llama_target, reference):
-    """The policy prices draft-model tokens: it learns from the plain steps (nothing drafted) and never
-    from a step whose draft was a free lookup."""
+def test_lookup_steps_reach_the_policy_marked_free(llama_target, reference):
+    """Every step reaches the policy; a lookup's as free (it cost nothing to draft, its verify did cost)."""
 
     class Recording(FixedK):
-        def update(self, drafted, accepted, draft_seconds, verify_seconds):
-            self.seen.append(drafted)
+        def update(self, drafted, accepted, draft_seconds, verify_seconds, free=False):
+            self.seen.append((drafted, free))
 
     policy = Recording(4)
     policy.seen = []
     events = list(SpeculativeDecoder(llama_target, NgramDrafter(), policy).stream(PROMPT, SamplingParams(), NEW_TOKENS))
     assert [token for event in events for token in event.tokens] == reference
-    lookups = [event for event in events if event.free]
-    assert lookups and all(event.drafted > 0 for event in lookups)
-    assert len(policy.seen) == len(events) - len(lookups)  # one update per plain step, none per lookup
-    assert set(policy.seen) == {0}
+    assert policy.seen == [(event.drafted, event.free) for event in events]
+    assert any(free for _, free in policy.seen) and any(not free for _, free in policy.seen)
+
+
+def feed_lookups(policy, accepted_of, verify_seconds_of, steps=80):
+    """Simulate lookup steps (free drafts of the policy's lookup length) and plain steps between them."""
+    for step in range(steps):
+        k = policy.rule.lookup_k
+        if k and step % 2 == 0:
+            policy.update(k, accepted_of(k), 0.0, verify_seconds_of(k + 1), free=True)
+        else:
+            policy.update(0, 0, 0.0, verify_seconds_of(1))
+    return policy
+
+
+def test_lookups_that_are_rejected_stop_when_verifying_them_costs_more_than_they_return():
+    rule = DraftRule(lookup_k=8)
+    rising = lambda n: 0.1 * (1 + 0.25 * (n - 1))  # a verify of n tokens: +25% per token (not flat)
+    hopeless = feed_lookups(DraftOrNot(rule=rule), lambda k: 0, rising)
+    assert hopeless.rule.lookup_k == 0 or hopeless.steps_since_lookup_probe == 0  # off, but for its probes
+    assert hopeless.lookup_tokens_per_second(4) < hopeless.best_model_rate()
+
+
+def test_lookups_that_are_accepted_stay_long_on_a_flat_verify():
+    flat = lambda n: 0.1
+    paying = feed_lookups(DraftOrNot(rule=DraftRule(lookup_k=8)), lambda k: k, flat)
+    assert paying.rule.lookup_k == paying.max_lookup
+
+
+def test_a_calibrated_curve_decides_the_lookup_length_where_half_the_lookups_fail():
+    """Acceptance 1, 1, 0.5, 0.5...: on a flat verify a long lookup pays; where each extra token costs a
+    whole forward, the lookup length shrinks (and the run's timings only scale the curve)."""
+    accepted = lambda k: min(k, 2)
+    flat_curve = {1: 0.1, 2: 0.1, 4: 0.1, 8: 0.11, 16: 0.12}
+    steep_curve = {1: 0.1, 2: 0.2, 4: 0.4, 8: 0.8, 16: 1.6}
+    flat = feed_lookups(DraftOrNot(rule=DraftRule(lookup_k=8), verify_curve=flat_curve), accepted,
+                        lambda n: 2 * VerifyCost(flat_curve).at(n))
+    steep = feed_lookups(DraftOrNot(rule=DraftRule(lookup_k=8), verify_curve=steep_curve), accepted,
+                         lambda n: 2 * VerifyCost(steep_curve).at(n))
+    assert steep.rule.lookup_k in (0, 1, 2) and flat.rule.lookup_k > 2
+    assert flat.verify.at(1) == pytest.approx(0.2)  # the curve, scaled by the run's timings (twice it)
+
+
+def test_verify_cost_follows_the_curve_between_and_past_its_points():
+    cost = VerifyCost({1: 0.1, 4: 0.1, 8: 0.2})
+    assert cost.at(2) == pytest.approx(0.1) and cost.at(6) == pytest.approx(0.15)
+    assert cost.at(16) == pytest.approx(0.4)  # the last segment's slope
+    learned = VerifyCost()
+    for n, seconds in [(1, 0.1), (5, 0.3), (1, 0.1), (5, 0.3)]:
+        learned.add(n, seconds, 1.0)
+    assert learned.at(3) == pytest.approx(0.2)
+
+
+def test_the_decoder_hands_the_drafter_the_lookup_length_the_policy_chose(llama_target, reference):
+    class Chooser:  # a fixed k of 4, with a lookup length set from outside
+        lookup_k = 0
+        next_k, update, reset = (lambda self: 4), (lambda self, *args, **kwargs: None), (lambda self: None)
+
+        @property
+        def rule(self):
+            return DraftRule(lookup_k=self.lookup_k)
+
+    policy = Chooser()
+    drafter = NgramDrafter()
+    decoder = SpeculativeDecoder(llama_target, drafter, policy)
+    assert decoder.generate(PROMPT, SamplingParams(), NEW_TOKENS).stats.drafted == 0  # lookups off
+    policy.lookup_k = 2
+    result = decoder.generate(PROMPT, SamplingParams(), NEW_TOKENS)
+    assert result.tokens == reference and result.stats.drafted > 0 and drafter.lookup_k == 2
+    assert len(result.stats.drafted_at) <= 2
 
 
 def test_cost_model_learns_that_acceptance_rises_with_depth():

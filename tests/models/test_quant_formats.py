@@ -74,17 +74,48 @@ def test_int8_needs_no_extra(llama_folder, monkeypatch):
     assert loaded.quantization == "int8"
 
 
-def test_auto_until_calibration_quantises_a_cpu_draft_only():
-    assert resolve_auto("draft", CPU) == "int8"
-    assert resolve_auto("target", CPU) is None
+def test_auto_without_calibration_is_int8_on_the_cpu_for_both_roles(specdec_home):
+    assert resolve_auto("draft", CPU) == "int8" and resolve_auto("target", CPU) == "int8"
+    assert resolve_auto("target", CPU, allowed=("none",)) is None  # a profile that allows no quantisation
     assert resolve_auto("draft", torch.device("cuda")) is None
 
 
-def test_auto_in_a_pair_loads_an_int8_draft_and_a_plain_target(llama_folder):
+def test_auto_in_a_pair_loads_int8_models_and_a_profile_can_keep_the_target_float(llama_folder, specdec_home):
     target, draft = load_pair(str(llama_folder), str(llama_folder), device="cpu", dtype="float32",
                               target_quantization="auto", draft_quantization="auto", progress=False)
+    assert (target.quantization, draft.quantization) == ("int8", "int8")
+    target, draft = load_pair(str(llama_folder), str(llama_folder), device="cpu", dtype="float32",
+                              target_quantization="auto", draft_quantization="auto", progress=False,
+                              target_auto_formats=("none",))
     assert (target.quantization, draft.quantization) == (None, "int8")
     assert target.describe("target").endswith("· cpu · float32")
+
+
+def _calibrate(spec: str, seconds: dict[str, dict[str, float]]) -> None:
+    from specdec_cli.models.calibrate import machine, save_calibration
+
+    entries = [{"role": "target", "model": spec, "quantization": name, "dtype": "float32", "seconds": curve}
+               for name, curve in seconds.items()]
+    save_calibration({"machine": machine(), "entries": entries})
+
+
+def test_auto_picks_the_fastest_calibrated_format_it_is_allowed(specdec_home):
+    _calibrate("m", {"none": {"1": 0.30, "4": 0.60, "8": 0.80}, "int8": {"1": 0.10, "4": 0.10, "8": 0.15},
+                     "int4": {"1": 0.07, "4": 0.20, "8": 0.40}})
+    assert resolve_auto("target", CPU, "m", torch.float32) == "int8"  # int4 not allowed by default
+    assert resolve_auto("target", CPU, "m", torch.float32, allowed=("none",)) is None
+    assert resolve_auto("target", CPU, "other", torch.float32) == "int8"  # not measured: the fallback
+
+
+def test_auto_trusts_a_calibration_of_this_machine_only(specdec_home):
+    from specdec_cli.models.calibrate import machine, save_calibration
+
+    elsewhere = machine() | {"cpu": "some other CPU"}
+    save_calibration({"machine": elsewhere, "entries": [
+        {"role": "target", "model": "m", "quantization": "none", "dtype": "float32", "seconds": {"1": 0.01}}]})
+    assert resolve_auto("target", CPU, "m", torch.float32) == "int8"
+    _calibrate("m", {"none": {"1": 0.01, "4": 0.01, "8": 0.01}, "int8": {"1": 0.1, "4": 0.1, "8": 0.1}})
+    assert resolve_auto("target", CPU, "m", torch.float32) is None  # here float measured fastest
 
 
 @needs_torchao
