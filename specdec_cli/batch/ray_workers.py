@@ -19,6 +19,7 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from typing import TYPE_CHECKING
 
 from specdec_cli.batch.generation import ModelGeneration, first_line
@@ -72,13 +73,15 @@ class Worker:
         torch.set_num_threads(threads)
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self.load_error: str | None = None
+        self.loaded = _Lines()
         try:
-            self.generation = ModelGeneration.load(choice, settings, _Silent())
+            self.generation = ModelGeneration.load(choice, settings, self.loaded)
         except SpecdecError as error:
             self.load_error = error.one_line()
 
-    def ready(self) -> tuple[str, str | None]:
-        return self.name, self.load_error
+    def ready(self) -> tuple[str, str | None, list[str]]:
+        """Its name, why it could not load the pair (or None), and what it loaded (device, dtype, formats)."""
+        return self.name, self.load_error, self.loaded.lines
 
     def generate(self, request: Request) -> tuple[Completion | None, str | None, float]:
         started = time.perf_counter()
@@ -89,13 +92,16 @@ class Worker:
         return completion, error, time.perf_counter() - started
 
 
-class _Silent:
-    """A worker's loading says nothing (the driver says once what loads where); `quiet` turns off progress bars."""
+class _Lines:
+    """A printer that keeps what loading says, for the driver to compare and print once; `quiet`: no progress bars."""
 
     quiet = True
 
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
     def print(self, text: str, *, markup: bool = False) -> None:
-        pass
+        self.lines.append(text)
 
 
 class RayWorkers:
@@ -107,6 +113,7 @@ class RayWorkers:
         self.ray = import_ray()
         self.actors: list = []
         self.reports: list[WorkerReport] = []
+        self.loaded: list[str] = []  # what every worker loaded (the same on each: checked)
         self._started_ray = False
 
     def __enter__(self) -> RayWorkers:
@@ -140,10 +147,11 @@ class RayWorkers:
         except self.ray.exceptions.RayActorError as error:
             raise SpecdecError(f"a Ray worker could not start ({first_line(error)})",
                                "run with --debug to see why") from error
-        for name, load_error in started:
+        for name, load_error, loaded in started:
             if load_error is not None:
                 raise SpecdecError(f"a Ray worker ({name}) could not load the models: {load_error}")
             self.reports.append(WorkerReport(name))
+        self.loaded = _same_everywhere([(name, loaded) for name, _, loaded in started])
 
     def __call__(self, runnable: Sequence[Request]) -> Iterator[Outcome]:
         """Each request to the next idle worker; outcomes yielded in input order as soon as they are next."""
@@ -196,10 +204,10 @@ class RayWorkers:
     def _welcome_back(self, job: _Job, reference, worker: int) -> None:
         """A restarted worker that loaded the pair again takes requests again; one that could not stays out."""
         try:
-            _, load_error = self.ray.get(reference)
+            _, load_error, loaded = self.ray.get(reference)
         except _lost_worker_errors(self.ray):
             return
-        if load_error is None:
+        if load_error is None and loaded == self.loaded:
             job.idle.append(worker)
 
 
@@ -222,6 +230,18 @@ class WorkerLostError(SpecdecError):
     def __init__(self, cause: str) -> None:
         super().__init__(f"the Ray worker running it died, twice ({cause})",
                          "the other records go on; a request that kills its worker may need more memory per worker")
+
+
+def _same_everywhere(loaded: list[tuple[str, list[str]]]) -> list[str]:
+    """What the workers loaded, when it is the same on all: an `auto` format, device or dtype resolved otherwise
+    on another machine would make a record depend on the worker that wrote it."""
+    first_name, first = loaded[0]
+    for name, lines in loaded[1:]:
+        if lines != first:
+            ours, theirs = next(pair for pair in zip_longest(first, lines, fillvalue="nothing") if pair[0] != pair[1])
+            raise InputError(f"the Ray workers loaded the models differently ({first_name}: {ours}; {name}: {theirs})",
+                             "give --device, --dtype, --target-quant and --draft-quant so that every worker loads the same")
+    return first
 
 
 def _lost_worker_errors(ray) -> tuple[type[BaseException], ...]:

@@ -131,8 +131,9 @@ def _engine(choice, settings, ray_options: batch.RayOptions | None, console: Con
         yield batch.each(batch.ModelGeneration.load(choice, settings, console)), []
     else:
         with batch.RayWorkers(choice, settings, ray_options) as workers:
-            console.print(f"ray: {len(workers.actors)} workers loaded {choice.target}"
-                          + (f" + {choice.draft}" if choice.draft else ""), markup=False)
+            console.print(f"ray: {len(workers.actors)} workers, each loaded:", markup=False)
+            for line in workers.loaded:
+                console.print(f"  {line}", markup=False)
             yield workers, workers.reports
 
 

@@ -19,7 +19,9 @@ import ray
 from typer.testing import CliRunner
 
 from specdec_cli.batch import BatchSummary, Completion, RayWorkers, WorkerReport, read_requests, run_streamed
+from specdec_cli.batch.ray_workers import _same_everywhere
 from specdec_cli.cli import app
+from specdec_cli.errors import InputError
 
 from tests.cli_result import assert_exited
 from tests.run.test_run_command import jsonl, read, without_timings
@@ -94,7 +96,8 @@ def test_two_workers_write_the_records_of_engine_local(ray_cluster, tiny_pair, t
     assert without_timings(records) == without_timings(read(tmp_path / "local.jsonl"))
     assert records[2]["error"] == "line 3: not valid JSON (Expecting property name enclosed in double quotes at column 2)"
     assert records[4]["text"] != records[5]["text"]  # the seeds, not the worker, decide a sampled text
-    assert "ray: 2 workers loaded" in on_ray.stderr and "on 2 Ray workers" in on_ray.stderr
+    assert f"ray: 2 workers, each loaded:\n  target: {tiny_pair.target} · cpu · float32\n" in on_ray.stderr
+    assert "on 2 Ray workers" in on_ray.stderr
     worker_rows = [line for line in on_ray.stderr.splitlines() if line.startswith("│ worker ")]
     assert len(worker_rows) == 2 and sum(int(row.split("│")[2].split()[0]) for row in worker_rows) == len(LINES) - 1
 
@@ -164,20 +167,27 @@ class StandInRay:
         return references[:1], references[1:]
 
     def get(self, reference):
-        if isinstance(reference, BaseException):
-            raise reference
-        return reference
+        if isinstance(reference.value, BaseException):
+            raise reference.value
+        return reference.value
+
+
+class Reference:
+    """An ObjectRef's stand-in: hashable, whatever it holds."""
+
+    def __init__(self, value) -> None:
+        self.value = value
 
 
 def stand_in_actor(deaths: collections.Counter):
     def generate(request):
         if deaths[request.id] > 0:
             deaths[request.id] -= 1
-            return ray.exceptions.WorkerCrashedError()
-        return Completion(request.prompt.upper(), "stop", 1, 1, 1, 0, 0), None, 0.5
+            return Reference(ray.exceptions.WorkerCrashedError())
+        return Reference((Completion(request.prompt.upper(), "stop", 1, 1, 1, 0, 0), None, 0.5))
 
     def ready_again(**options):  # the probe after a death: the stand-in is back at once
-        return SimpleNamespace(remote=lambda: ("restarted", None))
+        return SimpleNamespace(remote=lambda: Reference(("restarted", None, ["target: t"])))
 
     return SimpleNamespace(generate=SimpleNamespace(remote=generate), ready=SimpleNamespace(options=ready_again))
 
@@ -186,7 +196,7 @@ def test_a_request_whose_worker_dies_twice_gets_an_error_record_and_the_job_goes
     workers = RayWorkers.__new__(RayWorkers)
     deaths = collections.Counter({"once": 1, "twice": 2})
     workers.ray, workers.actors = StandInRay(), [stand_in_actor(deaths), stand_in_actor(deaths)]
-    workers.reports = [WorkerReport("one"), WorkerReport("two")]
+    workers.reports, workers.loaded = [WorkerReport("one"), WorkerReport("two")], ["target: t"]
     requests = read_requests([json.dumps({"id": name, "prompt": name}).encode() for name in ("a", "once", "twice", "d")])
     records = []
     run_streamed(requests, workers, records.append, BatchSummary(total=4))
@@ -198,6 +208,17 @@ def test_a_request_whose_worker_dies_twice_gets_an_error_record_and_the_job_goes
     ]
     assert sum(report.lost for report in workers.reports) == 3
     assert sum(report.records for report in workers.reports) == 3
+
+
+def test_workers_that_loaded_the_models_differently_are_refused():
+    same = ["target: t · cpu · float32 · int8 weights, per-token int8 activations", "draft: d · cpu · float32"]
+    assert _same_everywhere([("a:1", same), ("b:2", same)]) == same
+    with pytest.raises(InputError) as refused:
+        _same_everywhere([("a:1", same), ("b:2", ["target: t · cpu · float32", same[1]])])
+    assert refused.value.one_line() == (
+        "the Ray workers loaded the models differently (a:1: target: t · cpu · float32 · int8 weights, per-token int8 "
+        "activations; b:2: target: t · cpu · float32) — give --device, --dtype, --target-quant and --draft-quant so "
+        "that every worker loads the same")
 
 
 # ---- mistakes: one line, exit 2, nothing written -------------------------------------------------
