@@ -14,7 +14,9 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import signal
 import socket
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -255,12 +257,15 @@ def _connect(ray, address: str | None) -> bool:
     """Join the cluster at `address` (None: start one on this machine); True when this call started Ray."""
     if ray.is_initialized():  # a caller (a test, a notebook) already did
         return False
+    ours = signal.getsignal(signal.SIGTERM)
     try:
         ray.init(address=address or "local", include_dashboard=False, logging_level=logging.WARNING)
     except (ConnectionError, ValueError, RuntimeError) as error:
         where = f"at {address}" if address else "on this machine"
         raise InputError(f"cannot connect to a Ray cluster {where} ({first_line(error)})",
                          "start one with `ray start --head` (see README), or check --address") from None
+    if ours is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, ours)  # ray.init replaces it: SIGTERM stops `run` as Ctrl-C does (exit 143)
     return True
 
 

@@ -136,9 +136,9 @@ def test_a_worker_killed_mid_request_costs_a_retry_never_a_record(ray_cluster, t
     assert "died mid-request 1×" in result.stderr
 
 
-def test_a_killed_driver_resumes_with_each_record_exactly_once(ray_cluster, tiny_pair, tmp_path):
-    source, output = many_prompts(tmp_path / "in.jsonl"), tmp_path / "out.jsonl"
-    args = ["-o", str(output), *pair_args(tiny_pair, tokens=32), "--engine", "ray", "--workers", "2"]
+def driver_mid_file(ray_cluster, source: Path, args: list[str]) -> subprocess.Popen:
+    """`specdec run ARGS` in its own process, joined to the module's Ray, once it has written 3 records."""
+    output = Path(args[args.index("-o") + 1])
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     driver = subprocess.Popen([sys.executable, "-m", "specdec_cli", "run", str(source), *args, "--address", ray_cluster],
                               cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -146,9 +146,20 @@ def test_a_killed_driver_resumes_with_each_record_exactly_once(ray_cluster, tiny
     while (not output.exists() or output.read_bytes().count(b"\n") < 3) and driver.poll() is None \
             and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert driver.poll() is None, driver.stderr.read().decode()[-2000:]  # still running: killed mid-file
-    driver.send_signal(signal.SIGKILL)
-    driver.wait()
+    assert driver.poll() is None, driver.stderr.read().decode()[-2000:]  # still running: stopped mid-file
+    return driver
+
+
+@pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_stopped_driver_resumes_with_each_record_exactly_once(ray_cluster, tiny_pair, tmp_path, stop):
+    source, output = many_prompts(tmp_path / "in.jsonl"), tmp_path / "out.jsonl"
+    args = ["-o", str(output), *pair_args(tiny_pair, tokens=32), "--engine", "ray", "--workers", "2"]
+    driver = driver_mid_file(ray_cluster, source, args)
+    driver.send_signal(stop)
+    _, stderr = driver.communicate(timeout=60)
+    if stop == signal.SIGTERM:  # as after Ctrl-C, though ray.init installs a SIGTERM handler of its own
+        assert driver.returncode == 143, stderr.decode()[-2000:]
+        assert stderr.decode().strip().splitlines()[-1].endswith("run the same command with --resume to finish")
     assert 3 <= output.read_bytes().count(b"\n") < RECORDS
     resumed = run(source, *args, "--resume")  # its workers went with the driver: Ray frees their CPUs
     assert_exited(resumed, 0)
