@@ -29,7 +29,7 @@ from specdec_cli.batch.loop import Outcome
 from specdec_cli.batch.records import Completion
 from specdec_cli.batch.requests import Request
 from specdec_cli.engine.stats import GenerationStats
-from specdec_cli.errors import InputError, MissingExtraError, SpecdecError
+from specdec_cli.errors import InputError, MissingExtraError, ModelLoadError, SpecdecError
 
 if TYPE_CHECKING:
     from specdec_cli.settings import DecodingSettings, ModelChoice
@@ -147,11 +147,11 @@ class RayWorkers:
         try:
             started = self.ray.get([actor.ready.remote() for actor in self.actors])
         except self.ray.exceptions.RayActorError as error:
-            raise SpecdecError(f"a Ray worker could not start ({first_line(error)})",
+            raise ModelLoadError(f"a Ray worker could not start ({first_line(error)})",
                                "run with --debug to see why") from error
         for name, load_error, loaded in started:
             if load_error is not None:
-                raise SpecdecError(f"a Ray worker ({name}) could not load the models: {load_error}")
+                raise ModelLoadError(f"a Ray worker ({name}) could not load the models: {load_error}")
             self.reports.append(WorkerReport(name))
         self.loaded = _same_everywhere([(name, loaded) for name, _, loaded in started])
 
@@ -175,7 +175,7 @@ class RayWorkers:
             worker, request = job.idle.popleft(), job.waiting.popleft()
             job.running[self.actors[worker].generate.remote(job.requests[request])] = (worker, request)
         if job.waiting and not job.running:
-            raise SpecdecError("every Ray worker is gone: the restarted ones could not load the models again",
+            raise ModelLoadError("every Ray worker is gone: the restarted ones could not load the models again",
                                "the records so far are in OUTPUT; run the same command with --resume")
 
     def _collect(self, job: _Job, reference, worker: int, request: int) -> None:

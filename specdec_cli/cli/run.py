@@ -25,7 +25,7 @@ from specdec_cli.cli.options import (
     decoding_overrides, model_overrides,
 )
 from specdec_cli.errors import InputError, OutputWriteError
-from specdec_cli.settings import ModelOverrides, choose_models, decoding_settings
+from specdec_cli.settings import DecodingSettings, ModelChoice, ModelOverrides, choose_models, decoding_settings
 
 _FILES = "Files"
 _ENGINE = "Engine"
@@ -63,7 +63,7 @@ def run_command(
     seed: SeedOption = None,
     max_new_tokens: MaxNewTokensOption = None,
     system: SystemOption = None,
-    engine: Annotated[str, typer.Option("--engine", help="local: in this process; ray: on Ray workers, each with the pair loaded once (pip install 'specdec[ray]').", rich_help_panel=_ENGINE)] = "local",
+    engine: Annotated[str, typer.Option("--engine", help="local: in this process; ray: on Ray workers, each with the pair loaded once (needs the ray extra).", rich_help_panel=_ENGINE)] = "local",
     address: Annotated[str | None, typer.Option("--address", help="With --engine ray: the cluster to join (auto: the one `ray start` made here; ray://HOST:PORT). Default: a Ray of its own on this machine.", rich_help_panel=_ENGINE, show_default=False)] = None,
     workers: Annotated[int | None, typer.Option("--workers", help="With --engine ray: how many workers. Default: as many as the cluster's CPUs (GPUs with --gpus-per-worker) hold.", rich_help_panel=_ENGINE, show_default=False)] = None,
     cpus_per_worker: Annotated[float | None, typer.Option("--cpus-per-worker", help="With --engine ray: CPUs per worker, also its torch threads. Default: 1.", rich_help_panel=_ENGINE, show_default=False)] = None,
@@ -122,7 +122,7 @@ def _run_locked(input: str, output: Path, resume: bool, overwrite: bool, force: 
 
 
 @contextmanager
-def _engine(choice, settings, ray_options: batch.RayOptions | None, console: Console,
+def _engine(choice: ModelChoice, settings: DecodingSettings, ray_options: batch.RayOptions | None, console: Console,
             runnable: bool) -> Iterator[tuple[batch.Stream, list[batch.WorkerReport]]]:
     """The stream that answers the requests, and (on Ray) the workers' reports, filled in as they work."""
     if not runnable:
