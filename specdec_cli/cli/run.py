@@ -25,7 +25,7 @@ from specdec_cli.cli.options import (
     decoding_overrides, model_overrides,
 )
 from specdec_cli.errors import InputError, OutputWriteError
-from specdec_cli.settings import DecodingSettings, ModelChoice, ModelOverrides, choose_models, decoding_settings
+from specdec_cli.settings import DecodingSettings, ModelChoice, ModelOverrides, choose_models, decoding_settings, resolve_formats
 
 _FILES = "Files"
 _ENGINE = "Engine"
@@ -105,7 +105,7 @@ def _ray_options(engine: str, address: str | None, workers: int | None, cpus: fl
 def _run_locked(input: str, output: Path, resume: bool, overwrite: bool, force: bool, limit: int | None, quiet: bool,
                 models: ModelOverrides, decoding: dict, ray_options: batch.RayOptions | None) -> None:
     requests = batch.read_requests(batch.read_input(input))[:limit]
-    choice = choose_models(models)
+    choice = resolve_formats(choose_models(models))  # stored and loaded as resolved here: no `auto` in a file's settings
     settings = decoding_settings(choice.profile, **decoding)
     finished = batch.read_finished(output) if resume else []
     _check_or_store_settings(output, batch.record_settings(choice, settings), bool(finished), force)
