@@ -7,14 +7,14 @@ below them (chat, batch, bench, scripts) takes these objects and never imports t
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from specdec_cli.engine.sampling import SamplingParams
 from specdec_cli.errors import InputError
 from specdec_cli.models import LoadedModel, load_model, load_pair
-from specdec_cli.models.device import resolve_device
-from specdec_cli.models.quant import canonical
+from specdec_cli.models.device import resolve_device, resolve_dtype
+from specdec_cli.models.quant import canonical, resolve_auto
 from specdec_cli.profiles import DEFAULT_PROFILE, DRAFTERS, Profile, load_profile
 
 MAX_K = 16
@@ -181,6 +181,26 @@ def say_tree_note(target: LoadedModel, draft: LoadedModel, console: Printer) -> 
     note = tree_note(target, draft)
     if note:
         console.print(note, markup=False)
+
+
+def resolve_formats(choice: ModelChoice) -> ModelChoice:
+    """The choice with `auto` formats replaced by what this machine resolves them to (its calibration, its
+    kernels), so that what `run` stores beside a file — and what Ray workers load — names the format: a
+    resume on another machine then cannot silently continue a file in another precision."""
+    if "auto" not in (choice.target_quantization, choice.draft_quantization):
+        return choice
+    device = resolve_device(choice.device)
+    dtype = resolve_dtype(choice.dtype, device)
+
+    def resolved(role: str, spec: str | None, quantization: str | None, allowed) -> str | None:
+        if quantization != "auto" or spec is None:
+            return quantization
+        return resolve_auto(role, device, spec, dtype, allowed) or "none"
+
+    return replace(choice,
+                   target_quantization=resolved("target", choice.target, choice.target_quantization,
+                                                choice.profile.target_auto_formats),
+                   draft_quantization=resolved("draft", choice.draft, choice.draft_quantization, None))
 
 
 def _draft_quantization(choice: ModelChoice, console: Printer) -> str | None:

@@ -5,16 +5,19 @@
   writer.py      the output file: refusing to clobber, resuming, the durable writer
   sidecar.py     OUTPUT.settings.json: the settings a file was made with, checked on --resume
   lock.py        `OutputLock`: one run per output file (an OS lock naming its holder's pid)
-  loop.py        `run_batch` / `run_grouped`: the loop behind the `Generate` seam
+  loop.py        `run_batch` / `run_grouped` / `run_streamed`: the loop behind the `Generate` and `Stream` seams
   generation.py  `ModelGeneration`: the seam's implementation on the loaded models
+  ray_workers.py `RayWorkers`: the same generation on Ray actors, a `Stream` (`--engine ray`; Ray imported lazily)
 
 Importing this package loads no torch and no Rich."""
 
 from specdec_cli.batch.generation import ModelGeneration
 from specdec_cli.batch.lock import OutputLock, lock_path
 from specdec_cli.batch.loop import (
-    BatchSummary, Generate, GenerateOne, one_at_a_time, pending_requests, run_batch, run_grouped,
+    BatchSummary, Generate, GenerateOne, Outcome, Stream, each, in_groups, one_at_a_time, pending_requests, run_batch,
+    run_grouped, run_streamed,
 )
+from specdec_cli.batch.ray_workers import RayOptions, RayWorkers, WorkerReport, import_ray
 from specdec_cli.batch.records import Completion, error_record, record_failed, record_key, record_stats, success_record
 from specdec_cli.batch.requests import (
     CHAT_URL, COMPLETIONS_URL, MAX_SEED, OPENAI_KEYS, BadRecord, Request, parse_line, read_input, read_requests,
@@ -24,7 +27,9 @@ from specdec_cli.batch.writer import DurableWriter, check_output, read_finished
 
 __all__ = [
     "CHAT_URL", "COMPLETIONS_URL", "MAX_SEED", "OPENAI_KEYS", "BadRecord", "BatchSummary", "Completion", "DurableWriter",
-    "Generate", "GenerateOne", "ModelGeneration", "OutputLock", "Request", "check_output", "check_resumed_settings", "error_record", "lock_path", "one_at_a_time",
-    "parse_line", "pending_requests", "read_finished", "read_input", "read_requests", "record_failed", "record_key",
-    "record_settings", "record_stats", "run_batch", "run_grouped", "settings_path", "success_record", "write_settings",
+    "Generate", "GenerateOne", "ModelGeneration", "Outcome", "OutputLock", "RayOptions", "RayWorkers", "Request", "Stream",
+    "WorkerReport", "check_output", "check_resumed_settings", "each", "error_record", "import_ray", "in_groups",
+    "lock_path", "one_at_a_time", "parse_line", "pending_requests", "read_finished", "read_input", "read_requests",
+    "record_failed", "record_key", "record_settings", "record_stats", "run_batch", "run_grouped", "run_streamed",
+    "settings_path", "success_record", "write_settings",
 ]

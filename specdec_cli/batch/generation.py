@@ -61,7 +61,7 @@ class ModelGeneration:
             # A request the model cannot run (out of memory, a kernel that refuses an input) fails alone:
             # its record says why and the batch goes on. The decoder is reset before the next request.
             raise GenerationError(
-                f"generation failed ({type(error).__name__}: {_first_line(error)})",
+                f"generation failed ({type(error).__name__}: {first_line(error)})",
                 "the other records go on; if this looks like a bug in specdec, please report it with this line",
             ) from error
         text = stops.cut(self.tokenizer.decode(result.tokens, skip_special_tokens=True))
@@ -82,6 +82,6 @@ def _given(value, default):
     return default if value is None else value
 
 
-def _first_line(error: Exception) -> str:
+def first_line(error: Exception) -> str:
     text = str(error).strip()
     return text.splitlines()[0][:200] if text else "no message"

@@ -2,15 +2,17 @@
 
 The generation is a seam: `Generate` takes a list of requests and returns, per request, its
 `Completion` or the `SpecdecError` that stopped it. `run_grouped` hands it `size` requests at a time
-(a batched engine or an external backend can stand behind it without touching the writer); every
-record of a group is written, in order, before the next group starts. `run_batch` is the common case:
-one request at a time through a per-request `GenerateOne` (e.g. `ModelGeneration`). No torch, no Rich."""
+(a batched engine can stand behind it without touching the writer). `run_batch` is the common case:
+one request at a time through a per-request `GenerateOne` (e.g. `ModelGeneration`). Underneath both,
+`run_streamed` takes a `Stream`: the runnable requests in, an iterator of (outcome, seconds) in input
+order out, so a backend that works ahead (Ray workers) still has each record written the moment it is
+next in order. No torch, no Rich."""
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from specdec_cli.batch.records import Completion, error_record, record_key, success_record
@@ -20,6 +22,8 @@ from specdec_cli.errors import SpecdecError
 
 GenerateOne = Callable[[Request], Completion]
 Generate = Callable[[Sequence[Request]], list["Completion | SpecdecError"]]
+Outcome = tuple["Completion | SpecdecError", float]  # and the seconds it took
+Stream = Callable[[Sequence[Request]], Iterator[Outcome]]
 Write = Callable[[dict], None]
 
 
@@ -49,6 +53,7 @@ class BatchSummary:
     failed: int = 0  # error records written by this run
     failed_before: int = 0  # error records already in OUTPUT
     stats: GenerationStats = field(default_factory=GenerationStats)  # seconds include failed requests'
+    wall_seconds: float = 0.0  # since this run's first request: less than stats.seconds when workers run side by side
 
     @property
     def done(self) -> int:
@@ -65,6 +70,11 @@ class BatchSummary:
     @property
     def tokens_per_second(self) -> float:
         return self.stats.tokens_per_second
+
+    @property
+    def wall_tokens_per_second(self) -> float:
+        """Tokens per second of the whole job, across workers."""
+        return self.completion_tokens / self.wall_seconds if self.wall_seconds > 0 else 0.0
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -95,37 +105,57 @@ def pending_requests(requests: Sequence[Request], finished: Sequence[dict]) -> l
 def run_batch(requests: Sequence[Request], generate: GenerateOne, write: Write, summary: BatchSummary,
               model: str = "", on_record: Callable[[BatchSummary], None] | None = None) -> BatchSummary:
     """Answer each request in order, writing each record before the next request starts."""
-    return run_grouped(requests, one_at_a_time(generate), write, summary, model, on_record)
+    return run_streamed(requests, each(generate), write, summary, model, on_record)
+
+
+def each(generate: GenerateOne) -> Stream:
+    """A `Stream` that answers one request at a time, each only when the loop asks for it."""
+    return in_groups(one_at_a_time(generate), 1)
 
 
 def run_grouped(requests: Sequence[Request], generate: Generate, write: Write, summary: BatchSummary,
                 model: str = "", on_record: Callable[[BatchSummary], None] | None = None,
                 size: int = 1) -> BatchSummary:
-    """Answer the requests `size` at a time, writing every record in input order before the next group."""
-    for start in range(0, len(requests), size):
-        for record, completion, seconds in _answer_group(requests[start:start + size], generate, model):
-            write(record)
-            summary.add(completion, seconds)
-            if on_record is not None:
-                on_record(summary)
+    """Answer the runnable requests `size` at a time, writing every record in input order as soon as its group is done."""
+    return run_streamed(requests, in_groups(generate, size), write, summary, model, on_record)
+
+
+def in_groups(generate: Generate, size: int) -> Stream:
+    """A `Stream` that hands `generate` `size` requests at a time (a group's wall time shared evenly)."""
+
+    def stream(runnable: Sequence[Request]) -> Iterator[Outcome]:
+        for start in range(0, len(runnable), size):
+            group = runnable[start:start + size]
+            started = time.perf_counter()
+            outcomes = generate(group)
+            seconds = (time.perf_counter() - started) / len(group)
+            yield from ((outcome, seconds) for outcome in outcomes)
+
+    return stream
+
+
+def run_streamed(requests: Sequence[Request], stream: Stream, write: Write, summary: BatchSummary,
+                 model: str = "", on_record: Callable[[BatchSummary], None] | None = None) -> BatchSummary:
+    """Answer the requests in input order: `stream` gets the runnable ones and yields their outcomes in that
+    order (it may work ahead, e.g. on several workers); each record is written the moment it is next."""
+    started = time.perf_counter()
+    outcomes = stream([request for request in requests if request.error is None])
+    for request in requests:
+        if request.error is not None:
+            record, completion, seconds = error_record(request, request.error), None, 0.0
+        else:
+            outcome, seconds = next(outcomes)
+            record, completion = _answer(request, outcome, seconds, model)
+        write(record)
+        summary.add(completion, seconds)
+        summary.wall_seconds = time.perf_counter() - started
+        if on_record is not None:
+            on_record(summary)
     return summary
 
 
-def _answer_group(group: Sequence[Request], generate: Generate, model: str) -> list[tuple[dict, Completion | None, float]]:
-    """Each request's record, completion (None on error) and wall time (a group's time shared evenly)."""
-    runnable = [request for request in group if request.error is None]
-    started = time.perf_counter()
-    outcomes = iter(generate(runnable) if runnable else [])
-    seconds = (time.perf_counter() - started) / max(len(runnable), 1)
-    answers = []
-    for request in group:
-        if request.error is not None:
-            answers.append((error_record(request, request.error), None, 0.0))
-            continue
-        outcome = next(outcomes)
-        if isinstance(outcome, SpecdecError):
-            message = f"line {request.line}: {outcome.one_line()}"
-            answers.append((error_record(request, message, "generation_failed"), None, seconds))
-        else:
-            answers.append((success_record(request, outcome, seconds, model), outcome, seconds))
-    return answers
+def _answer(request: Request, outcome: Completion | SpecdecError, seconds: float, model: str) -> tuple[dict, Completion | None]:
+    """A generated request's record and completion (None on error)."""
+    if isinstance(outcome, SpecdecError):
+        return error_record(request, f"line {request.line}: {outcome.one_line()}", "generation_failed"), None
+    return success_record(request, outcome, seconds, model), outcome

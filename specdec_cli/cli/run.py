@@ -5,7 +5,9 @@ progress bar and the closing table on stderr."""
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+import math
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Annotated
 
@@ -23,9 +25,10 @@ from specdec_cli.cli.options import (
     decoding_overrides, model_overrides,
 )
 from specdec_cli.errors import InputError, OutputWriteError
-from specdec_cli.settings import ModelOverrides, choose_models, decoding_settings
+from specdec_cli.settings import DecodingSettings, ModelChoice, ModelOverrides, choose_models, decoding_settings, resolve_formats
 
 _FILES = "Files"
+_ENGINE = "Engine"
 WRITE_FAILED = 3  # OUTPUT could not be written (disk full); 1 means "some records failed", 2 a usage mistake
 
 
@@ -60,22 +63,49 @@ def run_command(
     seed: SeedOption = None,
     max_new_tokens: MaxNewTokensOption = None,
     system: SystemOption = None,
+    engine: Annotated[str, typer.Option("--engine", help="local: in this process; ray: on Ray workers, each with the pair loaded once (needs the ray extra).", rich_help_panel=_ENGINE)] = "local",
+    address: Annotated[str | None, typer.Option("--address", help="With --engine ray: the cluster to join (auto: the one `ray start` made here; ray://HOST:PORT). Default: a Ray of its own on this machine.", rich_help_panel=_ENGINE, show_default=False)] = None,
+    workers: Annotated[int | None, typer.Option("--workers", help="With --engine ray: how many workers. Default: as many as the cluster's CPUs (GPUs with --gpus-per-worker) hold.", rich_help_panel=_ENGINE, show_default=False)] = None,
+    cpus_per_worker: Annotated[float | None, typer.Option("--cpus-per-worker", help="With --engine ray: CPUs per worker, also its torch threads. Default: 1.", rich_help_panel=_ENGINE, show_default=False)] = None,
+    gpus_per_worker: Annotated[float | None, typer.Option("--gpus-per-worker", help="With --engine ray: GPUs per worker (0.5: two workers share one). Default: 0.", rich_help_panel=_ENGINE, show_default=False)] = None,
 ) -> None:
     """Generate for every request in a JSONL file: {"id", "prompt" | "messages", ...} lines, OpenAI
     Batch API request lines, or both. Each record is on disk before the next request starts; after a
     crash or Ctrl-C, rerun with --resume. Exit code 1 when any record failed, 2 for a
     usage mistake, 3 when OUTPUT could not be written (disk full)."""
+    ray_options = _ray_options(engine, address, workers, cpus_per_worker, gpus_per_worker)
     _check_paths(input, output, resume, overwrite)
     with sigterm_as_interrupt(), _output_lock(output):
         batch.check_output(output, resume, overwrite)  # again under the lock: another run may have just finished it
         _run_locked(input, output, resume, overwrite, force, limit, quiet, model_overrides(locals()),
-                    decoding_overrides(locals()))
+                    decoding_overrides(locals()), ray_options)
+
+
+def _ray_options(engine: str, address: str | None, workers: int | None, cpus: float | None,
+                 gpus: float | None) -> batch.RayOptions | None:
+    """None for --engine local; the Ray options, checked (and Ray importable), for --engine ray."""
+    if engine not in ("local", "ray"):
+        raise InputError(f"unknown engine {engine!r}", "use --engine local or --engine ray")
+    given = [flag for flag, value in (("--address", address), ("--workers", workers), ("--cpus-per-worker", cpus),
+                                      ("--gpus-per-worker", gpus)) if value is not None]
+    if engine == "local":
+        if given:
+            raise InputError(f"{given[0]} is an option of --engine ray", "add --engine ray, or leave it out")
+        return None
+    if workers is not None and workers < 1:
+        raise InputError(f"--workers must be at least 1, not {workers}", "give a number of Ray workers, or leave it out")
+    if cpus is not None and not (math.isfinite(cpus) and cpus > 0):
+        raise InputError(f"--cpus-per-worker must be more than 0, not {cpus:g}", "give a number such as 1 or 2")
+    if gpus is not None and not (math.isfinite(gpus) and gpus >= 0):
+        raise InputError(f"--gpus-per-worker must be 0 or more, not {gpus:g}", "give a number such as 1 or 0.5")
+    batch.import_ray()
+    return batch.RayOptions(address, workers, cpus or 1.0, gpus or 0.0)
 
 
 def _run_locked(input: str, output: Path, resume: bool, overwrite: bool, force: bool, limit: int | None, quiet: bool,
-                models: ModelOverrides, decoding: dict) -> None:
+                models: ModelOverrides, decoding: dict, ray_options: batch.RayOptions | None) -> None:
     requests = batch.read_requests(batch.read_input(input))[:limit]
-    choice = choose_models(models)
+    choice = resolve_formats(choose_models(models))  # stored and loaded as resolved here: no `auto` in a file's settings
     settings = decoding_settings(choice.profile, **decoding)
     finished = batch.read_finished(output) if resume else []
     _check_or_store_settings(output, batch.record_settings(choice, settings), bool(finished), force)
@@ -85,10 +115,26 @@ def _run_locked(input: str, output: Path, resume: bool, overwrite: bool, force: 
     )
     console = Console(stderr=True, highlight=False, soft_wrap=True, quiet=quiet)
     runnable = any(request.error is None for request in pending)
-    generate = batch.ModelGeneration.load(choice, settings, console) if runnable else _never
-    _run_with_progress(pending, generate, output, overwrite, summary, choice.target, console)
-    _print_summary(summary, console)
+    with _engine(choice, settings, ray_options, console, runnable) as (stream, reports):
+        _run_with_progress(pending, stream, output, overwrite, summary, choice.target, console, parallel=bool(reports))
+    _print_summary(summary, console, reports)
     _exit_on_failures(summary, output)
+
+
+@contextmanager
+def _engine(choice: ModelChoice, settings: DecodingSettings, ray_options: batch.RayOptions | None, console: Console,
+            runnable: bool) -> Iterator[tuple[batch.Stream, list[batch.WorkerReport]]]:
+    """The stream that answers the requests, and (on Ray) the workers' reports, filled in as they work."""
+    if not runnable:
+        yield batch.each(_never), []
+    elif ray_options is None:
+        yield batch.each(batch.ModelGeneration.load(choice, settings, console)), []
+    else:
+        with batch.RayWorkers(choice, settings, ray_options) as workers:
+            console.print(f"ray: {len(workers.actors)} workers, each loaded:", markup=False)
+            for line in workers.loaded:
+                console.print(f"  {line}", markup=False)
+            yield workers, workers.reports
 
 
 def _check_paths(source: str, output: Path, resume: bool, overwrite: bool) -> None:
@@ -116,17 +162,18 @@ def _never(request: batch.Request) -> batch.Completion:  # pragma: no cover - on
     raise AssertionError("no request to generate for")
 
 
-def _run_with_progress(pending, generate, output: Path, replace: bool, summary: batch.BatchSummary, model: str,
-                       console: Console) -> None:
+def _run_with_progress(pending, stream: batch.Stream, output: Path, replace: bool, summary: batch.BatchSummary,
+                       model: str, console: Console, parallel: bool = False) -> None:
     with batch.DurableWriter(output, replace) as writer, _progress_bar(console) as progress:
         task = progress.add_task("records", total=summary.total, completed=summary.done, speed="", acceptance="")
 
         def show(current: batch.BatchSummary) -> None:
-            progress.update(task, completed=current.done, speed=f"{current.tokens_per_second:.1f} tok/s",
+            speed = current.wall_tokens_per_second if parallel else current.tokens_per_second  # across workers
+            progress.update(task, completed=current.done, speed=f"{speed:.1f} tok/s",
                             acceptance=f"accept {_percent(current.acceptance_rate)}")
 
         try:
-            batch.run_batch(pending, generate, writer.write, summary, model, on_record=show)
+            batch.run_streamed(pending, stream, writer.write, summary, model, on_record=show)
         except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM as `Terminated`
             progress.stop()
             error_console().print(
@@ -156,14 +203,22 @@ def _percent(rate: float | None) -> str:
     return "-" if rate is None else f"{rate:.0%}"
 
 
-def _print_summary(summary: batch.BatchSummary, console: Console) -> None:
+def _print_summary(summary: batch.BatchSummary, console: Console, reports: list[batch.WorkerReport]) -> None:
     table = Table(title="specdec run", show_header=False, title_justify="left")
     table.add_row("records", f"{summary.done} of {summary.total}"
                   + (f" ({summary.skipped} already done)" if summary.skipped else ""))
     table.add_row("failed", str(summary.failed + summary.failed_before))
     table.add_row("tokens", str(summary.completion_tokens))
-    table.add_row("speed", f"{summary.tokens_per_second:.1f} tok/s over {summary.seconds:.1f} s")
+    if reports:
+        table.add_row("speed", f"{summary.wall_tokens_per_second:.1f} tok/s over {summary.wall_seconds:.1f} s "
+                      f"on {len(reports)} Ray workers")
+    else:
+        table.add_row("speed", f"{summary.tokens_per_second:.1f} tok/s over {summary.seconds:.1f} s")
     table.add_row("acceptance", _percent(summary.acceptance_rate))
+    for number, report in enumerate(reports, 1):
+        lost = f", died mid-request {report.lost}×" if report.lost else ""
+        table.add_row(f"worker {number}", f"{report.records} records, {report.stats.tokens_per_second:.1f} tok/s "
+                      f"({report.name}){lost}")
     console.print(table)
 
 

@@ -44,7 +44,18 @@ def _subset_layer(head: torch.nn.Module, token_ids: torch.Tensor) -> tuple[torch
     """A bias-free linear layer holding `head`'s rows at token_ids (int8 if `head` is), and head's row count."""
     if hasattr(head, "select_rows"):  # an int8 layer: the same int8 rows with their per-row scales
         return head.select_rows(token_ids.cpu()), head.out_features
-    rows = head.weight.detach()[token_ids.to(head.weight.device)].contiguous()
+    weight = head.weight.detach()
+    if type(weight) is not torch.Tensor and type(weight) is not torch.nn.Parameter:
+        # an int4 (torchao) layer, opaque: its rows read back through the layer itself (x = the identity),
+        # then re-quantised to int4 on their own
+        from specdec_cli.models.int4 import COMPUTE_DTYPE, quantize_int4
+
+        dense = head(torch.eye(head.in_features, dtype=COMPUTE_DTYPE, device=weight.device)).t()  # (out, in)
+        rows = dense[token_ids.to(weight.device)].contiguous()
+        layer = torch.nn.Linear(rows.shape[1], rows.shape[0], bias=False, dtype=rows.dtype)
+        layer.weight = torch.nn.Parameter(rows, requires_grad=False)
+        return quantize_int4(torch.nn.Sequential(layer))[0], weight.shape[0]
+    rows = weight[token_ids.to(weight.device)].contiguous()
     layer = torch.nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
     layer.weight = torch.nn.Parameter(rows, requires_grad=False)
     return layer, head.weight.shape[0]

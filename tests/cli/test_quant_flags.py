@@ -88,3 +88,19 @@ def test_calibrate_refuses_auto_and_unknown_formats_in_one_line():
         result = CliRunner().invoke(app, ["calibrate", "--target-formats", formats], env=WIDE)
         assert isinstance(result.exception, SystemExit) and result.exit_code == 2, result.output
         assert complaint in result.output
+
+
+def test_run_stores_the_formats_auto_resolved_to_not_auto(tiny_pair, tmp_path, specdec_home):
+    from specdec_cli.settings import resolve_formats
+
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "hello"}\n')
+    result = CliRunner().invoke(app, [
+        "run", str(prompts), "-o", str(tmp_path / "out.jsonl"), "--target", tiny_pair.target, "--draft", tiny_pair.same,
+        "--device", "cpu", "--dtype", "float32", "-n", "4", "-t", "0", "--target-quant", "auto", "--draft-quant", "auto",
+    ])
+    assert result.exit_code == 0, result.output
+    stored = json.loads((tmp_path / "out.jsonl.settings.json").read_text())["settings"]
+    assert (stored["target_quantization"], stored["draft_quantization"]) == ("int8", "int8")  # no calibration: int8
+    choice = choose_models(ModelOverrides(target="t", draft="d", target_quant="auto", draft_quant="none", device="cpu"))
+    assert (resolve_formats(choice).target_quantization, resolve_formats(choice).draft_quantization) == ("int8", "none")

@@ -164,3 +164,25 @@ def test_profiles_take_the_new_names_and_none(specdec_home):
                                      'target_quantization = "int4"\ndraft_quantization = "none"\n')
     profile = load_profile("cpu")
     assert (profile.target_quantization, profile.draft_quantization) == ("int4", None)
+
+
+@needs_torchao
+def test_an_int4_draft_gets_a_subset_head_of_its_own_rows(llama_folder):
+    from specdec_cli.drafters.subset_head import SubsetHeadLM
+
+    loaded = load_model(str(llama_folder), device="cpu", dtype="float32", quantization="int4", progress=False)
+    model = loaded.model
+    full = model.lm_head
+    model.lm_head = torch.nn.Linear(full.in_features, 304, bias=False)  # rows in 16s: the int4 kernel takes it
+    model.lm_head.weight = torch.nn.Parameter(torch.randn(304, full.in_features, dtype=torch.bfloat16) * 0.1)
+    from specdec_cli.models.int4 import quantize_int4
+
+    quantize_int4(torch.nn.Sequential(model.lm_head))  # the new head to int4 as well
+    assert hasattr(model.lm_head.weight, "qdata")  # int4 now, as in an int4 draft
+    ids = torch.arange(0, 304, 3)[:32]  # 32 rows
+    head = SubsetHeadLM(model, ids)
+    tokens = torch.tensor([[1, 5, 9, 14]])
+    subset_logits = head(tokens).logits[0, -1].float()  # (32,)
+    full_logits = model(tokens).logits[0, -1].float()[ids]
+    assert head.full_vocab_size == 304 and subset_logits.shape == (32,) and hasattr(head.head.weight, "qdata")
+    assert torch.allclose(subset_logits, full_logits, atol=0.05, rtol=0.05)  # the same rows, re-quantised
