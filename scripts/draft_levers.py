@@ -52,10 +52,10 @@ def configurations(target, drafts: dict, curve):
         "cascade int4 draft": lambda: (cascade("int4"), auto()),
         "cascade int4 draft +fr32k": lambda: (cascade("int4", True), auto()),
         "cascade int8 draft +fr32k": lambda: (cascade("int8", True), auto()),
-        "cascade int4, lookups unpriced": lambda: (cascade("int4"), auto(UnpricedLookups)),
-        "cascade int4, curve learned": lambda: (cascade("int4"), auto(curve=None)),
+        "cascade int4 (lookups unpriced)": lambda: (cascade("int4"), auto(UnpricedLookups)),
+        "cascade int4 (curve learned)": lambda: (cascade("int4"), auto(curve=None)),
         "ngram": lambda: (NgramDrafter(), auto()),
-        "ngram, lookups unpriced": lambda: (NgramDrafter(), auto(UnpricedLookups)),
+        "ngram (lookups unpriced)": lambda: (NgramDrafter(), auto(UnpricedLookups)),
     }
 
 
@@ -67,7 +67,7 @@ def main() -> None:
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     target = load_model("demo:qwen2.5-coder-1.5b", dtype="bfloat16", quantization=args.target_quant, progress=False)
-    drafts = {name: load_model("demo:qwen2.5-coder-0.5b", dtype="bfloat16", quantization=name, progress=False)
+    drafts = {name: load_model("demo:qwen2.5-coder-0.5b", dtype="bfloat16", quantization=name, progress=False, role="draft")
               for name in ("int8", "int4")}
     curve = verify_curve(target)
     configs = configurations(target, drafts, curve)

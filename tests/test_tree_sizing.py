@@ -21,6 +21,7 @@ FLAT_TO_16 = {1: 0.100, 2: 0.101, 4: 0.104, 8: 0.110, 16: 0.118}
     ({1: 0.1, 2: 0.1, 4: 0.105, 8: 0.11, 16: 0.15}, 9),  # x1.2 is reached at 8 + 8 * 0.01/0.04 = 10
     ({1: 0.1, 2: 0.11, 4: 0.13, 8: 0.2}, 2),  # x1.2 half way from 2 to 4 tokens: 3 tokens, 2 nodes
     ({8: 0.1, 1: 0.1, 4: 0.1}, 7),  # the order of the keys does not matter
+    ({1: 0.086, 2: 0.105, 4: 0.089, 8: 0.113, 16: 0.163}, 5),  # measured (int8): a bump at 2 tokens, flat again at 4
 ])
 def test_the_budget_is_the_nodes_a_verify_takes_while_it_stays_flat(seconds, nodes):
     assert budget_from_costs(seconds) == nodes

@@ -46,7 +46,8 @@ FLAT_RATIO = 1.2
 def budget_from_costs(seconds: Mapping[int, float], flat_ratio: float = FLAT_RATIO) -> int | None:
     """Tree nodes from a forward-cost curve ({n: seconds of a forward of n new tokens}, as `specdec
     calibrate` measured it): the most tokens a verify forward takes while it costs at most `flat_ratio` x a
-    one-token forward (linear between measured counts, never past the largest), less the one sequence
+    one-token forward (the largest measured count within it, linear towards the next, never past the largest
+    measured), less the one sequence
     token the verify feeds too. None when the curve says nothing (no n = 1, nothing past it) or is not
     flat even for a 2-node tree."""
     curve = sorted((int(n), float(cost)) for n, cost in seconds.items() if cost > 0)
@@ -54,11 +55,15 @@ def budget_from_costs(seconds: Mapping[int, float], flat_ratio: float = FLAT_RAT
     if one is None or len(curve) < 2:
         return None
     flat_tokens = float(curve[-1][0])
-    for (n_before, cost_before), (n, cost) in zip(curve, curve[1:]):
-        if cost > flat_ratio * one:
-            reach = (flat_ratio * one - cost_before) / (cost - cost_before)  # 0..1 of the way to n
-            flat_tokens = n_before + max(0.0, reach) * (n - n_before)
-            break
+    # From the largest count down: the last measured count still within the ratio (a noisy bump at a
+    # smaller count, as timing 2 tokens often shows, does not end the flat stretch), then part of the way
+    # to the next one.
+    within = [index for index, (_, cost) in enumerate(curve) if cost <= flat_ratio * one]
+    last = max(within)
+    if last + 1 < len(curve):
+        (n_before, cost_before), (n, cost) = curve[last], curve[last + 1]
+        reach = (flat_ratio * one - cost_before) / (cost - cost_before)  # 0..1 of the way to n
+        flat_tokens = n_before + max(0.0, reach) * (n - n_before)
     nodes = math.floor(flat_tokens + 1e-9) - 1  # 1e-9: 2.9999999 tokens from float round-off are 3
     return nodes if nodes >= 2 else None
 

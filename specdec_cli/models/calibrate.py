@@ -103,7 +103,8 @@ def measure_forward_costs(
     entries = []
     for role, spec in models.items():
         for quantization in formats.get(role, ()):
-            loaded = load_model(spec, device=device, dtype=dtype, quantization=quantization, progress=progress)
+            loaded = load_model(spec, device=device, dtype=dtype, quantization=quantization, progress=progress,
+                                role=role)
             entry = {
                 "role": role, "model": spec, "quantization": loaded.quantization or "none",
                 "precision": loaded.precision, "dtype": str(loaded.dtype).removeprefix("torch."),

@@ -59,6 +59,7 @@ class _Plan:
     trust_remote_code: bool
     allow_pickle: bool
     progress: bool
+    role: str = "target"  # or "draft": a quantised draft needs no row-exact attention
 
     def metadata_kwargs(self) -> dict:
         """from_pretrained arguments that locate the config/tokenizer: a folder, or a .gguf file not converted yet."""
@@ -82,7 +83,8 @@ def _plan(spec, device, dtype, quantization, trust_remote_code, allow_pickle, pr
         quantization = resolve_auto(role, chosen_device, spec, chosen_dtype, auto_formats)
     chosen_quantization = check_quantization(quantization, chosen_device)
     source = resolve(spec, progress)
-    return _Plan(source, chosen_device, chosen_dtype, chosen_quantization, trust_remote_code, allow_pickle, progress)
+    return _Plan(source, chosen_device, chosen_dtype, chosen_quantization, trust_remote_code, allow_pickle, progress,
+                 role)
 
 
 def _load_config(plan: _Plan):
@@ -145,7 +147,7 @@ def _load_weights(plan: _Plan, tokenizer) -> LoadedModel:
             model = _from_pretrained(plan, folder).eval()
     if plan.quantization in ("int8", "int4"):
         with status(f"quantising {plan.source.spec} to {plan.quantization} ...", plan.progress):
-            model = quantize(model, plan.quantization)
+            model = quantize(model, plan.quantization, exact_rows=plan.role == "target")
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -169,10 +171,12 @@ def load_model(
     allow_pickle: bool = False,
     progress: bool = True,
     auto_formats: tuple[str, ...] | None = None,
+    role: str = "target",
 ) -> LoadedModel:
     """Resolve `spec`, check its weights fit in memory, then load tokenizer and weights. `auto_formats`: what
-    quantization "auto" may pick for this (target) model (None: `quant.AUTO_FORMATS`)."""
-    plan = _plan(spec, device, dtype, quantization, trust_remote_code, allow_pickle, progress,
+    quantization "auto" may pick for this (target) model (None: `quant.AUTO_FORMATS`); role: "target" or
+    "draft" (what `auto` picks, and whether a quantised model gets row-exact attention)."""
+    plan = _plan(spec, device, dtype, quantization, trust_remote_code, allow_pickle, progress, role=role,
                  auto_formats=auto_formats)
     preflight.check_memory({spec: _weight_bytes(plan)}, plan.device)
     return _load_weights(plan, _load_tokenizer(plan))
