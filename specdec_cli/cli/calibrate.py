@@ -18,6 +18,7 @@ from specdec_cli.models.calibrate import TOKEN_COUNTS, machine, measure_forward_
 from specdec_cli.models.quant import canonical
 from specdec_cli.profiles import DEFAULT_PROFILE, load_profile
 
+DEFAULT_FORMATS = "none,int8,int4"
 FormatsOption = Annotated[str, typer.Option(help="Comma-separated formats: none, int8, int4, nf4, bnb8.")]
 
 
@@ -30,6 +31,27 @@ def _formats(value: str, flag: str) -> list[str]:
     return names
 
 
+def _available(names: list[str], asked: bool) -> list[str]:
+    """The formats this machine can run. One named on the command line that cannot run is an error (one line,
+    what to install or use instead); one of the default list is skipped with a note."""
+    import torch
+
+    from specdec_cli.errors import MissingExtraError, ModelLoadError
+    from specdec_cli.models.quant import check_quantization
+
+    kept = []
+    for name in names:
+        try:
+            check_quantization(name, torch.device("cpu"))
+        except (MissingExtraError, ModelLoadError) as error:
+            if asked:
+                raise
+            error_console().print(f"note: {name} skipped: {error.one_line()}", markup=False)
+            continue
+        kept.append(name)
+    return kept
+
+
 def _cells(seconds: dict[str, float]) -> list[str]:
     one = seconds["1"]
     return [f"{1000 * s:.0f} ms" + ("" if n == "1" else f" ×{s / one:.2f}") for n, s in seconds.items()]
@@ -38,8 +60,8 @@ def _cells(seconds: dict[str, float]) -> list[str]:
 @report_errors
 def calibrate_command(
     profile: ProfileOption = None,
-    target_formats: Annotated[str, typer.Option("--target-formats", help="Formats to time the target in (comma-separated: none, int8, int4, nf4, bnb8).")] = "none,int8,int4",
-    draft_formats: Annotated[str, typer.Option("--draft-formats", help="Formats to time the draft in.")] = "none,int8,int4",
+    target_formats: Annotated[str, typer.Option("--target-formats", help="Formats to time the target in (comma-separated: none, int8, int4, nf4, bnb8).")] = DEFAULT_FORMATS,
+    draft_formats: Annotated[str, typer.Option("--draft-formats", help="Formats to time the draft in.")] = DEFAULT_FORMATS,
     dtype: DtypeOption = None,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed forwards per size (the median is kept).")] = 5,
     context: Annotated[int, typer.Option("--context", min=1, help="Tokens already in the cache.")] = 200,
@@ -50,6 +72,8 @@ def calibrate_command(
     does; which format keeps that flat depends on the CPU. Stored under the specdec home."""
     chosen = load_profile(profile or DEFAULT_PROFILE)
     formats = {"target": _formats(target_formats, "--target-formats"), "draft": _formats(draft_formats, "--draft-formats")}
+    formats = {role: _available(names, given != DEFAULT_FORMATS)
+               for (role, names), given in zip(formats.items(), (target_formats, draft_formats))}
     if json_path is not None and json_path.is_dir():
         raise InputError(f"{json_path} is a folder", "give a file name for --json")
     models = {"target": chosen.target, **({"draft": chosen.draft} if chosen.draft else {})}

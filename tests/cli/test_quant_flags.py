@@ -104,3 +104,22 @@ def test_run_stores_the_formats_auto_resolved_to_not_auto(tiny_pair, tmp_path, s
     assert (stored["target_quantization"], stored["draft_quantization"]) == ("int8", "int8")  # no calibration: int8
     choice = choose_models(ModelOverrides(target="t", draft="d", target_quant="auto", draft_quant="none", device="cpu"))
     assert (resolve_formats(choice).target_quantization, resolve_formats(choice).draft_quantization) == ("int8", "none")
+
+
+def test_calibrate_skips_a_default_format_it_cannot_run_but_refuses_one_asked_for(tiny_pair, tmp_path, monkeypatch):
+    import sys
+
+    profiles = tmp_path / "home" / "profiles"
+    profiles.mkdir(parents=True)
+    (profiles / "tiny.toml").write_text(f'target = "{tiny_pair.target}"\n')
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    monkeypatch.setitem(sys.modules, "torchao", None)  # as if the quant extra were not installed
+    common = ["calibrate", "--profile", "tiny", "--dtype", "float32", "--repeats", "1", "--context", "8"]
+    result = CliRunner().invoke(app, common, env=WIDE)
+    assert result.exit_code == 0, result.output
+    assert "note: int4 skipped: int4 needs torchao, which is not installed — pip install 'specdec[quant]'" in result.output
+    stored = json.loads((tmp_path / "home" / "calibration.json").read_text())
+    assert [entry["quantization"] for entry in stored["entries"]] == ["none", "int8"]
+    asked = CliRunner().invoke(app, [*common, "--target-formats", "int8,int4"], env=WIDE)
+    assert isinstance(asked.exception, SystemExit) and asked.exit_code == 2, asked.output
+    assert "int4 needs torchao" in asked.output
