@@ -89,6 +89,8 @@ def estimate_weight_bytes(config, dtype: torch.dtype, quantization: str | None) 
     leave it to bitsandbytes, which keeps it."""
     shapes, head_shape, other, tied = _layer_shapes(config)
     name = canonical(quantization)
+    if name == "auto":  # not resolved yet (`profiles list`): what it means on a CPU with no calibration
+        name = "int8"
     width = torch.empty(0, dtype=compute_dtype(name, dtype)).element_size()
     linear = sum(linear_bytes(name, *shape, dtype) for shape in shapes)
     if name in ("int8", "int4"):

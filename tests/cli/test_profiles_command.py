@@ -116,4 +116,4 @@ def test_list_and_show_give_one_memory_figure_from_a_local_config(specdec_home, 
 
 
 def test_list_and_show_give_one_memory_figure_from_a_hint():
-    assert _show_estimate("demo") == _list_estimate("demo (default)") == "~3.4 GB"
+    assert _show_estimate("demo") == _list_estimate("demo (default)") == "~3.5 GB"
