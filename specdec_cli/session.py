@@ -17,6 +17,7 @@ from specdec_cli.engine.kv import tree_capable
 from specdec_cli.errors import InputError
 from specdec_cli.models import LoadedModel
 from specdec_cli.models.calibrate import calibrated_seconds
+from specdec_cli.models.device import dtype_name
 from specdec_cli.profiles import DRAFTERS, MAX_K
 
 # End-of-turn tokens that chat templates close an assistant turn with. Some checkpoints (GGUF
@@ -116,7 +117,7 @@ def build_decoder(
 
 def verify_curve(target: LoadedModel) -> dict[int, float] | None:
     """What `specdec calibrate` measured on this machine for the target as loaded (None: not measured)."""
-    return calibrated_seconds(target.name, target.quantization, str(target.dtype).removeprefix("torch."))
+    return calibrated_seconds(target.name, target.quantization, dtype_name(target.dtype))
 
 
 def encode_chat(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:

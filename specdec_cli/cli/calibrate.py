@@ -7,15 +7,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
+import torch
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from specdec_cli.cli.app import error_console, report_errors
 from specdec_cli.cli.options import DtypeOption, ProfileOption
-from specdec_cli.errors import InputError
+from specdec_cli.errors import InputError, MissingExtraError, ModelLoadError
 from specdec_cli.models.calibrate import TOKEN_COUNTS, machine, measure_forward_costs, save_calibration
-from specdec_cli.models.quant import canonical
+from specdec_cli.models.quant import canonical, check_quantization
 from specdec_cli.profiles import DEFAULT_PROFILE, load_profile
 
 DEFAULT_FORMATS = "none,int8,int4"
@@ -34,11 +35,6 @@ def _formats(value: str, flag: str) -> list[str]:
 def _available(names: list[str], asked: bool) -> list[str]:
     """The formats this machine can run. One named on the command line that cannot run is an error (one line,
     what to install or use instead); one of the default list is skipped with a note."""
-    import torch
-
-    from specdec_cli.errors import MissingExtraError, ModelLoadError
-    from specdec_cli.models.quant import check_quantization
-
     kept = []
     for name in names:
         try:

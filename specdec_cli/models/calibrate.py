@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from specdec_cli.engine.kv import CachedModel
+from specdec_cli.models.device import dtype_name
 from specdec_cli.models.loaded import LoadedModel, load_model
 from specdec_cli.models.paths import specdec_home
 
@@ -107,7 +108,7 @@ def measure_forward_costs(
                                 role=role)
             entry = {
                 "role": role, "model": spec, "quantization": loaded.quantization or "none",
-                "precision": loaded.precision, "dtype": str(loaded.dtype).removeprefix("torch."),
+                "precision": loaded.precision, "dtype": dtype_name(loaded.dtype),
                 "seconds": forward_costs(loaded, token_counts, context_tokens, repeats, clock),
             }
             del loaded

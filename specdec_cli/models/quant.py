@@ -16,6 +16,7 @@ import importlib.util
 import torch
 
 from specdec_cli.errors import MissingExtraError, ModelLoadError
+from specdec_cli.models.device import dtype_name
 
 FORMATS = ("none", "int8", "int4", "nf4", "bnb8", "auto")
 ALIASES = {"4bit": "nf4", "8bit": "bnb8"}
@@ -60,8 +61,8 @@ def resolve_auto(role: str, device: torch.device, spec: str | None = None, dtype
     if spec is not None:
         from specdec_cli.models.calibrate import calibrated_seconds
 
-        dtype_name = None if dtype is None else str(dtype).removeprefix("torch.")
-        measured = {name: calibrated_seconds(spec, name, dtype_name) for name in runnable}
+        label = None if dtype is None else dtype_name(dtype)
+        measured = {name: calibrated_seconds(spec, name, label) for name in runnable}
         measured = {name: seconds for name, seconds in measured.items() if seconds}
         if measured:
             sizes = (1, 4, 8) if role == "target" else (1,)
