@@ -1,14 +1,51 @@
-"""Batched speculative decoding: B sequences per forward, continuous refill. (Interface; body in progress.)"""
+"""Batched speculative decoding: up to B sequences per forward, a finished row refilled at once.
+
+Token ids in, token ids out, like decode.py, whose pieces it shares (acceptance, sampling, trimming,
+stats). Each step, for all live rows together:
+  1. plan    — the batch policy (batch_policy.py) gives each row its k (0: that row decodes plainly);
+  2. draft   — lookups per row (free); the draft model for the other rows, one packed forward per draft
+               position over the rows still drafting (each stops at its k or on its own odds);
+  3. verify  — one packed target forward over every row's [last token, drafts];
+  4. accept  — per row, the same acceptance rule as batch size 1, with the row's own sampling
+               parameters and generator; then EOS, the stop callback and the budget, per row;
+  5. learn   — the policy sees each row's outcome; a finished row leaves both caches and the next
+               request takes its place before the next step (continuous batching).
+Both models keep all rows in one packed cache each (packed.py): rollback and catch-up follow from the
+shared-prefix rule, and a row's prompt is prefilled alone when it is admitted.
+
+A row's output does not depend on the other rows: greedy output equals batch size 1 (bit for bit with
+the row-wise attention of int8/int4 targets, up to float rounding otherwise), and a row draws from its
+own generator, seeded as `SpeculativeDecoder` seeds it. Its stats.seconds is its own wall time from its
+admission to its last token."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from specdec_cli.engine.decode import GenerationResult, StopCallback
-from specdec_cli.engine.sampling import SamplingParams
+from specdec_cli.engine.acceptance import Verdict, greedy_verdict, sampling_verdict
+from specdec_cli.engine.batch_policy import LOOKUP, MODEL, CostBatchK, FixedBatchK, RowPlan
+from specdec_cli.engine.context import Budget, context_length, fit_budget, smallest_context
+from specdec_cli.engine.decode import (
+    GenerationResult, Provenance, StepEvent, StopCallback, provenance_of_next, trim_step,
+)
+from specdec_cli.engine.draft import Draft
+from specdec_cli.engine.packed import PackedCache
+from specdec_cli.engine.sampling import SamplingParams, logits_to_probs, make_generator, sample
+from specdec_cli.engine.stats import GenerationStats
+from specdec_cli.errors import PromptTooLongError
+
+DRAFTERS = ("none", "model", "ngram", "cascade")
+AUTO_SURVIVAL = 0.3  # as session.AUTO_SURVIVAL: with k = auto a row stops drafting on the draft's own odds
+
+
+class Lookup(Protocol):
+    def lookup(self, ids: Sequence[int]) -> int | None:
+        """Where the continuation of the sequence's longest matching suffix starts, or None."""
 
 
 @dataclass(frozen=True)
@@ -21,23 +58,204 @@ class RowRequest:
     stop: StopCallback | None = None
 
 
+@dataclass
+class _Row:
+    index: int
+    request: RowRequest
+    budget: Budget
+    generator: torch.Generator
+    started: float
+    ids: list[int]
+    lookup: Lookup | None = None  # the row's own lookup index (ngram, cascade)
+    tokens: list[int] = field(default_factory=list)
+    provenance: list[Provenance] = field(default_factory=list)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    finish_reason: str | None = None
+
+    @property
+    def remaining(self) -> int:
+        return self.budget.max_new_tokens - len(self.tokens)
+
+
 class BatchedDecoder:
     """Decodes up to `batch_size` sequences at once; a finished row takes the next request at once.
 
     drafter: "none" (the target alone), "model" (the draft model), "ngram" (lookup), "cascade" (lookup
-    when it matches, else the draft model); k: an int or "auto"."""
+    when it matches, else the draft model); k: an int (every row, every step) or "auto" (`CostBatchK`
+    on the forward-cost curves: `verify_curve` the target's, `draft_curve` the draft's). lookup_factory:
+    a new lookup index for each row (an `NgramDrafter`, which the engine cannot import: drafters sit
+    above it), for the ngram and cascade drafters."""
 
     def __init__(self, target: torch.nn.Module, draft: torch.nn.Module | None = None, drafter: str = "none",
                  batch_size: int = 8, k: int | str = "auto", eos_token_ids: Sequence[int] = (),
-                 verify_curve: dict[int, float] | None = None, draft_curve: dict[int, float] | None = None) -> None:
-        raise NotImplementedError
+                 verify_curve: dict[int, float] | None = None, draft_curve: dict[int, float] | None = None,
+                 scale_by_run: bool = False, lookup_factory: Callable[[], Lookup] | None = None) -> None:
+        if drafter not in DRAFTERS:
+            raise ValueError(f"unknown batched drafter {drafter!r} (one of {', '.join(DRAFTERS)})")
+        if drafter in ("model", "cascade") and draft is None:
+            raise ValueError(f"the {drafter} drafter needs a draft model")
+        if drafter in ("ngram", "cascade") and lookup_factory is None:
+            raise ValueError(f"the {drafter} drafter needs a lookup_factory (a new lookup index per row)")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        self.drafter = "none" if k == 0 else drafter
+        self.batch_size = batch_size
+        self.lookup_factory = lookup_factory
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.target = PackedCache(target)
+        uses_model = self.drafter in ("model", "cascade")
+        self.draft = PackedCache(draft) if uses_model else None
+        self.min_survival = AUTO_SURVIVAL if k == "auto" else 0.0
+        self.context = smallest_context(context_length(target), context_length(draft) if uses_model else None)
+        self.policy = (CostBatchK(verify_curve, draft_curve, scale_by_run=scale_by_run) if k == "auto"
+                       else FixedBatchK(int(k)))
 
-    def stream(self, requests: Iterable[RowRequest]) -> Iterator[tuple[int, GenerationResult]]:
-        """(index in `requests`, result) for each request, in the order they finish; each result's
-        stats.seconds is that request's own wall time from its admission to its last token."""
-        raise NotImplementedError
+    def stream(self, requests: Iterable[RowRequest]) -> Iterator[tuple[int, GenerationResult | Exception]]:
+        """(index in `requests`, result) for each request, in the order they finish. A request the models
+        cannot take (a prompt past the context, an empty one) gets its error instead; so do the rows live
+        when a forward fails (out of memory), and the batch goes on with the next requests."""
+        pending = iter(enumerate(requests))
+        live: dict[int, _Row] = {}
+        while True:
+            for index, request in _take(pending, self.batch_size - len(live)):
+                try:
+                    live[index] = self._admit(index, request)
+                except (PromptTooLongError, ValueError) as error:
+                    yield index, error
+            if not live:
+                return
+            try:
+                finished = self._step(live)
+            except (RuntimeError, MemoryError, IndexError) as error:
+                for index in list(live):
+                    self._release(live.pop(index))
+                    yield index, error
+                continue
+            for row in finished:
+                self._release(live.pop(row.index))
+                row.stats.seconds = time.perf_counter() - row.started
+                yield row.index, GenerationResult(row.tokens, row.provenance, row.finish_reason, row.stats, row.budget)
 
     def generate_many(self, requests: Sequence[RowRequest]) -> list[GenerationResult]:
-        """`stream`, collected in input order."""
-        results: dict[int, GenerationResult] = dict(self.stream(requests))
+        """`stream`, collected in input order (the first error raised)."""
+        results = dict(self.stream(requests))
+        for index in range(len(requests)):
+            if isinstance(results[index], Exception):
+                raise results[index]
         return [results[index] for index in range(len(requests))]
+
+    def _admit(self, index: int, request: RowRequest) -> _Row:
+        if not request.prompt_ids:
+            raise ValueError("the prompt must hold at least one token")
+        started = time.perf_counter()
+        budget = fit_budget(len(request.prompt_ids), request.max_new_tokens, self.context)
+        prompt = list(request.prompt_ids)
+        # The last prompt token goes into the row's first step, with its drafts, like any step's last token.
+        self.target.admit(index, prompt[:-1])
+        if self.draft is not None:
+            self.draft.admit(index, prompt[:-1])
+        lookup = self.lookup_factory() if self.drafter in ("ngram", "cascade") else None
+        return _Row(index, request, budget, make_generator(request.params.seed), started, prompt, lookup)
+
+    def _release(self, row: _Row) -> None:
+        self.target.release(row.index)
+        if self.draft is not None:
+            self.draft.release(row.index)
+        self.policy.forget(row.index)
+
+    def _step(self, live: dict[int, _Row]) -> list[_Row]:
+        started = time.perf_counter()
+        lookups = {index: row.lookup.lookup(row.ids) for index, row in live.items() if row.lookup is not None}
+        plans = {index: RowPlan(max(row.remaining - 1, 0), _source(self.drafter, lookups.get(index)))
+                 for index, row in live.items()}
+        ks = self.policy.plan(plans) if self.drafter != "none" else dict.fromkeys(live, 0)
+        drafts = {index: Draft([]) for index in live}
+        for index, start in lookups.items():
+            if start is not None and ks[index]:
+                drafts[index] = Draft(live[index].ids[start: start + ks[index]], free=True)
+        drafts.update(self._draft_with_model({index: k for index, k in ks.items() if k and plans[index].source == MODEL}, live))
+        drafted_at = time.perf_counter()
+        logits = self.target.extend({index: row.ids + drafts[index].ids for index, row in live.items()},
+                                    {index: len(drafts[index]) + 1 for index in live})
+        verified_at = time.perf_counter()
+        self.policy.observe(sum(len(draft) + 1 for draft in drafts.values()), verified_at - drafted_at)
+        finished = []
+        for index, row in live.items():
+            draft = drafts[index]
+            verdict = _verdict(draft, logits[index], row)
+            self.policy.update(index, len(draft), verdict.accepted, LOOKUP if draft.free else MODEL)
+            self._advance(row, draft, verdict, drafted_at - started, verified_at - drafted_at)
+            if row.finish_reason is not None:
+                finished.append(row)
+        return finished
+
+    def _draft_with_model(self, ks: dict[int, int], live: dict[int, _Row]) -> dict[int, Draft]:
+        """Each row in `ks` drafts up to its k with the draft model: one packed forward per position over
+        the rows still drafting; a row stops early when the draft's own odds of its tokens fall below
+        `min_survival` (k = auto)."""
+        drafted = {index: [] for index in ks}
+        rows_of_probs: dict[int, list[torch.Tensor]] = {index: [] for index in ks}
+        survival = dict.fromkeys(ks, 1.0)
+        active = [index for index in ks]
+        while active:
+            logits = self.draft.extend({index: live[index].ids + drafted[index] for index in active},
+                                       dict.fromkeys(active, 1))
+            still = []
+            for index in active:
+                params, row_logits = live[index].request.params, logits[index][-1]
+                if params.greedy:
+                    token = int(row_logits.argmax())
+                    confidence = float(torch.softmax(row_logits.float(), -1)[token]) if self.min_survival else 1.0
+                else:
+                    probs = logits_to_probs(row_logits, params)
+                    token = sample(probs, live[index].generator)
+                    confidence = float(probs[token])
+                    rows_of_probs[index].append(probs)
+                drafted[index].append(token)
+                survival[index] *= confidence
+                if len(drafted[index]) < ks[index] and survival[index] >= self.min_survival:
+                    still.append(index)
+            active = still
+        return {index: Draft(drafted[index], torch.stack(rows_of_probs[index]) if rows_of_probs[index] else None)
+                for index in ks}
+
+    def _advance(self, row: _Row, draft: Draft, verdict: Verdict, draft_seconds: float, verify_seconds: float) -> None:
+        """The row takes the step's tokens, cut at EOS, the budget or its stop callback."""
+        tokens = draft.ids[: verdict.accepted] + [verdict.next_token]
+        provenance = [Provenance.ACCEPTED] * verdict.accepted + [provenance_of_next(draft, verdict)]
+        tokens, provenance, finish_reason = trim_step(tokens, provenance, row.remaining, self.eos_token_ids)
+        row.tokens.extend(tokens)
+        row.provenance.extend(provenance)
+        row.ids.extend(tokens)
+        stop = row.request.stop
+        if finish_reason is None and stop is not None and stop(row.tokens):
+            finish_reason = "stop"
+        if finish_reason is None and row.remaining <= 0:
+            finish_reason = "length"
+        row.finish_reason = finish_reason
+        row.stats.add_step(StepEvent(tokens, provenance, len(draft), verdict.accepted, draft_seconds,
+                                     verify_seconds, finish_reason, draft.free))
+
+
+def _verdict(draft: Draft, target_logits: torch.Tensor, row: _Row) -> Verdict:
+    """The acceptance rule of batch size 1, on this row's (k+1, V) logits and with its own generator."""
+    params = row.request.params
+    if params.greedy:
+        return greedy_verdict(draft.ids, target_logits)
+    return sampling_verdict(draft.ids, draft.probs, logits_to_probs(target_logits, params), row.generator)
+
+
+def _source(drafter: str, lookup_start: int | None) -> str:
+    if drafter == "ngram" or (drafter == "cascade" and lookup_start is not None):
+        return LOOKUP
+    return MODEL
+
+
+def _take(pending: Iterator, count: int) -> list:
+    taken = []
+    for _ in range(max(count, 0)):
+        item = next(pending, None)
+        if item is None:
+            break
+        taken.append(item)
+    return taken

@@ -181,8 +181,8 @@ class SpeculativeDecoder:
             accepted_ids = [draft.ids[node] for node in path]
         verified_at = time.perf_counter()
         tokens = accepted_ids + [verdict.next_token]
-        provenance = [Provenance.ACCEPTED] * verdict.accepted + [_provenance_of_next(draft, verdict)]
-        tokens, provenance, finish_reason = self._trim(tokens, provenance, remaining)
+        provenance = [Provenance.ACCEPTED] * verdict.accepted + [provenance_of_next(draft, verdict)]
+        tokens, provenance, finish_reason = trim_step(tokens, provenance, remaining, self.eos_token_ids)
         draft_seconds, verify_seconds = drafted_at - started, verified_at - drafted_at
         tree_depth = _depth(draft)
         # The first step also prefills the prompt: its seconds say nothing of a step's cost.
@@ -234,16 +234,16 @@ class SpeculativeDecoder:
             tree_verdict = sampling_tree_verdict(draft.ids, draft.probs, draft.parents, target_probs, generator)
         return tree_verdict.path, Verdict(len(tree_verdict.path), tree_verdict.next_token, tree_verdict.is_bonus)
 
-    def _trim(
-        self, tokens: list[int], provenance: list[Provenance], remaining: int
-    ) -> tuple[list[int], list[Provenance], str | None]:
-        """Cut after the first EOS id ("stop") or at the token budget ("length")."""
-        end = eos_end(tokens[:remaining], self.eos_token_ids)
-        if end is not None:
-            return tokens[:end], provenance[:end], "stop"
-        if len(tokens) >= remaining:
-            return tokens[:remaining], provenance[:remaining], "length"
-        return tokens, provenance, None
+def trim_step(
+    tokens: list[int], provenance: list[Provenance], remaining: int, eos_token_ids
+) -> tuple[list[int], list[Provenance], str | None]:
+    """A step's tokens cut after the first EOS id ("stop") or at the token budget ("length")."""
+    end = eos_end(tokens[:remaining], eos_token_ids)
+    if end is not None:
+        return tokens[:end], provenance[:end], "stop"
+    if len(tokens) >= remaining:
+        return tokens[:remaining], provenance[:remaining], "length"
+    return tokens, provenance, None
 
 
 def eos_end(tokens: Sequence[int], eos_token_ids) -> int | None:
@@ -260,7 +260,7 @@ def cut_at_eos(tokens: list[int], eos_token_ids) -> list[int]:
     return tokens if end is None else tokens[:end]
 
 
-def _provenance_of_next(draft: Draft, verdict: Verdict) -> Provenance:
+def provenance_of_next(draft: Draft, verdict: Verdict) -> Provenance:
     if not draft.ids:
         return Provenance.TARGET
     return Provenance.BONUS if verdict.is_bonus else Provenance.RESAMPLED
