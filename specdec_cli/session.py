@@ -12,11 +12,12 @@ from dataclasses import dataclass
 from specdec_cli.drafters import CascadeDrafter, DraftModelDrafter, NgramDrafter
 from specdec_cli.drafters.tree import DEFAULT_BUDGET, TreeDrafter, budget_from_costs
 from specdec_cli.engine import DraftLengthPolicy, DraftOrNot, FixedK, SpeculativeDecoder
+from specdec_cli.engine.batched import BatchedDecoder
 from specdec_cli.engine.draft import DraftRule, Drafter
 from specdec_cli.engine.kv import tree_capable
 from specdec_cli.errors import InputError
 from specdec_cli.models import LoadedModel
-from specdec_cli.models.calibrate import calibrated_seconds
+from specdec_cli.models.calibrate import calibrated_seconds, forward_costs
 from specdec_cli.models.device import dtype_name
 from specdec_cli.profiles import DRAFTERS, MAX_K
 
@@ -118,6 +119,70 @@ def build_decoder(
 def verify_curve(target: LoadedModel) -> dict[int, float] | None:
     """What `specdec calibrate` measured on this machine for the target as loaded (None: not measured)."""
     return calibrated_seconds(target.name, target.quantization, dtype_name(target.dtype))
+
+
+# Batch sizes the default is chosen among: the token counts `specdec calibrate` measures.
+BATCH_SIZES = (1, 2, 4, 8, 16)
+BATCH_GAIN = 1.1  # doubling the batch must bring at least 10% more tokens per forward-second
+
+
+def forward_curve(model: LoadedModel) -> dict[int, float]:
+    """A forward's seconds per new-token count for `model` as loaded: `specdec calibrate`'s on this
+    machine, else measured now (a few forwards on a 64-token cache, seconds on a CPU)."""
+    calibrated = calibrated_seconds(model.name, model.quantization, dtype_name(model.dtype))
+    if calibrated:
+        return calibrated
+    measured = forward_costs(model, BATCH_SIZES, context_tokens=64, repeats=2)
+    return {int(n): seconds for n, seconds in measured.items()}
+
+
+def batch_size_for(curve: dict[int, float]) -> int:
+    """The batch size `run` takes by default: double from 1 while a forward of twice the rows yields at least
+    BATCH_GAIN times the tokens per second (a forward of B one-token rows costs about one of B tokens).
+    Where a forward of a few tokens costs about one (int8 or bf16 on AVX512, a GPU) that runs to the largest
+    measured; where it grows about linearly (float32 on AVX2) it stays small."""
+    chosen = 1
+    for size in BATCH_SIZES[1:]:
+        if size not in curve or chosen not in curve:
+            break
+        if (size / curve[size]) < BATCH_GAIN * (chosen / curve[chosen]):
+            break
+        chosen = size
+    return chosen
+
+
+def batched_note(target: LoadedModel, draft: LoadedModel | None, drafter: str) -> str | None:
+    """Why `run` must decode one request at a time with these models (None: it can batch): a model whose
+    attention takes no packed 4D mask (flash or flex attention, a sliding window)."""
+    for role, model in (("target", target), ("draft", draft if drafter in ("model", "cascade", "tree") else None)):
+        if model is not None and not tree_capable(model.model):
+            attention = getattr(model.model.config, "_attn_implementation", None)
+            return (f"the {role} ({attention} attention) cannot take the packed mask of a batch; requests run one "
+                    "at a time (batches need eager, sdpa or int8/int4 attention and no sliding window)")
+    return None
+
+
+def build_batched_decoder(target: LoadedModel, draft: LoadedModel | None, drafter: str, k: int | str,
+                          batch_size: int, target_curve: dict[int, float] | None = None) -> BatchedDecoder:
+    """The batched engine for `run`: drafter as for `build_decoder` (a tree drafts chains in a batch: one
+    path per row), k = auto priced by the models' forward-cost curves (`forward_curve`), never by the clock."""
+    batched_drafter = "model" if drafter == "tree" else drafter
+    uses_draft = batched_drafter in ("model", "cascade") and k != 0
+    if uses_draft and draft is None:
+        raise InputError(f"the {drafter} drafter needs a draft model", "pass --draft NAME, or --drafter ngram")
+    return BatchedDecoder(
+        target.model, draft.model if uses_draft else None, batched_drafter, batch_size, k, eos_token_ids(target),
+        verify_curve=(target_curve or forward_curve(target)) if k == "auto" else None,
+        draft_curve=forward_curve(draft) if uses_draft and k == "auto" else None,
+        lookup_factory=_lookup_factory(batched_drafter),
+    )
+
+
+def _lookup_factory(drafter: str):
+    """A new lookup index per row: the cascade's (2-gram matches and longer) or the n-gram drafter's."""
+    if drafter == "cascade":
+        return lambda: NgramDrafter(max_n=4, min_n=2)
+    return NgramDrafter if drafter == "ngram" else None
 
 
 def encode_chat(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:

@@ -6,12 +6,12 @@
   sidecar.py     OUTPUT.settings.json: the settings a file was made with, checked on --resume
   lock.py        `OutputLock`: one run per output file (an OS lock naming its holder's pid)
   loop.py        `run_batch` / `run_grouped` / `run_streamed`: the loop behind the `Generate` and `Stream` seams
-  generation.py  `ModelGeneration`: the seam's implementation on the loaded models
+  generation.py  `ModelGeneration` (one request at a time) and `BatchedGeneration` (the batched engine, a `Stream`)
   ray_workers.py `RayWorkers`: the same generation on Ray actors, a `Stream` (`--engine ray`; Ray imported lazily)
 
 Importing this package loads no torch and no Rich."""
 
-from specdec_cli.batch.generation import ModelGeneration
+from specdec_cli.batch.generation import BatchedGeneration, ModelGeneration
 from specdec_cli.batch.lock import OutputLock, lock_path
 from specdec_cli.batch.loop import (
     BatchSummary, Generate, GenerateOne, Outcome, Stream, each, in_groups, one_at_a_time, pending_requests, run_batch,
@@ -26,7 +26,7 @@ from specdec_cli.batch.sidecar import check_resumed_settings, record_settings, s
 from specdec_cli.batch.writer import DurableWriter, check_output, read_finished
 
 __all__ = [
-    "CHAT_URL", "COMPLETIONS_URL", "MAX_SEED", "OPENAI_KEYS", "BadRecord", "BatchSummary", "Completion", "DurableWriter",
+    "CHAT_URL", "COMPLETIONS_URL", "MAX_SEED", "OPENAI_KEYS", "BadRecord", "BatchSummary", "BatchedGeneration", "Completion", "DurableWriter",
     "Generate", "GenerateOne", "ModelGeneration", "Outcome", "OutputLock", "RayOptions", "RayWorkers", "Request", "Stream",
     "WorkerReport", "check_output", "check_resumed_settings", "each", "error_record", "import_ray", "in_groups",
     "lock_path", "one_at_a_time", "parse_line", "pending_requests", "read_finished", "read_input", "read_requests",

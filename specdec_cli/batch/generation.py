@@ -1,10 +1,12 @@
-"""Generation on the loaded models: the per-request `GenerateOne` that `specdec run` uses.
+"""Generation on the loaded models: the per-request `GenerateOne` that `specdec run` uses for one request
+at a time, and the `Stream` of the batched engine (`BatchedGeneration`, `run --batch-size`).
 
 The session and the models are imported inside the methods, so that importing `specdec_cli.batch`
 (reading, records, the writer, the loop) loads no torch."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from specdec_cli.batch.records import Completion
@@ -12,7 +14,10 @@ from specdec_cli.batch.requests import Request
 from specdec_cli.errors import SpecdecError
 
 if TYPE_CHECKING:
-    from specdec_cli.engine import SpeculativeDecoder
+    from specdec_cli.batch.loop import Outcome
+    from specdec_cli.engine import GenerationResult, SamplingParams, SpeculativeDecoder
+    from specdec_cli.engine.batched import BatchedDecoder
+    from specdec_cli.session import StopStrings
     from specdec_cli.settings import DecodingSettings, ModelChoice, Printer
 
 
@@ -39,43 +44,120 @@ class ModelGeneration:
         return cls(target.tokenizer, decoder, settings)
 
     def __call__(self, request: Request) -> Completion:
-        from specdec_cli.session import StopStrings
-        from specdec_cli.settings import sampling_params
-
-        settings = self.settings
-        prompt_ids = self._encode(request)
-        params = sampling_params(
-            _given(request.temperature, settings.temperature),
-            _given(request.top_p, settings.top_p),
-            _given(request.top_k, settings.top_k),
-            _given(request.seed, settings.seed),
-        )
-        stops = StopStrings(self.tokenizer, request.stop)
+        prompt_ids, params, stops, max_new_tokens = prepare(self.tokenizer, request, self.settings)
         # Each request starts from nothing (no cache, no learned draft length), so its output
         # depends on it alone: resuming, --limit or reordering the file never changes a record.
         self.decoder.reset()
-        max_new_tokens = _given(request.max_new_tokens, settings.max_new_tokens)
         try:
             result = self.decoder.generate(prompt_ids, params, max_new_tokens, stop=stops if stops.stops else None)
         except (RuntimeError, ValueError, IndexError, MemoryError) as error:
             # A request the model cannot run (out of memory, a kernel that refuses an input) fails alone:
             # its record says why and the batch goes on. The decoder is reset before the next request.
-            raise GenerationError(
-                f"generation failed ({type(error).__name__}: {first_line(error)})",
-                "the other records go on; if this looks like a bug in specdec, please report it with this line",
-            ) from error
-        text = stops.cut(self.tokenizer.decode(result.tokens, skip_special_tokens=True))
-        return Completion.of(text, result.finish_reason, len(prompt_ids), result.stats, result.budget.note() or None)
+            raise generation_failed(error) from error
+        return completion_of(self.tokenizer, result, stops, len(prompt_ids))
 
-    def _encode(self, request: Request) -> list[int]:
-        from specdec_cli.session import encode_chat, encode_completion
 
-        if not request.chat:
-            return encode_completion(self.tokenizer, request.prompt)
-        messages = list(request.messages)
-        if self.settings.system and messages[0]["role"] != "system":
-            messages.insert(0, {"role": "system", "content": self.settings.system})
-        return encode_chat(self.tokenizer, messages)
+class BatchedGeneration:
+    """A `Stream` on the batched engine: up to B requests decoded together, a finished one replaced by the
+    next at once (continuous batching). Outcomes come back in input order, each as soon as it and every
+    request before it are done; a request's seconds are its own, from its admission to its last token."""
+
+    def __init__(self, tokenizer, decoder: BatchedDecoder, settings: DecodingSettings) -> None:
+        self.tokenizer = tokenizer
+        self.decoder = decoder
+        self.settings = settings
+
+    @classmethod
+    def load(cls, choice: ModelChoice, settings: DecodingSettings, batch_size: int | str,
+             console: Printer | None = None) -> BatchedGeneration | ModelGeneration:
+        """The pair loaded and the batch size chosen (auto: `batch_size_for` the target's forward-cost curve);
+        ModelGeneration (one at a time) when that is 1 or the models cannot take a packed batch."""
+        from specdec_cli.session import batch_size_for, batched_note, build_batched_decoder, build_decoder, forward_curve
+        from specdec_cli.settings import load_choice
+
+        target, draft = load_choice(choice, console)
+        note = batched_note(target, draft, choice.drafter)
+        curve = forward_curve(target) if batch_size == "auto" and note is None else None
+        size = 1 if note else (batch_size_for(curve) if batch_size == "auto" else int(batch_size))
+        if console is not None:
+            console.print(f"batch: {size} request{'s' if size > 1 else ''} at a time"
+                          + (f" ({note})" if note else " (chosen from the target's forward costs)" if curve else ""),
+                          markup=False)
+        if size == 1:
+            return ModelGeneration(target.tokenizer, build_decoder(target, draft, choice.drafter, settings.k,
+                                                                   clock_free=True), settings)
+        decoder = build_batched_decoder(target, draft, choice.drafter, settings.k, size, curve)
+        return cls(target.tokenizer, decoder, settings)
+
+    def __call__(self, runnable: Sequence[Request]) -> Iterator[Outcome]:
+        from specdec_cli.engine.batched import RowRequest
+
+        prepared: dict[int, tuple] = {}
+        outcomes: dict[int, Outcome] = {}
+        for position, request in enumerate(runnable):
+            try:
+                prepared[position] = prepare(self.tokenizer, request, self.settings)
+            except SpecdecError as error:
+                outcomes[position] = (error, 0.0)
+        positions = list(prepared)
+        rows = (RowRequest(prompt_ids, params, max_new_tokens, stops if stops.stops else None)
+                for prompt_ids, params, stops, max_new_tokens in prepared.values())
+        following = 0
+        for row, result in self.decoder.stream(rows):
+            position = positions[row]
+            outcomes[position] = self._outcome(result, prepared[position])
+            while following in outcomes:
+                yield outcomes.pop(following)
+                following += 1
+        while following in outcomes:  # requests that failed before decoding, after the last decoded one
+            yield outcomes.pop(following)
+            following += 1
+
+    def _outcome(self, result: GenerationResult | Exception, prepared: tuple) -> Outcome:
+        if isinstance(result, SpecdecError):
+            return result, 0.0
+        if isinstance(result, Exception):
+            return generation_failed(result), 0.0
+        prompt_ids, _params, stops, _budget = prepared
+        return completion_of(self.tokenizer, result, stops, len(prompt_ids)), result.stats.seconds
+
+
+def prepare(tokenizer, request: Request, settings: DecodingSettings) -> tuple[list[int], SamplingParams, StopStrings, int]:
+    """A request's prompt ids, sampling parameters (its own, else the run's), stop strings and token budget."""
+    from specdec_cli.session import StopStrings
+    from specdec_cli.settings import sampling_params
+
+    params = sampling_params(
+        _given(request.temperature, settings.temperature),
+        _given(request.top_p, settings.top_p),
+        _given(request.top_k, settings.top_k),
+        _given(request.seed, settings.seed),
+    )
+    stops = StopStrings(tokenizer, request.stop)
+    return _encode(tokenizer, request, settings), params, stops, _given(request.max_new_tokens, settings.max_new_tokens)
+
+
+def completion_of(tokenizer, result: GenerationResult, stops: StopStrings, prompt_tokens: int) -> Completion:
+    text = stops.cut(tokenizer.decode(result.tokens, skip_special_tokens=True))
+    return Completion.of(text, result.finish_reason, prompt_tokens, result.stats, result.budget.note() or None)
+
+
+def generation_failed(error: Exception) -> GenerationError:
+    return GenerationError(
+        f"generation failed ({type(error).__name__}: {first_line(error)})",
+        "the other records go on; if this looks like a bug in specdec, please report it with this line",
+    )
+
+
+def _encode(tokenizer, request: Request, settings: DecodingSettings) -> list[int]:
+    from specdec_cli.session import encode_chat, encode_completion
+
+    if not request.chat:
+        return encode_completion(tokenizer, request.prompt)
+    messages = list(request.messages)
+    if settings.system and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": settings.system})
+    return encode_chat(tokenizer, messages)
 
 
 def _given(value, default):

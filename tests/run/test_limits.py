@@ -131,7 +131,7 @@ def test_a_request_that_fails_inside_generation_becomes_an_error_record(tiny_pai
     source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_text("".join(_json.dumps({"id": name, "prompt": "def add(a, b):"}) + "\n" for name in "abc"))
     result = _Runner().invoke(_app, ["run", str(source), "-o", str(output), "--target", tiny_pair.target, "--dtype",
-                                     "float32", "-n", "4", "-t", "0"])
+                                     "float32", "-n", "4", "-t", "0", "--batch-size", "1"])
     assert isinstance(result.exception, SystemExit) and result.exit_code == 1, result.exception  # a record failed
     records = [_json.loads(line) for line in output.read_text().splitlines()]
     assert [record["id"] for record in records] == ["a", "b", "c"]

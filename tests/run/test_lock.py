@@ -52,7 +52,7 @@ def test_a_second_run_on_the_same_output_is_refused_naming_the_holder(tmp_path, 
 
 
 def test_the_lock_is_held_while_the_models_load_and_released_at_exit(tiny_pair, tmp_path, monkeypatch):
-    load = batch.ModelGeneration.load
+    load = batch.BatchedGeneration.load
     seen = []
 
     def load_while_checking(*args, **kwargs):
@@ -65,7 +65,7 @@ def test_the_lock_is_held_while_the_models_load_and_released_at_exit(tiny_pair, 
             os.close(descriptor)
         return load(*args, **kwargs)
 
-    monkeypatch.setattr(batch.ModelGeneration, "load", load_while_checking)
+    monkeypatch.setattr(batch.BatchedGeneration, "load", load_while_checking)
     result = run(tmp_path, "--target", tiny_pair.target, "--draft", tiny_pair.draft, "--dtype", "float32", "-n", "4")
     assert result.exit_code == 0, result.output
     assert seen == [f"{os.getpid()}\n".encode()]

@@ -1,5 +1,8 @@
 """A real process killed with SIGKILL in the middle of a batch, then resumed: every input line has
-exactly one output record, in input order. SIGTERM stops it like Ctrl-C, with the hint and exit 143."""
+exactly one output record, in input order, and (greedy) the text an uninterrupted run gives; one request
+at a time and 4 decoded together. SIGTERM stops it like Ctrl-C, with the hint and exit 143."""
+
+import pytest
 
 import json
 import os
@@ -24,11 +27,11 @@ def lines_in(path: Path) -> int:
     return path.read_bytes().count(b"\n") if path.exists() else 0
 
 
-def running_with_three_records(tiny_pair, tmp_path) -> tuple[Path, Path, subprocess.Popen]:
+def running_with_three_records(tiny_pair, tmp_path, *args: str) -> tuple[Path, Path, subprocess.Popen]:
     """A run on RECORDS requests that has written at least 3 records and is still going."""
     source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"Hello {i}"}) + "\n" for i in range(RECORDS)))
-    first = start(tiny_pair, str(source), "-o", str(output))
+    first = start(tiny_pair, str(source), "-o", str(output), *args)
     deadline = time.monotonic() + 120
     while lines_in(output) < 3 and first.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -36,22 +39,28 @@ def running_with_three_records(tiny_pair, tmp_path) -> tuple[Path, Path, subproc
     return source, output, first
 
 
-def resume_finishes(tiny_pair, source: Path, output: Path) -> None:
-    second = start(tiny_pair, str(source), "-o", str(output), "--resume")
+def resume_finishes(tiny_pair, source: Path, output: Path, *args: str) -> None:
+    second = start(tiny_pair, str(source), "-o", str(output), "--resume", *args)
     _, stderr = second.communicate(timeout=300)
     assert second.returncode == 0, stderr.decode()[-2000:]
     assert [json.loads(line)["id"] for line in output.read_text().splitlines()] == [f"r{i}" for i in range(RECORDS)]
 
 
-def test_sigkill_then_resume_gives_exactly_one_record_per_line(tiny_pair, tmp_path):
-    source, output, first = running_with_three_records(tiny_pair, tmp_path)
+@pytest.mark.parametrize("batch_size", ["1", "4"])
+def test_sigkill_then_resume_gives_exactly_one_record_per_line(tiny_pair, tmp_path, batch_size):
+    source, output, first = running_with_three_records(tiny_pair, tmp_path, "--batch-size", batch_size)
     first.send_signal(signal.SIGKILL)
     first.wait()
     killed_at = lines_in(output)
     assert 3 <= killed_at < RECORDS
     with open(output, "ab") as torn:  # what a kill in the middle of a write would leave
         torn.write(b'{"id": "r')
-    resume_finishes(tiny_pair, source, output)
+    resume_finishes(tiny_pair, source, output, "--batch-size", batch_size)
+    whole = tmp_path / "whole.jsonl"
+    uninterrupted = start(tiny_pair, str(source), "-o", str(whole), "--batch-size", batch_size)
+    assert uninterrupted.wait(timeout=300) == 0
+    assert [json.loads(line)["text"] for line in output.read_text().splitlines()] == [
+        json.loads(line)["text"] for line in whole.read_text().splitlines()]
 
 
 def test_sigterm_stops_like_ctrl_c_with_the_resume_hint_and_exit_143(tiny_pair, tmp_path):
