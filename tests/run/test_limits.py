@@ -137,3 +137,35 @@ def test_a_request_that_fails_inside_generation_becomes_an_error_record(tiny_pai
     assert [record["id"] for record in records] == ["a", "b", "c"]
     assert [record["finish_reason"] for record in records] == ["length", "error", "length"]
     assert records[1]["error"].startswith("line 2: generation failed (RuntimeError: a kernel refused this input)")
+
+
+def test_a_forward_that_fails_in_a_batch_fails_the_rows_it_held_and_the_batch_goes_on(tiny_pair, tmp_path, monkeypatch):
+    """Batched, one forward serves every live row: when it fails (here the target's third), the requests it
+    held get error records saying why, and the next requests are answered as usual."""
+    import json as _json
+
+    from typer.testing import CliRunner as _Runner
+
+    from specdec_cli.cli import app as _app
+    from specdec_cli.engine.packed import PackedCache
+
+    real_extend, calls = PackedCache.extend, []
+
+    def failing_third(self, sequences, n_logits):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("a kernel refused this input")
+        return real_extend(self, sequences, n_logits)
+
+    monkeypatch.setattr(PackedCache, "extend", failing_third)
+    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(_json.dumps({"id": name, "prompt": "def add(a, b):"}) + "\n" for name in "abcd"))
+    result = _Runner().invoke(_app, ["run", str(source), "-o", str(output), "--target", tiny_pair.target, "--dtype",
+                                     "float32", "-n", "4", "-t", "0", "--batch-size", "2"])
+    assert isinstance(result.exception, SystemExit) and result.exit_code == 1, result.exception  # records failed
+    records = [_json.loads(line) for line in output.read_text().splitlines()]
+    assert [record["id"] for record in records] == ["a", "b", "c", "d"]
+    assert [record["finish_reason"] for record in records] == ["error", "error", "length", "length"]
+    assert records[0]["error"] == ("line 1: generation failed (RuntimeError: a kernel refused this input) — the other "
+                                   "records go on; if this looks like a bug in specdec, please report it with this line")
+    assert records[2]["text"] == records[3]["text"] != ""

@@ -229,6 +229,9 @@ def test_ctrl_c_keeps_the_finished_records_and_says_how_to_resume(run, tmp_path,
         (["missing.jsonl", "-o", "out.jsonl"], "error: cannot read missing.jsonl: No such file or directory — check the input path"),
         (["in.jsonl", "-o", "in.jsonl"], "error: INPUT and OUTPUT are the same file — write the results to another file with -o"),
         (["in.jsonl", "-o", "out.jsonl", "--temperature", "-1"], "error: temperature must be a finite number >= 0, got -1.0 — fix the sampling option"),
+        (["in.jsonl", "-o", "out.jsonl", "--batch-size", "0"], "error: --batch-size must be at least 1, not 0 — give e.g. --batch-size 8, or 1 for one request at a time"),
+        (["in.jsonl", "-o", "out.jsonl", "--batch-size", "many"], "error: --batch-size must be a whole number or auto, not 'many' — give e.g. --batch-size 8"),
+        (["in.jsonl", "-o", "out.jsonl", "--batch-size", "4", "--engine", "ray"], "error: --batch-size is an option of --engine local (Ray workers answer one request at a time) — leave out --batch-size, or run with --engine local"),
     ],
 )
 def test_command_line_mistakes_are_one_line(run, tmp_path, monkeypatch, args, message):
