@@ -71,7 +71,7 @@ def generate_batch(target: LoadedModel, prompts: Sequence[list[int]], batch_size
         raise PeerUnavailable("this transformers has no generate_batch (transformers 5.x has)")
     settings = continuous_batching_settings(batch_size, prompts, generation_config.max_new_tokens)
     config = ContinuousBatchingConfig(**settings, seed=params.seed or 0)
-    with _cb_attention(target.model), _cb_log() as errors, contextlib.redirect_stdout(io.StringIO()):
+    with _running_on_cb_attention(target.model), _cb_log() as errors, contextlib.redirect_stdout(io.StringIO()):
         try:
             outputs = target.model.generate_batch([list(prompt) for prompt in prompts], generation_config=generation_config,
                                                   continuous_batching_config=config)
@@ -85,14 +85,21 @@ def generate_batch(target: LoadedModel, prompts: Sequence[list[int]], batch_size
     return [list(result.generated_tokens) for result in results]  # generate_batch returns them in input order
 
 
-@contextlib.contextmanager
-def _cb_attention(model: torch.nn.Module):
-    """Run on SDPA while the model's attention is one continuous batching refuses (specdec's row-wise one)."""
+def cb_attention(model: torch.nn.Module) -> str:
+    """The attention implementation generate_batch runs the model with: its own, or SDPA instead of one
+    continuous batching refuses (specdec's row-wise one)."""
     original = model.config._attn_implementation
-    if original in CB_ATTENTION or "flash" in original:
+    return original if original in CB_ATTENTION or "flash" in original else "sdpa"
+
+
+@contextlib.contextmanager
+def _running_on_cb_attention(model: torch.nn.Module):
+    """Run on `cb_attention` for the call, then give the model its own attention back."""
+    original = model.config._attn_implementation
+    if cb_attention(model) == original:
         yield
         return
-    model.set_attn_implementation("sdpa")
+    model.set_attn_implementation(cb_attention(model))
     try:
         yield
     finally:
