@@ -92,6 +92,8 @@ def compare_command(
     unless --max-new-tokens."""
     drafters = _split(drafter)
     _check_batch_size(batch_size, with_hf=with_hf, by_category=by_category, plot=plot)
+    if batch_size is not None:
+        bench.check_batched_drafters(drafters)  # before choose_models, which may ask for a draft the tree needs
     choice = choose_models(replace(model_overrides(locals()), drafter=_drafter_for_choice(drafters)))
     settings = decoding_settings(
         choice.profile, temperature=temperature if temperature is not None else 0.0,
