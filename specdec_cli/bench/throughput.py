@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from specdec_cli.bench.batched_peers import (
     PeerUnavailable, cb_attention, continuous_batching_settings, generate_batch, padded_generate,
 )
-from specdec_cli.bench.measure import encode_prompt
+from specdec_cli.bench.measure import encode_prompts
 from specdec_cli.bench.peers import hf_generation_config, pad_token_id, quiet_transformers
 from specdec_cli.bench.probes import environment
 from specdec_cli.bench.runs import WARMUP_TOKENS, BenchSettings, run_order
@@ -85,15 +85,11 @@ class ThroughputBenchmark:
 
     def __init__(self, target: LoadedModel, draft: LoadedModel | None, configs: Sequence[BatchedConfiguration],
                  prompts: Sequence[Prompt], settings: BenchSettings, batch_size: int) -> None:
-        if not prompts:
-            raise InputError("no prompts to run", "choose other categories or another prompt file")
+        self.prompt_ids = encode_prompts(prompts, target.tokenizer, settings.system)
         self.target, self.draft = target, draft
-        self.configs = list(configs)
-        self.prompts = list(prompts)
-        self.settings = settings
-        self.batch_size = batch_size
+        self.configs, self.prompts = list(configs), list(prompts)
+        self.settings, self.batch_size = settings, batch_size
         self.eos_ids = eos_token_ids(target)
-        self.prompt_ids = [encode_prompt(prompt, target.tokenizer, settings.system) for prompt in prompts]
         self.order = [(repeat, index) for repeat, _, index in run_order(settings.repeats, 1, len(self.configs))]
         self.passes: list[Pass] = []
         self.unavailable: dict[str, str] = {}  # configuration name → why it cannot run here
