@@ -45,14 +45,12 @@ class Benchmark:
     def __init__(self, target: LoadedModel, draft: LoadedModel | None, configs: Sequence[Configuration],
                  prompts: Sequence[Prompt], settings: BenchSettings, plain_draft: LoadedModel | None = None) -> None:
         """plain_draft: the draft without specdec's own quantisation, for HF assisted's PLAIN_DRAFT runs."""
-        if not prompts:
-            raise InputError("no prompts to run", "choose other categories or another prompt file")
+        self.prompt_ids = encode_prompts(prompts, target.tokenizer, settings.system)
         self.target, self.draft = target, draft
         self.configs = list(configs)
         self.prompts = list(prompts)
         self.settings = settings
         self.eos_ids = eos_token_ids(target)
-        self.prompt_ids = [encode_prompt(prompt, target.tokenizer, settings.system) for prompt in prompts]
         self.order = run_order(len(prompts), settings.repeats, len(self.configs))
         self.runs: list[Run] = []
         self.warmup: dict = {}
@@ -196,6 +194,13 @@ class Benchmark:
             "hf_assisted": assistant_settings(self.draft),
             "warmup_tokens": WARMUP_TOKENS,
         }
+
+
+def encode_prompts(prompts: Sequence[Prompt], tokenizer, system: str | None) -> list[list[int]]:
+    """Every prompt's ids (`encode_prompt`); no prompts at all is a mistake."""
+    if not prompts:
+        raise InputError("no prompts to run", "choose other categories or another prompt file")
+    return [encode_prompt(prompt, tokenizer, system) for prompt in prompts]
 
 
 def encode_prompt(prompt: Prompt, tokenizer, system: str | None = None) -> list[int]:

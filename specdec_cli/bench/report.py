@@ -10,6 +10,7 @@ from rich.table import Table
 
 from specdec_cli.bench.measure import Benchmark
 from specdec_cli.bench.runs import POSITIONS
+from specdec_cli.bench.throughput import ThroughputBenchmark
 from specdec_cli.errors import InputError
 
 
@@ -49,7 +50,7 @@ def measurement_table(benchmark: Benchmark, by_category: bool) -> Table:
     return table
 
 
-def _title(benchmark: Benchmark) -> str:
+def _title(benchmark: Benchmark | ThroughputBenchmark) -> str:
     settings = benchmark.settings
     mode = "greedy" if settings.params.greedy else f"temperature {settings.params.temperature:g}"
     return (f"{len(benchmark.prompts)} prompts × {settings.repeats} · {settings.max_new_tokens} new tokens · {mode} · "
@@ -64,6 +65,26 @@ def _caption(benchmark: Benchmark) -> str:
         f"memory: weights of the models a configuration runs + its working memory ({memory}). "
         "identical: prompts whose greedy output equals the target alone's, token for token."
     )
+
+
+def throughput_table(benchmark: ThroughputBenchmark) -> Table:
+    """`compare --batch-size`: one row per configuration; a peer that cannot run here has dashes, and the
+    caption says why."""
+    rows = benchmark.summary()
+    unavailable = "".join(f"\n{escape(row['configuration'])} cannot run here: {escape(row['unavailable'])}"
+                          for row in rows if row["unavailable"])
+    table = Table("configuration", "new tokens", "seconds", "tok/s", "vs target alone", "accept", "identical",
+                  title=_title(benchmark) + f" · batch size {benchmark.batch_size}", caption_justify="left",
+                  caption="every configuration answers all the prompts at this batch size in one pass (× --repeats); "
+                          "tok/s: its new tokens over the pass's wall time. vs target alone: over the target alone's "
+                          "tok/s at the same batch size. identical: prompts whose greedy output equals the target "
+                          "alone's, token for token." + unavailable)
+    for row in rows:
+        identical = "–" if row["identical"] is None else f"{row['identical']}/{row['compared']}"
+        tokens, seconds = ("–", "–") if row["unavailable"] else (f"{row['new_tokens']:,}", f"{row['seconds']:.1f}")
+        table.add_row(escape(row["configuration"]), tokens, seconds, _fixed(row["tokens_per_second"]),
+                      _fixed(row["ratio"], "×{:.2f}"), _fixed(row["acceptance_rate"], "{:.2f}"), identical)
+    return table
 
 
 def theory_tables(rows: list[dict], warmup: dict) -> list[Table]:

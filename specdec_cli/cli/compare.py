@@ -1,6 +1,7 @@
 """`specdec compare`: every configuration on the same prompts, side by side, against the target alone.
 
-Thin: options → bench.Benchmark → Rich tables (stdout), progress (stderr), --json, --plot."""
+Thin: options → bench.Benchmark → Rich tables (stdout), progress (stderr), --json, --plot. With --batch-size B:
+options → bench.ThroughputBenchmark → one throughput table, progress, --json."""
 
 from __future__ import annotations
 
@@ -63,6 +64,10 @@ QualityOption = Annotated[bool, typer.Option(
     "--quality/--no-quality", help="With a quantised target and greedy decoding: also decode every prompt with the "
     "target unquantised (untimed) and report how often the outputs are identical and where they first diverge.",
     rich_help_panel=_OUTPUT)]
+BatchSizeOption = Annotated[int | None, typer.Option(
+    "--batch-size", help="Measure throughput at batch size B instead of one prompt at a time: the target alone, each "
+    "speculative configuration (the batched engine) and HF's batched generate and generate_batch each answer all the "
+    "prompts B at a time; rows are total tokens/s against the target alone's at B.", rich_help_panel="Decoding")]
 PlotOption = Annotated[Path | None, typer.Option(
     "--plot", help="Write a PNG: speedup per configuration, acceptance by draft position (needs the plot extra).",
     rich_help_panel=_OUTPUT)]
@@ -80,12 +85,15 @@ def compare_command(
     k: KListOption = None, max_new_tokens: MaxNewTokensOption = None, temperature: TemperatureOption = None,
     repeats: RepeatsOption = 1, by_category: ByCategoryOption = False, with_hf: WithHfOption = False,
     json_path: JsonOption = None, plot: PlotOption = None, quality: QualityOption = True,
-    tree_size: TreeSizeOption = None,
+    tree_size: TreeSizeOption = None, batch_size: BatchSizeOption = None,
 ) -> None:
     """Benchmark speculative configurations against the target alone on the same prompts, with the
     theory's expected speedup beside each measurement. Greedy unless --temperature; 128 new tokens
     unless --max-new-tokens."""
     drafters = _split(drafter)
+    _check_batch_size(batch_size, with_hf=with_hf, by_category=by_category, plot=plot)
+    if batch_size is not None:
+        bench.check_batched_drafters(drafters)  # before choose_models, which may ask for a draft the tree needs
     choice = choose_models(replace(model_overrides(locals()), drafter=_drafter_for_choice(drafters)))
     settings = decoding_settings(
         choice.profile, temperature=temperature if temperature is not None else 0.0,
@@ -99,7 +107,14 @@ def compare_command(
         sampling_params(settings.temperature, settings.top_p, settings.top_k, None if settings.temperature == 0 else 0),
         settings.max_new_tokens, repeats, settings.system,
     )
+    if batch_size is not None:
+        bench.check_batched_drafters(drafters or [choice.drafter])
     target_model, draft_model = load_choice(choice, error_console())
+    if batch_size is not None:
+        configs = bench.batched_configurations(drafters or [choice.drafter], ks, batch_size, draft_model is not None)
+        benchmark = bench.ThroughputBenchmark(target_model, draft_model, configs, chosen_prompts, bench_settings, batch_size)
+        _compare_throughput(benchmark, json_path)
+        return
     if with_hf and draft_model is None:
         error_console().print("note: HF assisted generation needs a draft model — skipped (HF prompt lookup runs)")
     if "tree" in (drafters or [choice.drafter]) and draft_model is not None and choice.drafter != "tree":
@@ -113,9 +128,7 @@ def compare_command(
     quality_line = None
     if quality and target_model.quantization and bench_settings.params.greedy:
         quality_line = _measure_quality(benchmark, choice)
-    console = Console()
-    if not console.is_terminal:  # a file or a pipe: keep the whole table instead of folding it to 80 columns
-        console = Console(width=200)
+    console = _stdout_console()
     console.print(bench.measurement_table(benchmark, by_category))
     for table in bench.theory_tables(benchmark.summary(), benchmark.warmup):  # --k 0 alone: no drafts, no theory
         console.print(table)
@@ -150,6 +163,22 @@ def _tree_sizes(tree_size: str | None, drafters: list[str]) -> list[int]:
     if not sizes or not all(size.isdigit() and int(size) >= 1 for size in sizes):
         raise InputError(f"--tree-size {tree_size!r} is not a list of node counts", "give numbers >= 1, e.g. 8,16,32")
     return [int(size) for size in sizes]
+
+
+def _check_batch_size(batch_size: int | None, **others: object) -> None:
+    """--batch-size is a number >= 1, without the options of the per-prompt comparison it cannot honour."""
+    if batch_size is None:
+        return
+    if batch_size < 1:
+        raise InputError(f"--batch-size must be at least 1, got {batch_size}",
+                         "pass a positive number, or leave it out to compare one prompt at a time")
+    why = {"with_hf": "HF's assisted generation and prompt lookup take one prompt at a time (--batch-size runs HF's "
+                      "batched generate and generate_batch anyway)",
+           "by_category": "a batch mixes categories", "plot": "the plot is of the per-prompt comparison"}
+    for name, given in others.items():
+        if given:
+            flag = "--" + name.replace("_", "-")
+            raise InputError(f"{flag} cannot combine with --batch-size: {why[name]}", f"drop {flag} or --batch-size")
 
 
 def _check_outputs(json_path: Path | None, plot: Path | None) -> None:
@@ -199,6 +228,42 @@ def _measure(benchmark: bench.Benchmark, json_path: Path | None) -> None:
                 bench.write_json(json_path, benchmark.report(by_category=False) | {"interrupted": True})
                 error_console().print(f"wrote the {len(benchmark.runs)} runs measured so far to {json_path}")
             raise
+
+
+def _compare_throughput(benchmark: bench.ThroughputBenchmark, json_path: Path | None) -> None:
+    """Measure with a progress bar on stderr, rewriting --json after every pass ("partial" until the end), then
+    print the table."""
+    console = error_console()
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("warming up", total=len(benchmark.order))
+
+        def advance(done: int, total: int, config: bench.BatchedConfiguration) -> None:
+            progress.update(task, completed=done, description=config.name)
+            if json_path:
+                bench.write_json(json_path, benchmark.report() | {"partial": True})
+            if not console.is_terminal:  # no live bar: one line per pass instead
+                console.print(f"pass {done}/{total} measured: {config.name}", markup=False)
+
+        try:
+            benchmark.measure(advance)
+        except KeyboardInterrupt:
+            if json_path and benchmark.passes:
+                bench.write_json(json_path, benchmark.report() | {"interrupted": True})
+                console.print(f"wrote the {len(benchmark.passes)} passes measured so far to {json_path}")
+            raise
+    for name, reason in benchmark.unavailable.items():
+        console.print(f"note: {name} cannot run here: {reason}", markup=False)
+    _stdout_console().print(bench.throughput_table(benchmark))
+    if json_path:
+        bench.write_json(json_path, benchmark.report())
+        console.print(f"wrote {json_path}")
+
+
+def _stdout_console() -> Console:
+    """A file or a pipe keeps the whole table instead of folding it to 80 columns."""
+    console = Console()
+    return console if console.is_terminal else Console(width=200)
 
 
 def _measure_quality(benchmark: bench.Benchmark, choice) -> str:
