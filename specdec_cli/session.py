@@ -163,9 +163,11 @@ def batched_note(target: LoadedModel, draft: LoadedModel | None, drafter: str) -
 
 
 def build_batched_decoder(target: LoadedModel, draft: LoadedModel | None, drafter: str, k: int | str,
-                          batch_size: int, target_curve: dict[int, float] | None = None) -> BatchedDecoder:
-    """The batched engine for `run`: drafter as for `build_decoder` (a tree drafts chains in a batch: one
-    path per row), k = auto priced by the models' forward-cost curves (`forward_curve`), never by the clock."""
+                          batch_size: int, target_curve: dict[int, float] | None = None,
+                          draft_curve: dict[int, float] | None = None) -> BatchedDecoder:
+    """The batched engine for `run` and `compare --batch-size`: drafter as for `build_decoder` (a tree drafts
+    chains in a batch: one path per row), k = auto priced by the models' forward-cost curves (given, else
+    `forward_curve`), never by the clock."""
     batched_drafter = "model" if drafter == "tree" else drafter
     uses_draft = batched_drafter in ("model", "cascade") and k != 0
     if uses_draft and draft is None:
@@ -173,7 +175,7 @@ def build_batched_decoder(target: LoadedModel, draft: LoadedModel | None, drafte
     return BatchedDecoder(
         target.model, draft.model if uses_draft else None, batched_drafter, batch_size, k, eos_token_ids(target),
         verify_curve=(target_curve or forward_curve(target)) if k == "auto" else None,
-        draft_curve=forward_curve(draft) if uses_draft and k == "auto" else None,
+        draft_curve=(draft_curve or forward_curve(draft)) if uses_draft and k == "auto" else None,
         lookup_factory=_lookup_factory(batched_drafter),
     )
 
