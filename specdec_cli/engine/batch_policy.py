@@ -21,12 +21,14 @@ from dataclasses import dataclass, field
 from specdec_cli.engine.policy import VerifyCost, _Positions
 
 LOOKUP, MODEL = "lookup", "model"  # where a row's draft comes from this step
+OPTIMISTIC = 0.95  # the acceptance a probe's "could drafting pay at all" assumes
 
 
 @dataclass(frozen=True)
 class RowPlan:
-    room: int      # most draft tokens this row may take (its remaining budget minus the target's own token)
-    source: str    # LOOKUP (free to draft) or MODEL
+    room: int          # most draft tokens this row may take (its remaining budget minus the target's own token)
+    source: str        # LOOKUP (free to draft) or MODEL
+    catch_up: int = 1  # tokens the draft model's first forward must feed for this row (all it has not seen)
 
 
 class FixedBatchK:
@@ -85,6 +87,14 @@ class CostBatchK:
     def plan(self, rows: Mapping[int, RowPlan]) -> dict[int, int]:
         """k per row: draft tokens added greedily by their odds of surviving, the best prefix kept."""
         odds = {row: self._survival(row, plan) for row, plan in rows.items()}
+        best = self._allocate(rows, odds)
+        self.steps += 1
+        if self.steps % self.probe_every == 0 and rows and not any(best.values()) and self._could_pay(rows):
+            likeliest = max(odds, key=lambda row: odds[row][0] if odds[row] else 0.0)
+            best[likeliest] = min(self.probe_k, rows[likeliest].room)
+        return best
+
+    def _allocate(self, rows: Mapping[int, RowPlan], odds: Mapping[int, list[float]]) -> dict[int, int]:
         steps = sorted(((chance, row) for row, chances in odds.items() for chance in chances), reverse=True)
         ks = dict.fromkeys(rows, 0)
         best, best_rate, expected = dict(ks), self._rate(ks, rows, len(rows)), float(len(rows))
@@ -94,11 +104,13 @@ class CostBatchK:
             rate = self._rate(ks, rows, expected)
             if rate > best_rate:
                 best, best_rate = dict(ks), rate
-        self.steps += 1
-        if self.steps % self.probe_every == 0 and rows and not any(best.values()):
-            likeliest = max(odds, key=lambda row: odds[row][0] if odds[row] else 0.0)
-            best[likeliest] = min(self.probe_k, rows[likeliest].room)
         return best
+
+    def _could_pay(self, rows: Mapping[int, RowPlan]) -> bool:
+        """Whether drafting would pay were every draft token accepted (else a probe only costs: a batch whose
+        verify is past its flat stretch, or a draft model as dear as the target)."""
+        certain = {row: [OPTIMISTIC ** (position + 1) for position in range(plan.room)] for row, plan in rows.items()}
+        return any(self._allocate(rows, certain).values())
 
     def update(self, row: int, drafted: int, accepted: int, source: str) -> None:
         if not drafted:
@@ -132,9 +144,16 @@ class CostBatchK:
         return chances
 
     def _rate(self, ks: Mapping[int, int], rows: Mapping[int, RowPlan], expected: float) -> float:
+        """Expected tokens per second of a step: the verify of every row's k + 1 tokens, and the draft model's
+        forwards — the first feeds each drafting row what it has not seen (a row that skipped steps catches
+        up), each later one a token per row still drafting."""
         fed = sum(k + 1 for k in ks.values())
-        model_ks = [k for row, k in ks.items() if rows[row].source == MODEL and k]
-        draft_seconds = max(model_ks, default=0) * self.draft.at(len(model_ks)) if model_ks else 0.0
+        drafting = [row for row, k in ks.items() if rows[row].source == MODEL and k]
+        draft_seconds = 0.0
+        if drafting:
+            deepest = max(ks[row] for row in drafting)
+            draft_seconds = (self.draft.at(sum(rows[row].catch_up for row in drafting))
+                             + (deepest - 1) * self.draft.at(len(drafting)))
         return expected / max(self.verify.at(fed) + draft_seconds, 1e-9)
 
 

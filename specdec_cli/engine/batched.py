@@ -41,6 +41,7 @@ from specdec_cli.errors import PromptTooLongError
 
 DRAFTERS = ("none", "model", "ngram", "cascade")
 AUTO_SURVIVAL = 0.3  # as session.AUTO_SURVIVAL: with k = auto a row stops drafting on the draft's own odds
+PREFILL_ALONE = 64  # a row's draft catch-up longer than this is prefilled on its own (chunked), not in the packed forward
 
 
 class Lookup(Protocol):
@@ -151,9 +152,10 @@ class BatchedDecoder:
         budget = fit_budget(len(request.prompt_ids), request.max_new_tokens, self.context)
         prompt = list(request.prompt_ids)
         # The last prompt token goes into the row's first step, with its drafts, like any step's last token.
+        # The draft model sees the prompt only when the row first drafts (a batch may never draft).
         self.target.admit(index, prompt[:-1])
         if self.draft is not None:
-            self.draft.admit(index, prompt[:-1])
+            self.draft.admit(index, [])
         lookup = self.lookup_factory() if self.drafter in ("ngram", "cascade") else None
         return _Row(index, request, budget, make_generator(request.params.seed), started, prompt, lookup)
 
@@ -166,7 +168,7 @@ class BatchedDecoder:
     def _step(self, live: dict[int, _Row]) -> list[_Row]:
         started = time.perf_counter()
         lookups = {index: row.lookup.lookup(row.ids) for index, row in live.items() if row.lookup is not None}
-        plans = {index: RowPlan(max(row.remaining - 1, 0), _source(self.drafter, lookups.get(index)))
+        plans = {index: RowPlan(max(row.remaining - 1, 0), _source(self.drafter, lookups.get(index)), self._unseen(row))
                  for index, row in live.items()}
         ks = self.policy.plan(plans) if self.drafter != "none" else dict.fromkeys(live, 0)
         drafts = {index: Draft([]) for index in live}
@@ -189,6 +191,10 @@ class BatchedDecoder:
                 finished.append(row)
         return finished
 
+    def _unseen(self, row: _Row) -> int:
+        """Tokens of the row the draft model has not seen: what its next draft forward feeds first."""
+        return len(row.ids) - self.draft.shared_prefix(row.index, row.ids) if self.draft is not None else 0
+
     def _draft_with_model(self, ks: dict[int, int], live: dict[int, _Row]) -> dict[int, Draft]:
         """Each row in `ks` drafts up to its k with the draft model: one packed forward per position over
         the rows still drafting; a row stops early when the draft's own odds of its tokens fall below
@@ -196,7 +202,10 @@ class BatchedDecoder:
         drafted = {index: [] for index in ks}
         rows_of_probs: dict[int, list[torch.Tensor]] = {index: [] for index in ks}
         survival = dict.fromkeys(ks, 1.0)
-        active = [index for index in ks]
+        active = list(ks)
+        for index in active:
+            if self._unseen(live[index]) > PREFILL_ALONE:  # a long catch-up (the prompt) in chunks, on its own
+                self.draft.admit(index, live[index].ids[:-1])
         while active:
             logits = self.draft.extend({index: live[index].ids + drafted[index] for index in active},
                                        dict.fromkeys(active, 1))

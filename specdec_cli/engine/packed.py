@@ -94,7 +94,7 @@ class PackedCache:
             wanted = n_logits[row]
             if not 1 <= wanted <= len(ids):
                 raise ValueError(f"need 1 <= n_logits <= len(ids), got {wanted} for {len(ids)} ids")
-            keep = min(self._shared_prefix(row, ids), len(ids) - wanted)
+            keep = min(self.shared_prefix(row, ids), len(ids) - wanted)
             self._crop_row(row, keep)
             feeds[row] = list(ids[keep:])
         logits = self._forward(feeds, n_logits)
@@ -152,7 +152,7 @@ class PackedCache:
         additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
         return additive[None, None].to(self.device)
 
-    def _shared_prefix(self, row: Row, ids: Sequence[int]) -> int:
+    def shared_prefix(self, row: Row, ids: Sequence[int]) -> int:
         cached = self.rows[row].ids
         limit = min(len(cached), len(ids))
         if list(ids[:limit]) == cached[:limit]:
