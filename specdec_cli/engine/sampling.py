@@ -50,11 +50,28 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         return _one_hot_argmax(logits)
     scores = logits.float() / params.temperature
     if params.top_k and params.top_k < scores.shape[-1]:
-        kth_best = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth_best, float("-inf"))
+        return _top_k_probs(scores, params)
     if params.top_p < 1.0:
         scores = _mask_outside_top_p(scores, params.top_p)
     return torch.softmax(scores, dim=-1)
+
+
+def _top_k_probs(scores: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Top-k, then top-p among those k, computed over the k candidates only (sorting a 150k vocabulary for
+    top-p cost ~5 ms a row on a CPU core; k candidates cost nothing) and scattered back to (..., V). A tie
+    at the k-th score keeps every tied id, as a mask does: that rare case takes the whole-vocabulary path."""
+    values, indices = torch.topk(scores, params.top_k, dim=-1)  # (..., k), best first
+    kth_best = values[..., -1:]
+    if bool(((scores >= kth_best).sum(dim=-1) > params.top_k).any()):
+        masked = scores.masked_fill(scores < kth_best, float("-inf"))
+        if params.top_p < 1.0:
+            masked = _mask_outside_top_p(masked, params.top_p)
+        return torch.softmax(masked, dim=-1)
+    if params.top_p < 1.0:
+        candidate_probs = torch.softmax(values, dim=-1)
+        mass_before = torch.cumsum(candidate_probs, dim=-1) - candidate_probs
+        values = values.masked_fill(mass_before >= params.top_p, float("-inf"))
+    return torch.zeros_like(scores).scatter_(-1, indices, torch.softmax(values, dim=-1))
 
 
 def _mask_outside_top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:
