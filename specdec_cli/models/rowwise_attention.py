@@ -32,6 +32,21 @@ def _visible_keys(attention_mask: torch.Tensor | None, row: int, rows: int, keys
     return allowed
 
 
+class _LastMask:
+    """Every layer of a forward gets the same mask tensor: its rows' visible keys are worked out once (for a
+    packed batch of 16 rows that is 16 nonzero() calls per forward instead of 16 per layer)."""
+
+    mask: torch.Tensor | None = None
+    visible: list = []
+
+    @classmethod
+    def visible_keys(cls, attention_mask: torch.Tensor | None, rows: int, keys: int) -> list:
+        if attention_mask is None or attention_mask is not cls.mask or len(cls.visible) != rows:
+            cls.visible = [_visible_keys(attention_mask, row, rows, keys) for row in range(rows)]
+            cls.mask = attention_mask
+        return cls.visible
+
+
 def rowwise_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """query (1, heads, rows, dim); key, value (1, kv_heads, keys, dim); mask (1, 1, rows, keys) bool or None.
     Returns ((1, rows, heads, dim), None), as transformers' attention functions do. A one-token forward
@@ -42,8 +57,7 @@ def rowwise_attention_forward(module, query, key, value, attention_mask, dropout
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     rows, keys = query.shape[2], key.shape[2]
     outputs = []
-    for row in range(rows):
-        visible = _visible_keys(attention_mask, row, rows, keys)
+    for row, visible in enumerate(_LastMask.visible_keys(attention_mask, rows, keys)):
         # contiguous, as a cache holds them in a one-token forward (a no-op for a whole contiguous cache)
         row_key, row_value = key[:, :, visible].contiguous(), value[:, :, visible].contiguous()
         outputs.append(torch.nn.functional.scaled_dot_product_attention(
