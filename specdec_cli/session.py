@@ -17,7 +17,7 @@ from specdec_cli.engine.draft import DraftRule, Drafter
 from specdec_cli.engine.kv import tree_capable
 from specdec_cli.errors import InputError
 from specdec_cli.models import LoadedModel
-from specdec_cli.models.calibrate import calibrated_seconds, forward_costs
+from specdec_cli.models.calibrate import calibrated_seconds
 from specdec_cli.models.device import dtype_name
 from specdec_cli.profiles import DRAFTERS, MAX_K
 
@@ -126,21 +126,23 @@ BATCH_SIZES = (1, 2, 4, 8, 16)
 BATCH_GAIN = 1.1  # doubling the batch must bring at least 10% more tokens per forward-second
 
 
-def forward_curve(model: LoadedModel) -> dict[int, float]:
-    """A forward's seconds per new-token count for `model` as loaded: `specdec calibrate`'s on this
-    machine, else measured now (a few forwards on a 64-token cache, seconds on a CPU)."""
-    calibrated = calibrated_seconds(model.name, model.quantization, dtype_name(model.dtype))
-    if calibrated:
-        return calibrated
-    measured = forward_costs(model, BATCH_SIZES, context_tokens=64, repeats=2)
-    return {int(n): seconds for n, seconds in measured.items()}
+DEFAULT_BATCH_SIZE = 8  # without a calibration: a forward of 8 costs 1.1-1.4x one where verify is flat, 2.7x on AVX2 float32
 
 
-def batch_size_for(curve: dict[int, float]) -> int:
+def forward_curve(model: LoadedModel) -> dict[int, float] | None:
+    """A forward's seconds per new-token count for `model` as loaded, as `specdec calibrate` measured it on this
+    machine (None: not measured). Never measured on the fly: what `run` decides from it (the batch size, each
+    row's draft length) must be the same on every run of the same input, or sampled records would differ."""
+    return calibrated_seconds(model.name, model.quantization, dtype_name(model.dtype))
+
+
+def batch_size_for(curve: dict[int, float] | None) -> int:
     """The batch size `run` takes by default: double from 1 while a forward of twice the rows yields at least
     BATCH_GAIN times the tokens per second (a forward of B one-token rows costs about one of B tokens).
     Where a forward of a few tokens costs about one (int8 or bf16 on AVX512, a GPU) that runs to the largest
-    measured; where it grows about linearly (float32 on AVX2) it stays small."""
+    measured; where it grows about linearly it stays small. No curve: DEFAULT_BATCH_SIZE."""
+    if not curve:
+        return DEFAULT_BATCH_SIZE
     chosen = 1
     for size in BATCH_SIZES[1:]:
         if size not in curve or chosen not in curve:
@@ -167,7 +169,7 @@ def build_batched_decoder(target: LoadedModel, draft: LoadedModel | None, drafte
                           draft_curve: dict[int, float] | None = None) -> BatchedDecoder:
     """The batched engine for `run` and `compare --batch-size`: drafter as for `build_decoder` (a tree drafts
     chains in a batch: one path per row), k = auto priced by the models' forward-cost curves (given, else
-    `forward_curve`), never by the clock."""
+    `forward_curve`; assumed shapes where not calibrated), never by the clock."""
     batched_drafter = "model" if drafter == "tree" else drafter
     uses_draft = batched_drafter in ("model", "cascade") and k != 0
     if uses_draft and draft is None:

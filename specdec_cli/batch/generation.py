@@ -77,11 +77,10 @@ class BatchedGeneration:
 
         target, draft = load_choice(choice, console)
         note = batched_note(target, draft, choice.drafter)
-        curve = forward_curve(target) if batch_size == "auto" and note is None else None
+        curve = forward_curve(target)
         size = 1 if note else (batch_size_for(curve) if batch_size == "auto" else int(batch_size))
         if console is not None:
-            console.print(f"batch: {size} request{'s' if size > 1 else ''} at a time"
-                          + (f" ({note})" if note else " (chosen from the target's forward costs)" if curve else ""),
+            console.print(f"batch: {size} request{'s' if size > 1 else ''} at a time" + _why(note, batch_size, curve),
                           markup=False)
         if size == 1:
             return ModelGeneration(target.tokenizer, build_decoder(target, draft, choice.drafter, settings.k,
@@ -158,6 +157,16 @@ def _encode(tokenizer, request: Request, settings: DecodingSettings) -> list[int
     if settings.system and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": settings.system})
     return encode_chat(tokenizer, messages)
+
+
+def _why(note: str | None, batch_size: int | str, curve: dict | None) -> str:
+    if note:
+        return f" ({note})"
+    if batch_size != "auto":
+        return ""
+    if curve:
+        return " (chosen from the target's forward costs that specdec calibrate measured here)"
+    return " (the default; after `specdec calibrate` this machine's forward costs choose it)"
 
 
 def _given(value, default):

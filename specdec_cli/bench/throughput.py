@@ -27,7 +27,7 @@ from specdec_cli.engine.batched import RowRequest
 from specdec_cli.errors import InputError
 from specdec_cli.models import LoadedModel
 from specdec_cli.prompts import Prompt
-from specdec_cli.session import build_batched_decoder, eos_token_ids, forward_curve
+from specdec_cli.session import build_batched_decoder, eos_token_ids
 
 THROUGHPUT_SCHEMA = "specdec.compare-throughput/1"
 ENGINE, HF_PADDED, HF_CONTINUOUS = "batched", "hf-padded", "hf-generate-batch"
@@ -93,8 +93,6 @@ class ThroughputBenchmark:
         self.order = [(repeat, index) for repeat, _, index in run_order(settings.repeats, 1, len(self.configs))]
         self.passes: list[Pass] = []
         self.unavailable: dict[str, str] = {}  # configuration name → why it cannot run here
-        self._curve_of_target: dict[int, float] | None = None
-        self._curve_of_draft: dict[int, float] | None = None
 
     def measure(self, on_progress: ThroughputProgress | None = None) -> list[Pass]:
         with quiet_transformers():
@@ -133,8 +131,7 @@ class ThroughputBenchmark:
         return [cut_at_eos(tokens, self.eos_ids) for tokens in new_tokens], seconds, (None, None)
 
     def _engine_pass(self, config: BatchedConfiguration, prompt_ids: list[list[int]], max_new_tokens: int):
-        decoder = build_batched_decoder(self.target, self.draft, config.drafter, config.k or 0, self.batch_size,
-                                        *self._curves(config))
+        decoder = build_batched_decoder(self.target, self.draft, config.drafter, config.k or 0, self.batch_size)
         requests = [RowRequest(ids, self.settings.params, max_new_tokens) for ids in prompt_ids]
         started = time.perf_counter()
         results = decoder.generate_many(requests)
@@ -143,16 +140,6 @@ class ThroughputBenchmark:
         if config.drafter == "none":
             return tokens, seconds, (None, None)
         return tokens, seconds, (sum(r.stats.drafted for r in results), sum(r.stats.accepted for r in results))
-
-    def _curves(self, config: BatchedConfiguration) -> tuple[dict[int, float] | None, dict[int, float] | None]:
-        """The forward-cost curves k = auto prices drafts by (calibrated, else measured once, outside any pass)."""
-        if config.k != "auto":
-            return None, None
-        if self._curve_of_target is None:
-            self._curve_of_target = forward_curve(self.target)
-        if self._curve_of_draft is None and self.draft is not None and config.drafter in ("model", "cascade"):
-            self._curve_of_draft = forward_curve(self.draft)
-        return self._curve_of_target, self._curve_of_draft
 
     # ---- results ----
 

@@ -1,27 +1,31 @@
-"""Draft lengths for a batched step: one k per row, chosen together, because the rows share one verify.
+"""Draft lengths for a batched step: each row's k, priced by what a batch of B such rows costs.
 
-A batched step costs one target forward over every row's fed tokens (sum of k_r + 1) plus, when any row
-drafts with the draft model, max_r k_r draft forwards over the drafting rows. On a machine where a
-forward of a few tokens costs about one, a few rows drafting a few tokens each ride along nearly free;
-as the batch grows, the verify of B x (k + 1) tokens leaves its flat stretch, every drafted token then
-costs real time, and the rows' k fall to 0 — speculation and batching are two uses of the same flat
-stretch. `CostBatchK` spends it where it pays: it adds draft tokens one at a time to the row whose next
-token is likeliest to survive (its acceptance by position, its own counts blended with all rows'), and
-keeps the allocation with the most expected tokens per second of step.
+A batched step costs one target forward over every row's fed tokens (sum of k_r + 1) plus, when rows draft
+with the draft model, a draft forward per draft position over the drafting rows. On a machine where a
+forward of a few tokens costs about one, a few rows drafting a few tokens each ride along nearly free; as
+the batch grows, the verify of B x (k + 1) tokens leaves its flat stretch, every drafted token then costs
+real time, and k falls to 0 — speculation and batching are two uses of the same flat stretch.
 
-Prices come from forward-cost curves ({tokens: seconds}: what `specdec calibrate` measured on this
-machine, else measured when the models were loaded) — never from the run's clock unless asked
-(`scale_by_run`), so the same input gives the same drafts and hence the same draws when sampling."""
+`CostBatchK` decides for each row alone, as if all B rows of the batch drafted as it does: k maximises the
+row's expected tokens (its own acceptance by position, from a prior) per its share of such a step,
+verify(B (k+1)) / B plus k draft forwards of B rows / B (the first one also feeding what the draft model has
+not seen of this row). A row's k depends on nothing but the row and the batch size — not on its batch mates,
+not on the clock — so a sampled row draws the same tokens in any batch, and `run` keeps its promise that the
+same input and seed give the same file (also after a resume, which decodes the rest in other batches).
+
+Prices come from forward-cost curves ({tokens: seconds}: what `specdec calibrate` measured on this machine;
+without one, assumed shapes)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from specdec_cli.engine.policy import VerifyCost, _Positions
 
 LOOKUP, MODEL = "lookup", "model"  # where a row's draft comes from this step
 OPTIMISTIC = 0.95  # the acceptance a probe's "could drafting pay at all" assumes
+CATCH_UP_STEPS = 8  # a row's draft catch-up is paid once; priced as spread over this many steps of drafting
 
 
 @dataclass(frozen=True)
@@ -46,118 +50,87 @@ class FixedBatchK:
     def forget(self, row: int) -> None:
         pass
 
-    def observe(self, verified_tokens: int, seconds: float | None) -> None:
-        pass
+    def drafts_from_the_start(self) -> bool:
+        return self.k > 0
 
 
-@dataclass
-class _RowAcceptance:
-    model: _Positions
-    lookup: _Positions
-
-
-@dataclass
-class CostBatchK:
-    """Per-row k maximising the batch's expected tokens per second of step (see the module's docstring).
-
-    row_weight: how many of its own steps a row's counts weigh against all rows' (its prior).
-    probe_every: every so many steps the row likeliest to accept drafts at least `probe_k` even when
-    nothing pays, so that acceptance stays measured and drafting comes back when the batch thins."""
-
-    verify_curve: dict[int, float] | None = None
-    draft_curve: dict[int, float] | None = None
-    max_k: int = 12
-    max_lookup: int = 12
-    prior_alpha: float = 0.6
-    prior_weight: float = 2.0
-    row_weight: float = 4.0
-    decay: float = 0.97
-    probe_every: int = 8
-    probe_k: int = 2
-    scale_by_run: bool = False
-    _rows: dict[int, _RowAcceptance] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.model = _Positions(self.max_k, self.prior_alpha, self.prior_weight)
-        self.lookups = _Positions(self.max_lookup, self.prior_alpha, self.prior_weight)
-        self.verify = VerifyCost(self.verify_curve or _FLAT)
-        self.draft = VerifyCost(self.draft_curve or _DRAFT_SHARE)
+class _Row:
+    def __init__(self, max_k: int, max_lookup: int, prior_alpha: float, prior_weight: float) -> None:
+        self.model = _Positions(max_k, prior_alpha, prior_weight)
+        self.lookup = _Positions(max_lookup, prior_alpha, prior_weight)
         self.steps = 0
 
+
+class CostBatchK:
+    """Each row's k from its own acceptance and the cost of a step of `batch_size` rows like it (see the
+    module's docstring). probe_every: every so many of a row's steps it drafts at least `probe_k` although
+    nothing pays, if drafting could pay at all (at OPTIMISTIC acceptance), so its acceptance stays measured."""
+
+    def __init__(self, batch_size: int, verify_curve: dict[int, float] | None = None,
+                 draft_curve: dict[int, float] | None = None, max_k: int = 12, max_lookup: int = 12,
+                 prior_alpha: float = 0.6, prior_weight: float = 2.0, decay: float = 0.97, probe_every: int = 8,
+                 probe_k: int = 2) -> None:
+        self.batch_size = batch_size
+        self.verify = VerifyCost(verify_curve or _FLAT)
+        self.draft = VerifyCost(draft_curve or _DRAFT_SHARE)
+        self.max_k, self.max_lookup, self.prior_alpha, self.prior_weight = max_k, max_lookup, prior_alpha, prior_weight
+        self.decay, self.probe_every, self.probe_k = decay, probe_every, probe_k
+        self._rows: dict[int, _Row] = {}
+
     def plan(self, rows: Mapping[int, RowPlan]) -> dict[int, int]:
-        """k per row: draft tokens added greedily by their odds of surviving, the best prefix kept."""
-        odds = {row: self._survival(row, plan) for row, plan in rows.items()}
-        best = self._allocate(rows, odds)
-        self.steps += 1
-        if self.steps % self.probe_every == 0 and rows and not any(best.values()) and self._could_pay(rows):
-            likeliest = max(odds, key=lambda row: odds[row][0] if odds[row] else 0.0)
-            best[likeliest] = min(self.probe_k, rows[likeliest].room)
-        return best
-
-    def _allocate(self, rows: Mapping[int, RowPlan], odds: Mapping[int, list[float]]) -> dict[int, int]:
-        steps = sorted(((chance, row) for row, chances in odds.items() for chance in chances), reverse=True)
-        ks = dict.fromkeys(rows, 0)
-        best, best_rate, expected = dict(ks), self._rate(ks, rows, len(rows)), float(len(rows))
-        for chance, row in steps:
-            ks[row] += 1
-            expected += chance
-            rate = self._rate(ks, rows, expected)
-            if rate > best_rate:
-                best, best_rate = dict(ks), rate
-        return best
-
-    def _could_pay(self, rows: Mapping[int, RowPlan]) -> bool:
-        """Whether drafting would pay were every draft token accepted (else a probe only costs: a batch whose
-        verify is past its flat stretch, or a draft model as dear as the target)."""
-        certain = {row: [OPTIMISTIC ** (position + 1) for position in range(plan.room)] for row, plan in rows.items()}
-        return any(self._allocate(rows, certain).values())
+        return {row: self._k(self._row(row), plan) for row, plan in rows.items()}
 
     def update(self, row: int, drafted: int, accepted: int, source: str) -> None:
-        if not drafted:
-            return
-        mine = self._rows.setdefault(row, _RowAcceptance(_Positions(self.max_k, 0.0, 0.0),
-                                                         _Positions(self.max_lookup, 0.0, 0.0)))
-        (self.lookups if source == LOOKUP else self.model).add(drafted, accepted, self.decay)
-        (mine.lookup if source == LOOKUP else mine.model).add(drafted, accepted, self.decay)
+        if drafted:
+            state = self._row(row)
+            (state.lookup if source == LOOKUP else state.model).add(drafted, accepted, self.decay)
 
     def forget(self, row: int) -> None:
         self._rows.pop(row, None)
 
-    def observe(self, verified_tokens: int, seconds: float | None) -> None:
-        """A step's verify seconds: they scale the curve only with `scale_by_run` (they read the clock)."""
-        if self.scale_by_run and seconds is not None:
-            self.verify.add(verified_tokens, seconds, self.decay)
+    def _row(self, row: int) -> _Row:
+        if row not in self._rows:
+            self._rows[row] = _Row(self.max_k, self.max_lookup, self.prior_alpha, self.prior_weight)
+        return self._rows[row]
 
-    def _survival(self, row: int, plan: RowPlan) -> list[float]:
-        """The odds that each further draft token of this row survives (products of the blended rates)."""
-        everyone = (self.lookups if plan.source == LOOKUP else self.model).rates()
-        mine = self._rows.get(row)
-        own = (mine.lookup if plan.source == LOOKUP else mine.model) if mine else None
-        chances, survive = [], 1.0
-        for position in range(min(plan.room, len(everyone))):
-            rate = everyone[position]
-            if own is not None:
-                reached, kept = own.reached[position], own.kept[position]
-                rate = (kept + self.row_weight * rate) / (reached + self.row_weight)
+    def _k(self, state: _Row, plan: RowPlan) -> int:
+        positions = state.lookup if plan.source == LOOKUP else state.model
+        rates = positions.rates()[: plan.room]
+        best = self._best(rates, plan)
+        state.steps += 1
+        if not best and state.steps % self.probe_every == 0 and self._best([OPTIMISTIC] * len(rates), plan):
+            return min(self.probe_k, plan.room)
+        return best
+
+    def _best(self, rates: list[float], plan: RowPlan) -> int:
+        """The k with the most expected tokens per second of this row's share of a batch step."""
+        best, best_rate, expected, survive = 0, self._rate(0, 1.0, plan), 1.0, 1.0
+        for k, rate in enumerate(rates, start=1):
             survive *= rate
-            chances.append(survive)
-        return chances
+            expected += survive
+            if (step_rate := self._rate(k, expected, plan)) > best_rate:
+                best, best_rate = k, step_rate
+        return best
 
-    def _rate(self, ks: Mapping[int, int], rows: Mapping[int, RowPlan], expected: float) -> float:
-        """Expected tokens per second of a step: the verify of every row's k + 1 tokens, and the draft model's
-        forwards — the first feeds each drafting row what it has not seen (a row that skipped steps catches
-        up), each later one a token per row still drafting."""
-        fed = sum(k + 1 for k in ks.values())
-        drafting = [row for row, k in ks.items() if rows[row].source == MODEL and k]
-        draft_seconds = 0.0
-        if drafting:
-            deepest = max(ks[row] for row in drafting)
-            draft_seconds = (self.draft.at(sum(rows[row].catch_up for row in drafting))
-                             + (deepest - 1) * self.draft.at(len(drafting)))
-        return expected / max(self.verify.at(fed) + draft_seconds, 1e-9)
+    def drafts_from_the_start(self) -> bool:
+        """Whether a fresh row (prior acceptance, nothing to catch up) drafts with the draft model at this batch
+        size: then the draft model prefills each prompt when its row is admitted, else only when it first drafts."""
+        return self._best(_Positions(self.max_k, self.prior_alpha, self.prior_weight).rates(), RowPlan(self.max_k, MODEL)) > 0
+
+    def _rate(self, k: int, expected: float, plan: RowPlan) -> float:
+        """Expected tokens per second of a step of B rows drafting as this one: the verify of B (k+1) tokens
+        and k draft forwards of B tokens, plus this row's catch-up (what its draft model has not seen: paid
+        once, spread over CATCH_UP_STEPS steps of drafting)."""
+        rows = self.batch_size
+        seconds = self.verify.at(rows * (k + 1))
+        if k and plan.source == MODEL:
+            seconds += k * self.draft.at(rows)
+            if plan.catch_up > 1:
+                seconds += (self.draft.at(rows - 1 + plan.catch_up) - self.draft.at(rows)) / CATCH_UP_STEPS
+        return expected * rows / max(seconds, 1e-9)
 
 
 # Without a measured curve: a forward of n tokens as one of 1 plus 5% a token (a flat-ish CPU or GPU
-# verify), a draft forward 30% of that — assumptions, used only until a curve is measured.
+# verify), a draft forward 30% of that — assumptions, used only until `specdec calibrate` measures.
 _FLAT = {1: 1.0, 16: 1.75}
 _DRAFT_SHARE = {1: 0.3, 16: 0.525}

@@ -90,7 +90,7 @@ class BatchedDecoder:
     def __init__(self, target: torch.nn.Module, draft: torch.nn.Module | None = None, drafter: str = "none",
                  batch_size: int = 8, k: int | str = "auto", eos_token_ids: Sequence[int] = (),
                  verify_curve: dict[int, float] | None = None, draft_curve: dict[int, float] | None = None,
-                 scale_by_run: bool = False, lookup_factory: Callable[[], Lookup] | None = None) -> None:
+                 lookup_factory: Callable[[], Lookup] | None = None) -> None:
         if drafter not in DRAFTERS:
             raise ValueError(f"unknown batched drafter {drafter!r} (one of {', '.join(DRAFTERS)})")
         if drafter in ("model", "cascade") and draft is None:
@@ -108,8 +108,8 @@ class BatchedDecoder:
         self.draft = PackedCache(draft) if uses_model else None
         self.min_survival = AUTO_SURVIVAL if k == "auto" else 0.0
         self.context = smallest_context(context_length(target), context_length(draft) if uses_model else None)
-        self.policy = (CostBatchK(verify_curve, draft_curve, scale_by_run=scale_by_run) if k == "auto"
-                       else FixedBatchK(int(k)))
+        self.policy = (CostBatchK(batch_size, verify_curve, draft_curve) if k == "auto" else FixedBatchK(int(k)))
+        self.draft_from_the_start = self.policy.drafts_from_the_start()
 
     def stream(self, requests: Iterable[RowRequest]) -> Iterator[tuple[int, GenerationResult | Exception]]:
         """(index in `requests`, result) for each request, in the order they finish. A request the models
@@ -152,10 +152,11 @@ class BatchedDecoder:
         budget = fit_budget(len(request.prompt_ids), request.max_new_tokens, self.context)
         prompt = list(request.prompt_ids)
         # The last prompt token goes into the row's first step, with its drafts, like any step's last token.
-        # The draft model sees the prompt only when the row first drafts (a batch may never draft).
+        # The draft model sees the prompt now if rows draft from the start at this batch size, else when the
+        # row first drafts (a large batch may never draft: it pays no draft prefill).
         self.target.admit(index, prompt[:-1])
         if self.draft is not None:
-            self.draft.admit(index, [])
+            self.draft.admit(index, prompt[:-1] if self.draft_from_the_start else [])
         lookup = self.lookup_factory() if self.drafter in ("ngram", "cascade") else None
         return _Row(index, request, budget, make_generator(request.params.seed), started, prompt, lookup)
 
@@ -180,7 +181,6 @@ class BatchedDecoder:
         logits = self.target.extend({index: row.ids + drafts[index].ids for index, row in live.items()},
                                     {index: len(drafts[index]) + 1 for index in live})
         verified_at = time.perf_counter()
-        self.policy.observe(sum(len(draft) + 1 for draft in drafts.values()), verified_at - drafted_at)
         finished = []
         for index, row in live.items():
             draft = drafts[index]

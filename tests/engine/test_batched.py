@@ -198,3 +198,17 @@ def test_the_draft_model_is_used_for_the_batch_drafts(target, near_draft):
     single = SpeculativeDecoder(target, DraftModelDrafter(near_draft), FixedK(3)).generate(prompt, SamplingParams(), 30)
     assert (result.tokens, result.stats.drafted, result.stats.accepted) == (
         single.tokens, single.stats.drafted, single.stats.accepted)
+
+
+def test_with_k_auto_a_sampled_row_draws_the_same_in_any_batch(target, near_draft):
+    """A row's k never depends on its batch mates: the same seeded request gives the same tokens alone, in a
+    batch of 4, and among other requests after a refill (as after `run --resume`)."""
+    requests = prompts(5, seed=9)
+    sampled = [RowRequest(prompt, SamplingParams(temperature=0.9, top_k=20, seed=index), 24)
+               for index, prompt in enumerate(requests)]
+    batched = BatchedDecoder(target, near_draft, "model", batch_size=4, k="auto").generate_many(sampled)
+    one_by_one = [BatchedDecoder(target, near_draft, "model", batch_size=4, k="auto").generate_many([request])[0]
+                  for request in sampled]
+    reordered = BatchedDecoder(target, near_draft, "model", batch_size=4, k="auto").generate_many(sampled[::-1])[::-1]
+    assert [r.tokens for r in batched] == [r.tokens for r in one_by_one] == [r.tokens for r in reordered]
+    assert sum(r.stats.drafted for r in batched) > 0

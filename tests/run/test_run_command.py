@@ -73,8 +73,8 @@ def reference(tiny_pair):
 
 @pytest.mark.parametrize("batch_size", ["1", "auto", "3"])
 def test_mixed_shapes_give_the_targets_own_output_in_input_order(run, tmp_path, reference, tiny_pair, batch_size):
-    """One at a time and batched (auto: the tiny target's forward is flat, so the whole file goes in one batch;
-    3: rows finish and are refilled) give the same records: the target's own greedy output."""
+    """One at a time and batched (auto: 8 at a time, the default without a calibration, so the whole file goes
+    in one batch; 3: rows finish and are refilled) give the same records: the target's own greedy output."""
     (tmp_path / "in.jsonl").write_text(jsonl(MIXED))
     result = run(tmp_path / "in.jsonl", "-o", tmp_path / "out.jsonl", "--batch-size", batch_size)
     assert result.exit_code == 0, result.output
@@ -85,9 +85,7 @@ def test_mixed_shapes_give_the_targets_own_output_in_input_order(run, tmp_path, 
                              (a, reference(messages=MIXED[1]["messages"])),
                              (five, reference("Speculative decoding drafts"))):
         assert (record["text"], record["finish_reason"], record["prompt_tokens"], record["completion_tokens"]) == expected
-        # One at a time the cost model drafts; in a batch of these tiny models (a draft forward costs what a
-        # verify does) drafting does not pay and the batch policy decodes plainly.
-        assert record["error"] is None and (record["stats"]["drafted"] > 0) == (batch_size == "1")
+        assert record["error"] is None and record["stats"]["drafted"] > 0
     text, finish, prompt_tokens, completion_tokens = reference(messages=MIXED[2]["body"]["messages"], max_new_tokens=5)
     body = m["response"]["body"]
     assert (m["id"], m["error"], m["response"]["status_code"], body["object"], body["model"]) == (

@@ -1,0 +1,64 @@
+"""The batch policy: each row's k from its own acceptance and the cost of a step of B rows like it — drafting
+where a batch's verify is flat, k = 0 once B (k + 1) tokens leave the flat stretch, and nothing in a row's k
+from its batch mates (so a sampled row draws alike in any batch)."""
+
+import pytest
+
+from specdec_cli.engine.batch_policy import LOOKUP, MODEL, CostBatchK, FixedBatchK, RowPlan
+
+# What `specdec calibrate` measured here (AMD EPYC, AVX512-BF16, 2 threads): the demo target in int8, the draft in int4.
+TARGET = {1: 0.093, 2: 0.109, 4: 0.096, 8: 0.119, 16: 0.161}
+DRAFT = {1: 0.029, 2: 0.032, 4: 0.041, 8: 0.069, 16: 0.119}
+FRESH = RowPlan(room=100, source=MODEL)
+
+
+def accepting(policy: CostBatchK, row: int, drafted: int, accepted: int, times: int) -> None:
+    for _ in range(times):
+        policy.update(row, drafted, accepted, MODEL)
+
+
+@pytest.mark.parametrize("batch_size, drafts", [(1, True), (2, True), (8, False), (16, False)])
+def test_rows_draft_while_the_batch_verify_is_flat_and_stop_past_it(batch_size, drafts):
+    policy = CostBatchK(batch_size, TARGET, DRAFT)
+    accepting(policy, 0, 4, 3, 10)  # a row whose drafts mostly survive
+    assert (policy.plan({0: FRESH})[0] > 0) is drafts
+
+
+def test_a_row_that_accepts_more_drafts_further():
+    policy = CostBatchK(1, TARGET, DRAFT)
+    accepting(policy, 0, 6, 6, 10)
+    accepting(policy, 1, 6, 1, 10)
+    ks = policy.plan({0: FRESH, 1: FRESH})
+    assert ks[0] > ks[1]
+
+
+def test_a_rows_k_does_not_depend_on_its_batch_mates():
+    alone, crowded = CostBatchK(4, TARGET, DRAFT), CostBatchK(4, TARGET, DRAFT)
+    for policy in (alone, crowded):
+        accepting(policy, 0, 4, 2, 5)
+    accepting(crowded, 1, 8, 8, 20)
+    plans = [alone.plan({0: FRESH})[0]]
+    plans.append(crowded.plan({0: FRESH, 1: FRESH, 2: RowPlan(3, LOOKUP)})[0])
+    assert plans[0] == plans[1]
+
+
+def test_a_long_catch_up_makes_drafting_dearer():
+    policy = CostBatchK(1, TARGET, DRAFT)
+    accepting(policy, 0, 4, 2, 10)
+    caught_up = policy.plan({0: FRESH})[0]
+    assert caught_up > 0 and policy.plan({0: RowPlan(100, MODEL, catch_up=400)})[0] == 0
+
+
+def test_the_draft_prefills_with_the_prompt_only_where_fresh_rows_draft():
+    assert CostBatchK(1, TARGET, DRAFT).drafts_from_the_start()
+    assert not CostBatchK(16, TARGET, DRAFT).drafts_from_the_start()
+    assert FixedBatchK(3).drafts_from_the_start() and not FixedBatchK(0).drafts_from_the_start()
+
+
+def test_a_row_probes_now_and_then_where_drafting_could_pay():
+    policy = CostBatchK(2, TARGET, DRAFT, probe_every=4)
+    accepting(policy, 0, 4, 0, 30)  # nothing accepted: k = 0, but a probe every 4th step
+    assert [policy.plan({0: FRESH})[0] for _ in range(8)] == [0, 0, 0, 2, 0, 0, 0, 2]
+    never = CostBatchK(16, TARGET, DRAFT, probe_every=4)  # past the flat stretch even at 95% acceptance
+    accepting(never, 0, 4, 0, 30)
+    assert [never.plan({0: FRESH})[0] for _ in range(8)] == [0] * 8
