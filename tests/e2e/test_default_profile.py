@@ -76,7 +76,7 @@ def test_a_piped_chat_prints_the_reply_and_its_stats_and_saves_the_same(tmp_path
     system, user, assistant = (json.loads(line) for line in (tmp_path / "chat.jsonl").read_text().splitlines())
     assert system == {"role": "system", "content": "You are a helpful coding assistant."}  # the profile's
     assert user == {"role": "user", "content": question}
-    assert assistant["content"].rstrip("\n") == printed_reply  # what was shown is what was kept
+    assert assistant["content"].rstrip("\n") == printed_reply.rstrip("\n")  # what was shown is what was kept
     stats, shown = assistant["stats"], STATS_LINE.fullmatch(lines[stats_at])
     assert 1 <= stats["new_tokens"] <= 16 and int(shown["new"]) == stats["new_tokens"]
     assert stats["drafted"] > 0 and (int(shown["accepted"]), int(shown["drafted"])) == (stats["accepted"], stats["drafted"])
