@@ -26,6 +26,7 @@ from specdec_cli.engine.policy import VerifyCost, _Positions
 LOOKUP, MODEL = "lookup", "model"  # where a row's draft comes from this step
 OPTIMISTIC = 0.95  # the acceptance a probe's "could drafting pay at all" assumes
 CATCH_UP_STEPS = 8  # a row's draft catch-up is paid once; priced as spread over this many steps of drafting
+PROBE_CATCH_UP = 32  # a probe feeds the draft model at most this many unseen tokens: a prompt's prefill is no probe
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,9 @@ class _Row:
 class CostBatchK:
     """Each row's k from its own acceptance and the cost of a step of `batch_size` rows like it (see the
     module's docstring). probe_every: every so many of a row's steps it drafts at least `probe_k` although
-    nothing pays, if drafting could pay at all (at OPTIMISTIC acceptance), so its acceptance stays measured."""
+    nothing pays, if drafting could pay at all (at OPTIMISTIC acceptance), so its acceptance stays measured —
+    but not where the draft model has yet to see the row (more than PROBE_CATCH_UP tokens): feeding it the
+    prompt to test two tokens cost more than the whole rest of a batch-4 run's drafting gained (measured)."""
 
     def __init__(self, batch_size: int, verify_curve: dict[int, float] | None = None,
                  draft_curve: dict[int, float] | None = None, max_k: int = 12, max_lookup: int = 12,
@@ -98,7 +101,8 @@ class CostBatchK:
         rates = positions.rates()[: plan.room]
         best = self._best(rates, plan)
         state.steps += 1
-        if not best and state.steps % self.probe_every == 0 and self._best([OPTIMISTIC] * len(rates), plan):
+        if (not best and state.steps % self.probe_every == 0 and plan.catch_up <= PROBE_CATCH_UP
+                and self._best([OPTIMISTIC] * len(rates), plan)):
             return min(self.probe_k, plan.room)
         return best
 

@@ -62,3 +62,12 @@ def test_a_row_probes_now_and_then_where_drafting_could_pay():
     never = CostBatchK(16, TARGET, DRAFT, probe_every=4)  # past the flat stretch even at 95% acceptance
     accepting(never, 0, 4, 0, 30)
     assert [never.plan({0: FRESH})[0] for _ in range(8)] == [0] * 8
+
+
+def test_a_probe_never_feeds_the_draft_model_a_prompt():
+    """At batch 4 a row that never drafted would pay its whole prompt's draft prefill (~0.6 s on the demo draft)
+    to probe two tokens: over 16 prompts that cost 21% of the run's speed. Rows the draft has seen still probe."""
+    policy = CostBatchK(4, TARGET, DRAFT, probe_every=4)
+    unseen, seen = RowPlan(100, MODEL, catch_up=120), RowPlan(100, MODEL, catch_up=9)
+    assert [policy.plan({0: unseen})[0] for _ in range(8)] == [0] * 8
+    assert [policy.plan({1: seen})[1] for _ in range(8)] == [0, 0, 0, 2, 0, 0, 0, 2]
