@@ -66,8 +66,9 @@ class CostBatchK:
     """Each row's k from its own acceptance and the cost of a step of `batch_size` rows like it (see the
     module's docstring). probe_every: every so many of a row's steps it drafts at least `probe_k` although
     nothing pays, if drafting could pay at all (at OPTIMISTIC acceptance), so its acceptance stays measured —
-    but not where the draft model has yet to see the row (more than PROBE_CATCH_UP tokens): feeding it the
-    prompt to test two tokens cost more than the whole rest of a batch-4 run's drafting gained (measured)."""
+    but not with the draft model where it has yet to see the row (more than PROBE_CATCH_UP tokens): feeding it
+    the prompt to test two tokens cost more than the whole rest of a batch-4 run's drafting gained (measured).
+    A lookup probe feeds the draft model nothing, so it probes whatever the draft model has seen."""
 
     def __init__(self, batch_size: int, verify_curve: dict[int, float] | None = None,
                  draft_curve: dict[int, float] | None = None, max_k: int = 12, max_lookup: int = 12,
@@ -101,7 +102,8 @@ class CostBatchK:
         rates = positions.rates()[: plan.room]
         best = self._best(rates, plan)
         state.steps += 1
-        if (not best and state.steps % self.probe_every == 0 and plan.catch_up <= PROBE_CATCH_UP
+        if (not best and state.steps % self.probe_every == 0
+                and (plan.source == LOOKUP or plan.catch_up <= PROBE_CATCH_UP)
                 and self._best([OPTIMISTIC] * len(rates), plan)):
             return min(self.probe_k, plan.room)
         return best
