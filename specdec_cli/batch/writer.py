@@ -1,5 +1,5 @@
 """`run`'s output file: refusing to clobber it, resuming it (repair a torn last line, read what is done),
-and a writer that makes each record durable (flush + fsync) before the next request starts. No torch."""
+and a writer that makes each record durable (flush + fsync) the moment it is written. No torch."""
 
 from __future__ import annotations
 

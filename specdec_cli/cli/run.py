@@ -68,11 +68,12 @@ def run_command(
     workers: Annotated[int | None, typer.Option("--workers", help="With --engine ray: how many workers. Default: as many as the cluster's CPUs (GPUs with --gpus-per-worker) hold.", rich_help_panel=_ENGINE, show_default=False)] = None,
     cpus_per_worker: Annotated[float | None, typer.Option("--cpus-per-worker", help="With --engine ray: CPUs per worker, also its torch threads. Default: 1.", rich_help_panel=_ENGINE, show_default=False)] = None,
     gpus_per_worker: Annotated[float | None, typer.Option("--gpus-per-worker", help="With --engine ray: GPUs per worker (0.5: two workers share one). Default: 0.", rich_help_panel=_ENGINE, show_default=False)] = None,
-    batch_size: Annotated[str | None, typer.Option("--batch-size", "-b", help="Requests decoded together, a finished one replaced at once (1: one at a time). Default auto: doubled from 1 while a forward of twice the rows gives 10% more tokens per second on this machine (specdec calibrate's costs, else measured at load).", rich_help_panel=_ENGINE, show_default=False)] = None,
+    batch_size: Annotated[str | None, typer.Option("--batch-size", "-b", help="Requests decoded together, a finished one replaced at once (1: one at a time, as chat decodes). Default auto: doubled from 1 while a forward of twice the rows gives 10% more tokens per second, by the costs specdec calibrate measured on this machine; 8 without a calibration.", rich_help_panel=_ENGINE, show_default=False)] = None,
 ) -> None:
     """Generate for every request in a JSONL file: {"id", "prompt" | "messages", ...} lines, OpenAI
-    Batch API request lines, or both. Each record is on disk before the next request starts; after a
-    crash or Ctrl-C, rerun with --resume. Exit code 1 when any record failed, 2 for a
+    Batch API request lines, or both. Requests are decoded B at a time (--batch-size); each record is on
+    disk, in input order, as soon as it and every record before it are done; after a crash or Ctrl-C,
+    rerun with --resume. Exit code 1 when any record failed, 2 for a
     usage mistake, 3 when OUTPUT could not be written (disk full)."""
     ray_options = _ray_options(engine, address, workers, cpus_per_worker, gpus_per_worker)
     size = _batch_size(batch_size, ray_options is not None)
