@@ -219,15 +219,24 @@ class CachedModel:
         return mask[None, None].to(self.device)
 
     def _layers(self) -> list:
-        return [layer for layer in self.cache.layers if getattr(layer, "keys", None) is not None
-                and layer.keys.numel()]
+        return filled_layers(self.cache)
 
     def _truncate_layers(self, length: int) -> None:
-        for layer in self._layers():
-            layer.keys = layer.keys[..., :length, :]
-            layer.values = layer.values[..., :length, :]
+        truncate_layers(self.cache, length)
         del self.ids[length:]
         self.tree_nodes = []
+
+
+def filled_layers(cache: DynamicCache) -> list:
+    """The cache's layers that hold entries (a layer is empty until its first forward)."""
+    return [layer for layer in cache.layers if getattr(layer, "keys", None) is not None and layer.keys.numel()]
+
+
+def truncate_layers(cache: DynamicCache, length: int) -> None:
+    """Keep the first `length` entries of every filled layer."""
+    for layer in filled_layers(cache):
+        layer.keys = layer.keys[..., :length, :]
+        layer.values = layer.values[..., :length, :]
 
 
 def _path_tokens(node: int, tree_ids: Sequence[int], parents: list[int]) -> tuple[int, ...]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from specdec_cli.engine.kv import CachedModel, _tree_mask_form
+from specdec_cli.engine.kv import CachedModel, _tree_mask_form, filled_layers, truncate_layers
 
 Row = int
 HOLE = -1
@@ -118,7 +118,7 @@ class PackedCache:
                 logits_to_keep=torch.tensor(keep_index, dtype=torch.long, device=self.device),
             )
         except BaseException:
-            self._truncate_layers(start)  # an interrupted forward may have appended to some layers only
+            truncate_layers(self.cache, start)  # an interrupted forward may have appended to some layers only
             raise
         self.forwards += 1
         logits, taken, slot = output.logits[0], 0, start  # (sum of n_logits, V)
@@ -172,7 +172,7 @@ class PackedCache:
             return
         kept = [slot for slot, row in enumerate(self.owner) if row != HOLE]
         index = torch.tensor(kept, dtype=torch.long, device=self.device)
-        for layer in self._layers():
+        for layer in filled_layers(self.cache):
             layer.keys = layer.keys.index_select(-2, index)
             layer.values = layer.values.index_select(-2, index)
         new_slot = {old: new for new, old in enumerate(kept)}
@@ -180,11 +180,3 @@ class PackedCache:
             state.slots = [new_slot[slot] for slot in state.slots]
         self.owner = [self.owner[slot] for slot in kept]
 
-    def _layers(self) -> list:
-        return [layer for layer in self.cache.layers if getattr(layer, "keys", None) is not None
-                and layer.keys.numel()]
-
-    def _truncate_layers(self, length: int) -> None:
-        for layer in self._layers():
-            layer.keys = layer.keys[..., :length, :]
-            layer.values = layer.values[..., :length, :]
