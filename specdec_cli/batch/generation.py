@@ -69,9 +69,11 @@ class BatchedGeneration:
 
     @classmethod
     def load(cls, choice: ModelChoice, settings: DecodingSettings, batch_size: int | str,
-             console: Printer | None = None) -> BatchedGeneration | ModelGeneration:
-        """The pair loaded and the batch size chosen (auto: `batch_size_for` the target's forward-cost curve);
-        ModelGeneration (one at a time) when that is 1 or the models cannot take a packed batch."""
+             console: Printer | None = None, requests: int | None = None) -> BatchedGeneration | ModelGeneration:
+        """The pair loaded and the batch size chosen (auto: `batch_size_for` the target's forward-cost curve),
+        never more than `requests`, all the job holds (counted in the whole input, done or not, so a resumed
+        job takes the same size: each row's k is priced for a batch of that many rows); ModelGeneration (one
+        at a time) when that is 1 or the models cannot take a packed batch."""
         from specdec_cli.session import batch_size_for, batched_note, build_batched_decoder, build_decoder, forward_curve
         from specdec_cli.settings import load_choice
 
@@ -79,9 +81,11 @@ class BatchedGeneration:
         note = batched_note(target, draft, choice.drafter)
         curve = forward_curve(target)
         size = 1 if note else (batch_size_for(curve) if batch_size == "auto" else int(batch_size))
+        why = _why(note, batch_size, curve)
+        if requests is not None and 1 <= requests < size:
+            size, why = requests, f" (all the input holds, fewer than {size})"
         if console is not None:
-            console.print(f"batch: {size} request{'s' if size > 1 else ''} at a time" + _why(note, batch_size, curve),
-                          markup=False)
+            console.print(f"batch: {size} request{'s' if size > 1 else ''} at a time{why}", markup=False)
         if size == 1:
             return ModelGeneration(target.tokenizer, build_decoder(target, draft, choice.drafter, settings.k,
                                                                    clock_free=True), settings)

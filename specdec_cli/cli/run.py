@@ -135,7 +135,8 @@ def _run_locked(input: str, output: Path, resume: bool, overwrite: bool, force: 
     )
     console = Console(stderr=True, highlight=False, soft_wrap=True, quiet=quiet)
     runnable = any(request.error is None for request in pending)
-    with _engine(choice, settings, ray_options, batch_size, console, runnable) as (stream, reports, together):
+    job = sum(request.error is None for request in requests)  # the whole input's, so a resume batches alike
+    with _engine(choice, settings, ray_options, batch_size, console, runnable, job) as (stream, reports, together):
         _run_with_progress(pending, stream, output, overwrite, summary, choice.target, console, parallel=together)
     _print_summary(summary, console, reports, together)
     _exit_on_failures(summary, output)
@@ -143,14 +144,14 @@ def _run_locked(input: str, output: Path, resume: bool, overwrite: bool, force: 
 
 @contextmanager
 def _engine(choice: ModelChoice, settings: DecodingSettings, ray_options: batch.RayOptions | None,
-            batch_size: int | str, console: Console, runnable: bool,
+            batch_size: int | str, console: Console, runnable: bool, job: int,
             ) -> Iterator[tuple[batch.Stream, list[batch.WorkerReport], bool]]:
     """The stream that answers the requests, (on Ray) the workers' reports, filled in as they work, and whether
     requests run side by side (their seconds overlap: speed is then total tokens over wall time)."""
     if not runnable:
         yield batch.each(_never), [], False
     elif ray_options is None:
-        generation = batch.BatchedGeneration.load(choice, settings, batch_size, console)
+        generation = batch.BatchedGeneration.load(choice, settings, batch_size, console, requests=job)
         if isinstance(generation, batch.ModelGeneration):
             yield batch.each(generation), [], False
         else:

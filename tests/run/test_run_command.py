@@ -73,12 +73,15 @@ def reference(tiny_pair):
 
 @pytest.mark.parametrize("batch_size", ["1", "auto", "3"])
 def test_mixed_shapes_give_the_targets_own_output_in_input_order(run, tmp_path, reference, tiny_pair, batch_size):
-    """One at a time and batched (auto: 8 at a time, the default without a calibration, so the whole file goes
-    in one batch; 3: rows finish and are refilled) give the same records: the target's own greedy output."""
+    """One at a time and batched (auto: 8 at a time, the default without a calibration, cut to the 5 requests the
+    file holds, all in one batch; 3: rows finish and are refilled) give the same records: the target's own
+    greedy output."""
     (tmp_path / "in.jsonl").write_text(jsonl(MIXED))
     result = run(tmp_path / "in.jsonl", "-o", tmp_path / "out.jsonl", "--batch-size", batch_size)
     assert result.exit_code == 0, result.output
     assert result.stdout == ""
+    assert {"1": "batch: 1 request at a time\n", "3": "batch: 3 requests at a time\n",
+            "auto": "batch: 5 requests at a time (all the input holds, fewer than 8)\n"}[batch_size] in result.stderr
     z, a, m, b, five = read(tmp_path / "out.jsonl")
     assert [z["id"], a["id"], m["custom_id"], b["custom_id"], five["id"]] == ["z", "a", "m", "b", 5]
     for record, expected in ((z, reference("def add(a, b):", max_new_tokens=6)),
