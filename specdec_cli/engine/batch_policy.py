@@ -75,8 +75,9 @@ class CostBatchK:
                  prior_alpha: float = 0.6, prior_weight: float = 2.0, decay: float = 0.97, probe_every: int = 8,
                  probe_k: int = 2) -> None:
         self.batch_size = batch_size
-        self.verify = VerifyCost(verify_curve or _FLAT)
-        self.draft = VerifyCost(draft_curve or _DRAFT_SHARE)
+        verify_curve, draft_curve = _in_one_unit(verify_curve, draft_curve)
+        self.verify = VerifyCost(verify_curve)
+        self.draft = VerifyCost(draft_curve)
         self.max_k, self.max_lookup, self.prior_alpha, self.prior_weight = max_k, max_lookup, prior_alpha, prior_weight
         self.decay, self.probe_every, self.probe_k = decay, probe_every, probe_k
         self._rows: dict[int, _Row] = {}
@@ -140,3 +141,16 @@ class CostBatchK:
 # verify), a draft forward 30% of that — assumptions, used only until `specdec calibrate` measures.
 _FLAT = {1: 1.0, 16: 1.75}
 _DRAFT_SHARE = {1: 0.3, 16: 0.525}
+
+
+def _in_one_unit(verify: dict[int, float] | None, draft: dict[int, float] | None) -> tuple[dict, dict]:
+    """Both curves in one unit: a missing one is its assumed shape scaled to the measured one's one-token
+    cost (a calibrated target in seconds beside the assumed draft share would price a draft forward at
+    0.3 s), both assumed where neither was measured."""
+    if verify and not draft:
+        scale = verify[min(verify)] / _FLAT[1]
+        draft = {n: seconds * scale for n, seconds in _DRAFT_SHARE.items()}
+    elif draft and not verify:
+        scale = draft[min(draft)] / _DRAFT_SHARE[1]
+        verify = {n: seconds * scale for n, seconds in _FLAT.items()}
+    return verify or _FLAT, draft or _DRAFT_SHARE

@@ -74,3 +74,13 @@ def test_a_probe_never_feeds_the_draft_model_a_prompt():
     for _ in range(30):
         policy.update(2, 4, 0, LOOKUP)  # lookups that failed: k = 0, but probed (they feed the draft model nothing)
     assert [policy.plan({2: RowPlan(100, LOOKUP, catch_up=120)})[2] for _ in range(8)] == [0, 0, 0, 2, 0, 0, 0, 2]
+
+
+def test_a_curve_not_measured_is_assumed_in_the_measured_ones_unit():
+    """A calibrated target (seconds) beside an uncalibrated draft: the draft's assumed share is 30% of the
+    target's one-token forward, not 0.3 (a draft forward priced at three target forwards never drafts)."""
+    target_only, draft_only = CostBatchK(1, TARGET, None), CostBatchK(1, None, DRAFT)
+    assert target_only.draft.at(1) == pytest.approx(0.3 * TARGET[1])
+    assert draft_only.verify.at(1) == pytest.approx(DRAFT[1] / 0.3)
+    accepting(target_only, 0, 4, 3, 10)
+    assert target_only.plan({0: FRESH})[0] > 0
