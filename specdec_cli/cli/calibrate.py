@@ -76,7 +76,7 @@ def calibrate_command(
     facts = machine()
     console = Console(highlight=False)
     console.print(f"{facts['cpu']} · {' '.join(facts['cpu_flags']) or 'no AVX-512/AMX'} · {facts['threads']} threads · "
-                  f"{context}-token cache, median of {repeats}", markup=False)
+                  f"int8 on {facts['int8_kernel']} · {context}-token cache, median of {repeats}", markup=False)
     table = Table("model", "precision", *(f"n={n}" for n in TOKEN_COUNTS), title="forward costs (ratio to n=1)")
 
     def show(entry: dict) -> None:

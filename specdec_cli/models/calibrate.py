@@ -65,6 +65,8 @@ def machine() -> dict:
     """What decides the costs: CPU model and the flags that pick kernels, threads, library versions."""
     import transformers
 
+    from specdec_cli.models.int8_kernel import kernel_name
+
     flags: set[str] = set()
     name = platform.processor() or platform.machine()
     cpuinfo = Path("/proc/cpuinfo")
@@ -78,7 +80,7 @@ def machine() -> dict:
     return {
         "cpu": name, "cpu_flags": sorted(flag for flag in CPU_FLAGS if flag in flags),
         "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
-        "platform": platform.platform(),
+        "platform": platform.platform(), "int8_kernel": kernel_name(),
     }
 
 
@@ -146,9 +148,10 @@ def load_calibration(path: Path | None = None) -> dict | None:
 
 
 def same_machine(measured: dict, here: dict | None = None) -> bool:
-    """Whether a stored measurement was taken on a machine like this one: same CPU, kernel flags, threads."""
+    """Whether a stored measurement was taken on a machine like this one: same CPU, kernel flags, threads and
+    int8 matmul (a measurement from before specdec had its own holds none: its int8 costs are not today's)."""
     here = here or machine()
-    return all(measured.get(key) == here.get(key) for key in ("cpu", "cpu_flags", "threads"))
+    return all(measured.get(key) == here.get(key) for key in ("cpu", "cpu_flags", "threads", "int8_kernel"))
 
 
 def calibrated_seconds(model: str, quantization: str | None, dtype: str | None = None,

@@ -9,6 +9,10 @@ quantisation reads that row only and the matmul is exact integer arithmetic, so 
 the same output whatever else is in the forward; with attention computed row by row too
 (rowwise_attention.py), row i of a k-token forward is the one-token forward of token i, bit for bit.
 
+Two matmuls give these numbers, bit for bit alike: specdec's own (int8_kernel.py, where it builds and
+the CPU has AVX512-VNNI or AVX2: several times less overhead per call, which is most of a one-token
+forward) and torch's oneDNN one (elsewhere). A layer holds the weights in the layout of the one it runs.
+
 Why not torchao's `Int8DynamicActivationInt8WeightConfig` (also per token): in eager mode on a CPU
 with AVX512-VNNI but no AMX, torchao 0.18 recomputes the column sums of every weight on every call
 (its u8s8 compensation), which costs ~30x the matmul itself; it pays only under torch.compile."""
@@ -18,6 +22,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from specdec_cli.models import int8_kernel
 
 
 def activation_bits() -> int:
@@ -44,8 +50,13 @@ class PerTokenInt8Linear(torch.nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight_int8.shape
         self.bits = bits or activation_bits()
-        # (K, N) in oneDNN's blocked layout: an opaque tensor, counted as a buffer (1 byte per weight).
-        self.register_buffer("packed_weight", torch.ops.onednn.qlinear_prepack(weight_int8.contiguous(), None))
+        self.own_kernel = int8_kernel.kernel_problem(self.bits) is None
+        if self.own_kernel:  # blocks of 16 rows (1 byte per weight) and each row's sum
+            blocks, row_sums = int8_kernel.pack(weight_int8)
+            self.register_buffer("packed_weight", blocks)
+            self.register_buffer("row_sums", row_sums)
+        else:  # (K, N) in oneDNN's blocked layout: an opaque tensor, counted as a buffer (1 byte per weight).
+            self.register_buffer("packed_weight", torch.ops.onednn.qlinear_prepack(weight_int8.contiguous(), None))
         self.register_buffer("weight_scales", weight_scales.float().contiguous())  # (N,)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         self._zero_points = torch.zeros(1, dtype=torch.int64)  # symmetric weights
@@ -59,6 +70,8 @@ class PerTokenInt8Linear(torch.nn.Module):
 
     def int8_weight(self) -> torch.Tensor:
         """(N, K) int8, read back from the packed layout."""
+        if self.own_kernel:
+            return int8_kernel.unpack(self.packed_weight, self.out_features, self.in_features)
         return self.packed_weight.to_dense().t()
 
     def select_rows(self, rows: torch.Tensor) -> "PerTokenInt8Linear":
@@ -67,6 +80,10 @@ class PerTokenInt8Linear(torch.nn.Module):
         return PerTokenInt8Linear(self.int8_weight()[rows], self.weight_scales[rows], bias, self.bits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.own_kernel:
+            out = int8_kernel.matmul(x.reshape(-1, self.in_features).float(), self.packed_weight, self.row_sums,
+                                     self.weight_scales, self.bias, self.bits)
+            return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         values, scales = quantize_rows(x.reshape(-1, self.in_features), self.bits)  # (M, K), (M, 1)
         zero_point = 2 ** (self.bits - 1)
         out = torch.ops.onednn.qlinear_pointwise(
@@ -81,14 +98,17 @@ class PerTokenInt8Linear(torch.nn.Module):
         return PerTokenInt8Linear(self.int8_weight().clone(), self.weight_scales.clone(), bias, self.bits)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, activations=int{self.bits} per token"
+        matmul = "specdec" if self.own_kernel else "oneDNN"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"activations=int{self.bits} per token, {matmul} matmul")
 
 
 @functools.cache
 def int8_kernel_problem() -> str | None:
-    """None when this torch build and CPU run the oneDNN int8 matmul; else why not (one probe, cached)."""
-    if not torch.backends.mkldnn.is_available():
-        return "this torch build has no oneDNN"
+    """None when an int8 matmul (specdec's own, else torch's oneDNN) runs here; else why not (one probe, cached)."""
+    own_problem = int8_kernel.kernel_problem(activation_bits())
+    if own_problem is not None and not torch.backends.mkldnn.is_available():
+        return f"this torch build has no oneDNN, and {own_problem}"
     try:
         layer = PerTokenInt8Linear.from_linear(torch.nn.Linear(32, 8))
         layer(torch.randn(2, 32))

@@ -1,0 +1,165 @@
+/* specdec's int8 matmul for few tokens: y = (x_q · W_q) * weight_scale * token_scale (+ bias).
+
+   W is int8, one scale per output row, packed in blocks of 32 rows: for every 4 input channels, the
+   32 rows' 4 bytes lie side by side (128 bytes); 16 rows' worth is what one VNNI instruction
+   (vpdpbusd) takes.
+   x is quantised here, per token: symmetric int8 with one scale per row, stored offset by a zero point
+   as uint8 (VNNI multiplies uint8 by int8); the offset is taken back out with the rows' weight sums.
+
+   Every output element is computed by the same sequence of operations whatever the number of tokens
+   in the call, and the integer part is exact, so a token's output never depends on its neighbours:
+   a k-token verify gives each token what a one-token forward gives it, bit for bit.
+
+   Few tokens (a decode step, a verify) read the weights once per block and use them for up to 8 tokens
+   held in registers, so the cost is the weights' bytes, nearly flat in the token count.
+
+   Built by int8_gemm.py with the system C compiler; no torch headers, called through ctypes. */
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define BLOCK 32 /* output rows per block */
+#define TILE 8   /* tokens held in registers at once */
+
+/* Per-token symmetric quantisation of x (M, K) float32 into uint8 (M, K4*4, zero-padded past K),
+   offset by zero_point = limit + 1. The same float operations as torch's
+   scale = max(amax(|x|), 1e-12) / limit; q = clamp(round_half_even(x / scale), -limit, limit). */
+void specdec_quantize_rows(const float *x, int64_t M, int64_t K, int64_t K_padded, int limit,
+                           uint8_t *out, float *scales) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *row = x + m * K;
+        float amax = 0.0f;
+        for (int64_t k = 0; k < K; k++) {
+            float a = fabsf(row[k]);
+            amax = a > amax ? a : amax;
+        }
+        float scale = (amax > 1e-12f ? amax : 1e-12f) / (float)limit;
+        scales[m] = scale;
+        uint8_t *dst = out + m * K_padded;
+        for (int64_t k = 0; k < K; k++) {
+            float q = nearbyintf(row[k] / scale);
+            q = q < -limit ? -limit : (q > limit ? limit : q);
+            dst[k] = (uint8_t)((int)q + limit + 1);
+        }
+        memset(dst + K, limit + 1, (size_t)(K_padded - K)); /* padding: weights there are 0 */
+    }
+}
+
+/* Scale back: (exact * weight scale) * token scale, rounded after each step as torch does it; with a
+   bias, one fused multiply-add as torch's addcmul does it (bias + value * token scale, rounded once). */
+__attribute__((target("fma")))
+static void epilogue(const int32_t *acc, int64_t m_count, int64_t n0, int64_t N, const int32_t *row_sums,
+                            int zero_point, const float *weight_scales, const float *token_scales,
+                            const float *bias, float *y) {
+    for (int64_t j = 0; j < m_count; j++) {
+        for (int64_t lane = 0; lane < BLOCK && n0 + lane < N; lane++) {
+            int64_t n = n0 + lane;
+            int32_t exact = acc[j * BLOCK + lane] - zero_point * row_sums[n];
+            float scaled = (float)exact * weight_scales[n];
+            y[j * N + n] = bias ? fmaf(scaled, token_scales[j], bias[n]) : scaled * token_scales[j];
+        }
+    }
+}
+
+/* One block of 32 output rows for up to TILE tokens. `tokens` (m_count, K4) int32 = 4 uint8 each.
+   Per 4 input channels: two 64-byte weight loads, one broadcast per token, two VNNI sums per token. */
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static void block_vnni(const int8_t *w, const int32_t *tokens, int64_t K4, int64_t m_count, int32_t *acc) {
+    __m512i lo[TILE], hi[TILE];
+    for (int j = 0; j < TILE; j++) lo[j] = hi[j] = _mm512_setzero_si512();
+#define VNNI_CASE(T)                                                                        \
+    case T:                                                                                 \
+        for (int64_t k = 0; k < K4; k++) {                                                  \
+            __m512i w_lo = _mm512_loadu_si512((const void *)(w + k * 128));                 \
+            __m512i w_hi = _mm512_loadu_si512((const void *)(w + k * 128 + 64));            \
+            for (int j = 0; j < T; j++) {                                                   \
+                __m512i xv = _mm512_set1_epi32(tokens[j * K4 + k]);                         \
+                lo[j] = _mm512_dpbusd_epi32(lo[j], xv, w_lo);                               \
+                hi[j] = _mm512_dpbusd_epi32(hi[j], xv, w_hi);                               \
+            }                                                                               \
+        }                                                                                   \
+        break;
+    switch (m_count) {
+        VNNI_CASE(1) VNNI_CASE(2) VNNI_CASE(3) VNNI_CASE(4)
+        VNNI_CASE(5) VNNI_CASE(6) VNNI_CASE(7) VNNI_CASE(8)
+    }
+#undef VNNI_CASE
+    for (int j = 0; j < m_count; j++) {
+        _mm512_storeu_si512((void *)(acc + j * BLOCK), lo[j]);
+        _mm512_storeu_si512((void *)(acc + j * BLOCK + 16), hi[j]);
+    }
+}
+
+/* The same on AVX2, 16 of the 32 rows at a time and up to 4 tokens (16 registers): uint8·int8 pairs
+   summed in int16 (vpmaddubsw), then in int32 (vpmaddwd with ones). The int16 pair sum cannot saturate
+   only with 7-bit activations (uint8 in 1..127): the caller's limit is 63 there. */
+#define AVX2_TILE 4
+__attribute__((target("avx2,fma")))
+static void half_avx2(const int8_t *w, const int32_t *tokens, int64_t K4, int64_t m_count, int32_t *acc) {
+    __m256i lo[AVX2_TILE], hi[AVX2_TILE];
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int j = 0; j < AVX2_TILE; j++) lo[j] = hi[j] = _mm256_setzero_si256();
+#define AVX2_CASE(T)                                                                        \
+    case T:                                                                                 \
+        for (int64_t k = 0; k < K4; k++) {                                                  \
+            __m256i w_lo = _mm256_loadu_si256((const __m256i *)(w + k * 128));              \
+            __m256i w_hi = _mm256_loadu_si256((const __m256i *)(w + k * 128 + 32));         \
+            for (int j = 0; j < T; j++) {                                                   \
+                __m256i xv = _mm256_set1_epi32(tokens[j * K4 + k]);                         \
+                lo[j] = _mm256_add_epi32(lo[j], _mm256_madd_epi16(_mm256_maddubs_epi16(xv, w_lo), ones)); \
+                hi[j] = _mm256_add_epi32(hi[j], _mm256_madd_epi16(_mm256_maddubs_epi16(xv, w_hi), ones)); \
+            }                                                                               \
+        }                                                                                   \
+        break;
+    switch (m_count) {
+        AVX2_CASE(1) AVX2_CASE(2) AVX2_CASE(3) AVX2_CASE(4)
+    }
+#undef AVX2_CASE
+    for (int j = 0; j < m_count; j++) {
+        _mm256_storeu_si256((__m256i *)(acc + j * BLOCK), lo[j]);
+        _mm256_storeu_si256((__m256i *)(acc + j * BLOCK + 8), hi[j]);
+    }
+}
+
+static void block_avx2(const int8_t *w, const int32_t *tokens, int64_t K4, int64_t m_count, int32_t *acc) {
+    for (int64_t m0 = 0; m0 < m_count; m0 += AVX2_TILE) {
+        int64_t count = m_count - m0 < AVX2_TILE ? m_count - m0 : AVX2_TILE;
+        half_avx2(w, tokens + m0 * K4, K4, count, acc + m0 * BLOCK);
+        half_avx2(w + 64, tokens + m0 * K4, K4, count, acc + m0 * BLOCK + 16);
+    }
+}
+
+/* Which instructions this CPU has: 2 = AVX512-VNNI, 1 = AVX2, 0 = neither (the caller uses oneDNN). */
+int specdec_isa(void) {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vnni"))
+        return 2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+    return 0;
+}
+
+/* y (M, N) float32 = dequantised (x_q (M, K4*4) uint8) · (W packed (N/32 blocks)) (+ bias).
+   isa: 2 VNNI, 1 AVX2; threads: OpenMP threads over the blocks of output rows. */
+void specdec_int8_gemm(int isa, int threads, const uint8_t *x_q, const float *token_scales, int64_t M,
+                       int64_t K4, const int8_t *w_packed, const int32_t *row_sums, const float *weight_scales,
+                       const float *bias, int64_t N, int zero_point, float *y) {
+    int64_t blocks = (N + BLOCK - 1) / BLOCK;
+    const int32_t *tokens = (const int32_t *)x_q;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        int32_t acc[TILE * BLOCK];
+        const int8_t *w = w_packed + b * K4 * 4 * BLOCK;
+        for (int64_t m0 = 0; m0 < M; m0 += TILE) {
+            int64_t m_count = M - m0 < TILE ? M - m0 : TILE;
+            if (isa == 2)
+                block_vnni(w, tokens + m0 * K4, K4, m_count, acc);
+            else
+                block_avx2(w, tokens + m0 * K4, K4, m_count, acc);
+            epilogue(acc, m_count, b * BLOCK, N, row_sums, zero_point, weight_scales, token_scales + m0, bias,
+                     y + m0 * N);
+        }
+    }
+}

@@ -1,0 +1,137 @@
+"""specdec's own int8 matmul (int8_gemm.c) for the `int8` format: built once per machine with the system
+C compiler, kept under the specdec home, called through ctypes.
+
+Why a kernel of our own: at the sizes speculation runs (1-16 tokens) a forward's cost is reading the
+weights, and torch's oneDNN int8 matmul spends ~80 µs a call around that (measured: a 256x1536 layer
+took 90 µs for one token; this kernel 15 µs). It gives the same numbers as the oneDNN path bit for bit
+(tested), so which one runs changes speed only.
+
+Chosen per CPU: AVX512-VNNI or AVX2 instructions, picked by the CPU's flags at run time.
+SPECDEC_INT8_KERNEL=onednn forces torch's matmul and =avx2 the AVX2 code (to compare them; `specdec
+calibrate` names the one it timed). Without a C compiler the int8 format runs on oneDNN, and
+`kernel_problem()` says why."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+from specdec_cli.models.paths import atomic_folder, cache_dir
+
+SOURCE = Path(__file__).with_name("int8_gemm.c")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off")  # no contraction: the exact float steps
+ISA_NAMES = {2: "AVX512-VNNI", 1: "AVX2"}
+BLOCK = 32  # output rows per packed block (int8_gemm.c)
+
+
+@functools.cache
+def _library() -> tuple[ctypes.CDLL | None, int, str | None]:
+    return load_library()
+
+
+def load_library() -> tuple[ctypes.CDLL | None, int, str | None]:
+    """(the loaded library, the ISA it runs: 2 AVX512-VNNI or 1 AVX2, None) or (None, 0, why not); the
+    library is compiled into the specdec home on first use. Once per process (`_library`)."""
+    choice = os.environ.get("SPECDEC_INT8_KERNEL", "").strip().lower()
+    if choice == "onednn":
+        return None, 0, "SPECDEC_INT8_KERNEL=onednn"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None, 0, f"specdec's int8 kernel is for x86-64 ({platform.machine()} here)"
+    try:
+        path = _built()
+    except (OSError, subprocess.SubprocessError) as error:
+        return None, 0, f"specdec's int8 kernel did not build ({error})"
+    library = ctypes.CDLL(str(path))
+    _declare(library)
+    isa = library.specdec_isa()
+    if not isa:
+        return None, 0, "this CPU has neither AVX512-VNNI nor AVX2"
+    return library, (1 if choice == "avx2" else isa), None
+
+
+def _built() -> Path:
+    """The shared library for this source and compiler, compiled into the cache if it is not there yet."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler found: install gcc, or set CC")
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+    final = cache_dir("kernels") / f"int8-{key}"
+    if not (final / "libspecdec_int8.so").exists():
+        with atomic_folder(final) as staging:
+            target = staging / "libspecdec_int8.so"
+            result = subprocess.run([compiler, *FLAGS, "-o", str(target), str(SOURCE), "-lm"],
+                                    capture_output=True, text=True, timeout=300)
+            if result.returncode:
+                last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+                raise OSError(f"{Path(compiler).name} failed: {last}")
+    return final / "libspecdec_int8.so"
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    pointer, size, integer = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    library.specdec_isa.restype = integer
+    library.specdec_quantize_rows.argtypes = [pointer, size, size, size, integer, pointer, pointer]
+    library.specdec_int8_gemm.argtypes = [integer, integer, pointer, pointer, size, size, pointer, pointer,
+                                          pointer, pointer, size, integer, pointer]
+
+
+def kernel_problem(bits: int) -> str | None:
+    """None when the kernel runs here for activations of `bits` bits; else why not. The AVX2 code sums
+    pairs of products in int16, so it takes only 7-bit activations (what a CPU without VNNI gets)."""
+    library, isa, problem = _library()
+    if problem is None and isa == 1 and bits != 7:
+        return "the AVX2 kernel needs 7-bit activations"
+    return problem
+
+
+def kernel_name(bits: int = 8) -> str:
+    """Which int8 matmul a layer built now runs: `specdec AVX512-VNNI`, `specdec AVX2` or `oneDNN`."""
+    return "oneDNN" if kernel_problem(bits) else f"specdec {ISA_NAMES[_library()[1]]}"
+
+
+def pack(weight_int8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) int8 → (the kernel's blocks: (ceil(N/32), ceil(K/4), 32, 4) int8, (N,) int32 row sums)."""
+    rows, width = weight_int8.shape
+    padded = torch.zeros(-(-rows // BLOCK) * BLOCK, -(-width // 4) * 4, dtype=torch.int8)
+    padded[:rows, :width] = weight_int8
+    blocks = padded.view(padded.shape[0] // BLOCK, BLOCK, padded.shape[1] // 4, 4).permute(0, 2, 1, 3).contiguous()
+    return blocks, weight_int8.to(torch.int32).sum(dim=1, dtype=torch.int32)
+
+
+def packed_bytes(rows: int, width: int) -> int:
+    """Bytes `pack` makes of a (rows, width) int8 weight: rows padded to 32, width to 4."""
+    return -(-rows // BLOCK) * BLOCK * -(-width // 4) * 4
+
+
+def unpack(blocks: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """The (rows, width) int8 weight that `pack` took."""
+    return blocks.permute(0, 2, 1, 3).reshape(-1, blocks.shape[1] * 4)[:rows, :width].contiguous()
+
+
+def matmul(x: torch.Tensor, blocks: torch.Tensor, row_sums: torch.Tensor, weight_scales: torch.Tensor,
+           bias: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """(M, K) float32 → (M, N) float32: x quantised per token to `bits` bits, times the packed int8 weight,
+    scaled back (and + bias): the same float steps as PerTokenInt8Linear's oneDNN path."""
+    library, isa, _ = _library()
+    x = x.contiguous()
+    tokens, width = x.shape
+    padded_width = blocks.shape[1] * 4
+    limit = 2 ** (bits - 1) - 1
+    values = torch.empty(tokens, padded_width, dtype=torch.uint8)
+    scales = torch.empty(tokens, dtype=torch.float32)
+    library.specdec_quantize_rows(x.data_ptr(), tokens, width, padded_width, limit, values.data_ptr(),
+                                  scales.data_ptr())
+    out = torch.empty(tokens, row_sums.shape[0], dtype=torch.float32)
+    library.specdec_int8_gemm(isa, torch.get_num_threads(), values.data_ptr(), scales.data_ptr(), tokens,
+                              blocks.shape[1], blocks.data_ptr(), row_sums.data_ptr(), weight_scales.data_ptr(),
+                              None if bias is None else bias.data_ptr(), row_sums.shape[0], limit + 1,
+                              out.data_ptr())
+    return out

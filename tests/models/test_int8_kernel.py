@@ -1,0 +1,119 @@
+"""specdec's own int8 matmul (int8_gemm.c): the same numbers as torch's oneDNN path bit for bit, on both
+of its code paths, whatever the token count; a token's output independent of its neighbours; and the
+fall-back to oneDNN, with the reason, where it cannot be built."""
+
+import copy
+
+import pytest
+import torch
+
+from specdec_cli.models import int8_kernel
+from specdec_cli.models.int8 import PerTokenInt8Linear, quantize_int8
+
+needs_kernel = pytest.mark.skipif(int8_kernel.kernel_problem(7) is not None,
+                                  reason=f"specdec's int8 kernel does not run here: {int8_kernel.kernel_problem(7)}")
+# Odd shapes on purpose: rows not a multiple of 32 (one block half full), widths not a multiple of 4.
+SHAPES = [(37, 18), (64, 100), (200, 131), (8, 7)]
+TOKEN_COUNTS = [1, 2, 3, 5, 8, 9, 17]
+
+
+def _pair(in_features: int, out_features: int, bits: int, bias: bool) -> tuple[PerTokenInt8Linear, PerTokenInt8Linear]:
+    """(a layer on specdec's kernel, the same layer on oneDNN), from one float layer."""
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    own = PerTokenInt8Linear.from_linear(linear, bits)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(int8_kernel, "kernel_problem", lambda bits: "off for the reference")
+        reference = PerTokenInt8Linear.from_linear(linear, bits)
+    assert own.own_kernel and not reference.own_kernel
+    return own, reference
+
+
+@pytest.fixture(params=["vnni", "avx2"])
+def code_path(request, monkeypatch):
+    """Each ISA the CPU runs: the AVX2 code runs on an AVX512 CPU too, with 7-bit activations (as without VNNI)."""
+    library, isa, _ = int8_kernel._library()
+    if request.param == "vnni":
+        if isa != 2:
+            pytest.skip("this CPU has no AVX512-VNNI")
+        return 8
+    monkeypatch.setattr(int8_kernel, "_library", lambda: (library, 1, None))
+    return 7
+
+
+@needs_kernel
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("in_features", "out_features"), SHAPES)
+def test_the_kernel_gives_onednns_numbers_bit_for_bit(code_path, in_features, out_features, bias):
+    torch.manual_seed(in_features * out_features)
+    own, reference = _pair(in_features, out_features, code_path, bias)
+    for tokens in TOKEN_COUNTS:
+        x = torch.randn(tokens, in_features) * torch.logspace(-2, 1, tokens)[:, None]  # rows of unlike scales
+        assert torch.equal(own(x), reference(x)), (tokens, code_path)
+
+
+@needs_kernel
+def test_a_tokens_output_does_not_depend_on_the_others(code_path):
+    torch.manual_seed(3)
+    own, _ = _pair(131, 200, code_path, bias=True)
+    x = torch.randn(17, 131)
+    together = own(x)
+    for i in range(17):
+        assert torch.equal(own(x[i:i + 1])[0], together[i])
+
+
+@needs_kernel
+def test_the_kernel_takes_a_models_batch_and_dtype_shapes():
+    torch.manual_seed(4)
+    own, reference = _pair(64, 40, 8 if int8_kernel._library()[1] == 2 else 7, bias=True)
+    x = torch.randn(2, 3, 64).to(torch.bfloat16)
+    assert own(x).shape == (2, 3, 40) and own(x).dtype == torch.bfloat16
+    assert torch.equal(own(x), reference(x))
+
+
+@pytest.mark.parametrize(("rows", "width"), SHAPES)
+def test_packing_keeps_every_weight(rows, width):
+    weight = torch.randint(-127, 128, (rows, width), dtype=torch.int8)
+    blocks, row_sums = int8_kernel.pack(weight)
+    assert blocks.numel() == int8_kernel.packed_bytes(rows, width)
+    assert torch.equal(int8_kernel.unpack(blocks, rows, width), weight)
+    assert torch.equal(row_sums, weight.to(torch.int64).sum(dim=1).to(torch.int32))
+
+
+@needs_kernel
+def test_a_copied_layer_keeps_the_kernels_layout_and_numbers():
+    own, _ = _pair(100, 64, 8 if int8_kernel._library()[1] == 2 else 7, bias=False)
+    copied = copy.deepcopy(own)
+    x = torch.randn(3, 100)
+    assert copied.own_kernel and torch.equal(copied(x), own(x))
+
+
+def test_without_a_compiler_int8_runs_on_onednn_and_says_why(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", "false")  # a "compiler" that fails, in a fresh home: nothing cached to load
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    library, isa, problem = int8_kernel.load_library()
+    assert library is None and isa == 0
+    assert problem == "specdec's int8 kernel did not build (false failed: no output)"
+    assert not list((tmp_path / "home" / "kernels").iterdir())  # no half-built entry left behind
+
+
+def test_int8_falls_back_to_onednn_where_the_kernel_is_off(monkeypatch):
+    monkeypatch.setattr(int8_kernel, "_library", lambda: (None, 0, "SPECDEC_INT8_KERNEL=onednn"))
+    layer = PerTokenInt8Linear.from_linear(torch.nn.Linear(16, 8))
+    assert not layer.own_kernel and int8_kernel.kernel_name() == "oneDNN"
+    assert layer(torch.randn(2, 16)).shape == (2, 8)
+
+
+def test_the_environment_forces_onednn(monkeypatch):
+    monkeypatch.setenv("SPECDEC_INT8_KERNEL", "onednn")
+    assert int8_kernel.load_library() == (None, 0, "SPECDEC_INT8_KERNEL=onednn")
+
+
+@needs_kernel
+def test_a_model_on_the_kernel_decodes_what_it_does_on_onednn(llama_target):
+    """A whole tiny model: every Linear on the kernel gives the logits the oneDNN layers give."""
+    on_kernel = quantize_int8(copy.deepcopy(llama_target))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(int8_kernel, "kernel_problem", lambda bits: "off for the reference")
+        on_onednn = quantize_int8(copy.deepcopy(llama_target))
+    ids = torch.tensor([[1, 5, 9, 14, 30, 2, 7]])
+    assert torch.equal(on_kernel(ids).logits, on_onednn(ids).logits)
