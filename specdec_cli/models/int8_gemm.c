@@ -17,6 +17,8 @@
 
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -26,8 +28,9 @@
 /* Per-token symmetric quantisation of x (M, K) float32 into uint8 (M, K4*4, zero-padded past K),
    offset by zero_point = limit + 1. The same float operations as torch's
    scale = max(amax(|x|), 1e-12) / limit; q = clamp(round_half_even(x / scale), -limit, limit). */
-void specdec_quantize_rows(const float *x, int64_t M, int64_t K, int64_t K_padded, int limit,
+void specdec_quantize_rows(int threads, const float *x, int64_t M, int64_t K, int64_t K_padded, int limit,
                            uint8_t *out, float *scales) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (M * K > 65536)
     for (int64_t m = 0; m < M; m++) {
         const float *row = x + m * K;
         float amax = 0.0f;
@@ -63,19 +66,27 @@ static void epilogue(const int32_t *acc, int64_t m_count, int64_t n0, int64_t N,
     }
 }
 
-/* One block of 32 output rows for up to TILE tokens. `tokens` (m_count, K4) int32 = 4 uint8 each.
-   Per 4 input channels: two 64-byte weight loads, one broadcast per token, two VNNI sums per token. */
+/* Activations for the matmul: tiles of TILE tokens, and within a tile the TILE tokens' 4-byte groups
+   of one k side by side: panel[tile][k][j] (int32 = 4 uint8). Tokens past M are zeros (never stored). */
+
+/* One block of 32 output rows, input groups [k_begin, k_end), up to TILE tokens of one panel tile;
+   `acc` (TILE, 32) int32 is added to when `accumulate`, else overwritten. Per 4 input channels: two
+   64-byte weight loads, one broadcast per token, two VNNI sums per token. */
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
-static void block_vnni(const int8_t *w, const int32_t *tokens, int64_t K4, int64_t m_count, int32_t *acc) {
+static void block_vnni(const int8_t *w, const int32_t *panel, int64_t k_begin, int64_t k_end, int64_t m_count,
+                       int32_t *acc, int accumulate) {
     __m512i lo[TILE], hi[TILE];
-    for (int j = 0; j < TILE; j++) lo[j] = hi[j] = _mm512_setzero_si512();
+    for (int j = 0; j < TILE; j++) {
+        lo[j] = accumulate && j < m_count ? _mm512_loadu_si512((const void *)(acc + j * BLOCK)) : _mm512_setzero_si512();
+        hi[j] = accumulate && j < m_count ? _mm512_loadu_si512((const void *)(acc + j * BLOCK + 16)) : _mm512_setzero_si512();
+    }
 #define VNNI_CASE(T)                                                                        \
     case T:                                                                                 \
-        for (int64_t k = 0; k < K4; k++) {                                                  \
+        for (int64_t k = k_begin; k < k_end; k++) {                                         \
             __m512i w_lo = _mm512_loadu_si512((const void *)(w + k * 128));                 \
             __m512i w_hi = _mm512_loadu_si512((const void *)(w + k * 128 + 64));            \
             for (int j = 0; j < T; j++) {                                                   \
-                __m512i xv = _mm512_set1_epi32(tokens[j * K4 + k]);                         \
+                __m512i xv = _mm512_set1_epi32(panel[k * TILE + j]);                        \
                 lo[j] = _mm512_dpbusd_epi32(lo[j], xv, w_lo);                               \
                 hi[j] = _mm512_dpbusd_epi32(hi[j], xv, w_hi);                               \
             }                                                                               \
@@ -97,17 +108,21 @@ static void block_vnni(const int8_t *w, const int32_t *tokens, int64_t K4, int64
    only with 7-bit activations (uint8 in 1..127): the caller's limit is 63 there. */
 #define AVX2_TILE 4
 __attribute__((target("avx2,fma")))
-static void half_avx2(const int8_t *w, const int32_t *tokens, int64_t K4, int64_t m_count, int32_t *acc) {
+static void half_avx2(const int8_t *w, const int32_t *panel, int64_t k_begin, int64_t k_end, int64_t m_count,
+                      int32_t *acc, int accumulate) {
     __m256i lo[AVX2_TILE], hi[AVX2_TILE];
     const __m256i ones = _mm256_set1_epi16(1);
-    for (int j = 0; j < AVX2_TILE; j++) lo[j] = hi[j] = _mm256_setzero_si256();
+    for (int j = 0; j < AVX2_TILE; j++) {
+        lo[j] = accumulate && j < m_count ? _mm256_loadu_si256((const __m256i *)(acc + j * BLOCK)) : _mm256_setzero_si256();
+        hi[j] = accumulate && j < m_count ? _mm256_loadu_si256((const __m256i *)(acc + j * BLOCK + 8)) : _mm256_setzero_si256();
+    }
 #define AVX2_CASE(T)                                                                        \
     case T:                                                                                 \
-        for (int64_t k = 0; k < K4; k++) {                                                  \
+        for (int64_t k = k_begin; k < k_end; k++) {                                         \
             __m256i w_lo = _mm256_loadu_si256((const __m256i *)(w + k * 128));              \
             __m256i w_hi = _mm256_loadu_si256((const __m256i *)(w + k * 128 + 32));         \
             for (int j = 0; j < T; j++) {                                                   \
-                __m256i xv = _mm256_set1_epi32(tokens[j * K4 + k]);                         \
+                __m256i xv = _mm256_set1_epi32(panel[k * TILE + j]);                        \
                 lo[j] = _mm256_add_epi32(lo[j], _mm256_madd_epi16(_mm256_maddubs_epi16(xv, w_lo), ones)); \
                 hi[j] = _mm256_add_epi32(hi[j], _mm256_madd_epi16(_mm256_maddubs_epi16(xv, w_hi), ones)); \
             }                                                                               \
@@ -123,11 +138,12 @@ static void half_avx2(const int8_t *w, const int32_t *tokens, int64_t K4, int64_
     }
 }
 
-static void block_avx2(const int8_t *w, const int32_t *tokens, int64_t K4, int64_t m_count, int32_t *acc) {
+static void block_avx2(const int8_t *w, const int32_t *panel, int64_t k_begin, int64_t k_end, int64_t m_count,
+                       int32_t *acc, int accumulate) {
     for (int64_t m0 = 0; m0 < m_count; m0 += AVX2_TILE) {
         int64_t count = m_count - m0 < AVX2_TILE ? m_count - m0 : AVX2_TILE;
-        half_avx2(w, tokens + m0 * K4, K4, count, acc + m0 * BLOCK);
-        half_avx2(w + 64, tokens + m0 * K4, K4, count, acc + m0 * BLOCK + 16);
+        half_avx2(w, panel + m0, k_begin, k_end, count, acc + m0 * BLOCK, accumulate);
+        half_avx2(w + 64, panel + m0, k_begin, k_end, count, acc + m0 * BLOCK + 16, accumulate);
     }
 }
 
@@ -142,24 +158,54 @@ int specdec_isa(void) {
 }
 
 /* y (M, N) float32 = dequantised (x_q (M, K4*4) uint8) · (W packed (N/32 blocks)) (+ bias).
-   isa: 2 VNNI, 1 AVX2; threads: OpenMP threads over the blocks of output rows. */
-void specdec_int8_gemm(int isa, int threads, const uint8_t *x_q, const float *token_scales, int64_t M,
+   isa: 2 VNNI, 1 AVX2; threads: OpenMP threads over the blocks of output rows.
+   Up to TILE tokens: one pass over each block's weights, straight from memory (the cost is the bytes).
+   More (a prefill, a batch): the input is cut into K_CHUNK groups, so a block's chunk of weights stays
+   in L1 while every tile of tokens passes over it; integer sums, so the order changes nothing.
+   Returns 0, or 1 when its buffers could not be allocated (y is then unwritten). */
+#define K_CHUNK 128
+int specdec_int8_gemm(int isa, int threads, const uint8_t *x_q, const float *token_scales, int64_t M,
                        int64_t K4, const int8_t *w_packed, const int32_t *row_sums, const float *weight_scales,
                        const float *bias, int64_t N, int zero_point, float *y) {
     int64_t blocks = (N + BLOCK - 1) / BLOCK;
+    int64_t tiles = (M + TILE - 1) / TILE;
+    int64_t chunk = M <= TILE ? K4 : K_CHUNK;
     const int32_t *tokens = (const int32_t *)x_q;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        int32_t acc[TILE * BLOCK];
-        const int8_t *w = w_packed + b * K4 * 4 * BLOCK;
-        for (int64_t m0 = 0; m0 < M; m0 += TILE) {
-            int64_t m_count = M - m0 < TILE ? M - m0 : TILE;
-            if (isa == 2)
-                block_vnni(w, tokens + m0 * K4, K4, m_count, acc);
-            else
-                block_avx2(w, tokens + m0 * K4, K4, m_count, acc);
-            epilogue(acc, m_count, b * BLOCK, N, row_sums, zero_point, weight_scales, token_scales + m0, bias,
-                     y + m0 * N);
+    int32_t *panel = malloc((size_t)(tiles * K4 * TILE) * sizeof(int32_t));
+    int32_t *acc_all = malloc((size_t)threads * (size_t)(tiles * TILE * BLOCK) * sizeof(int32_t));
+    if (!panel || !acc_all) {
+        free(panel);
+        free(acc_all);
+        return 1;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t k = 0; k < K4; k++) panel[(m / TILE) * K4 * TILE + k * TILE + m % TILE] = tokens[m * K4 + k];
+        int32_t *acc = acc_all + (size_t)omp_get_thread_num() * (size_t)(tiles * TILE * BLOCK);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            const int8_t *w = w_packed + b * K4 * 4 * BLOCK;
+            for (int64_t k0 = 0; k0 < K4; k0 += chunk) {
+                int64_t k1 = k0 + chunk < K4 ? k0 + chunk : K4;
+                for (int64_t t = 0; t < tiles; t++) {
+                    int64_t m_count = M - t * TILE < TILE ? M - t * TILE : TILE;
+                    const int32_t *tile_panel = panel + t * K4 * TILE;
+                    if (isa == 2)
+                        block_vnni(w, tile_panel, k0, k1, m_count, acc + t * TILE * BLOCK, k0 > 0);
+                    else
+                        block_avx2(w, tile_panel, k0, k1, m_count, acc + t * TILE * BLOCK, k0 > 0);
+                }
+            }
+            for (int64_t t = 0; t < tiles; t++) {
+                int64_t m_count = M - t * TILE < TILE ? M - t * TILE : TILE;
+                epilogue(acc + t * TILE * BLOCK, m_count, b * BLOCK, N, row_sums, zero_point, weight_scales,
+                         token_scales + t * TILE, bias, y + t * TILE * N);
+            }
         }
     }
+    free(panel);
+    free(acc_all);
+    return 0;
 }

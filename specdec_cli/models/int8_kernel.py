@@ -78,7 +78,8 @@ def _built() -> Path:
 def _declare(library: ctypes.CDLL) -> None:
     pointer, size, integer = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     library.specdec_isa.restype = integer
-    library.specdec_quantize_rows.argtypes = [pointer, size, size, size, integer, pointer, pointer]
+    library.specdec_quantize_rows.argtypes = [integer, pointer, size, size, size, integer, pointer, pointer]
+    library.specdec_int8_gemm.restype = integer
     library.specdec_int8_gemm.argtypes = [integer, integer, pointer, pointer, size, size, pointer, pointer,
                                           pointer, pointer, size, integer, pointer]
 
@@ -127,11 +128,13 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, row_sums: torch.Tensor, weight
     limit = 2 ** (bits - 1) - 1
     values = torch.empty(tokens, padded_width, dtype=torch.uint8)
     scales = torch.empty(tokens, dtype=torch.float32)
-    library.specdec_quantize_rows(x.data_ptr(), tokens, width, padded_width, limit, values.data_ptr(),
+    library.specdec_quantize_rows(torch.get_num_threads(), x.data_ptr(), tokens, width, padded_width, limit, values.data_ptr(),
                                   scales.data_ptr())
     out = torch.empty(tokens, row_sums.shape[0], dtype=torch.float32)
-    library.specdec_int8_gemm(isa, torch.get_num_threads(), values.data_ptr(), scales.data_ptr(), tokens,
+    failed = library.specdec_int8_gemm(isa, torch.get_num_threads(), values.data_ptr(), scales.data_ptr(), tokens,
                               blocks.shape[1], blocks.data_ptr(), row_sums.data_ptr(), weight_scales.data_ptr(),
                               None if bias is None else bias.data_ptr(), row_sums.shape[0], limit + 1,
                               out.data_ptr())
+    if failed:
+        raise MemoryError(f"specdec's int8 matmul could not allocate its buffers for {tokens} tokens")
     return out
