@@ -3,6 +3,7 @@ of its code paths, whatever the token count; a token's output independent of its
 fall-back to oneDNN, with the reason, where it cannot be built."""
 
 import copy
+import os
 
 import pytest
 import torch
@@ -10,7 +11,8 @@ import torch
 from specdec_cli.models import int8_kernel
 from specdec_cli.models.int8 import PerTokenInt8Linear, quantize_int8
 
-needs_kernel = pytest.mark.skipif(int8_kernel.kernel_problem(7) is not None,
+# In CI these run even where the kernel does not build, and fail: CI's machine must build it.
+needs_kernel = pytest.mark.skipif(int8_kernel.kernel_problem(7) is not None and not os.environ.get("CI"),
                                   reason=f"specdec's int8 kernel does not run here: {int8_kernel.kernel_problem(7)}")
 # Odd shapes on purpose: rows not a multiple of 32 (one block half full), widths not a multiple of 4.
 SHAPES = [(37, 18), (64, 100), (200, 131), (8, 7)]
@@ -117,3 +119,4 @@ def test_a_model_on_the_kernel_decodes_what_it_does_on_onednn(llama_target):
         on_onednn = quantize_int8(copy.deepcopy(llama_target))
     ids = torch.tensor([[1, 5, 9, 14, 30, 2, 7]])
     assert torch.equal(on_kernel(ids).logits, on_onednn(ids).logits)
+
