@@ -53,7 +53,8 @@ def resolve_auto(role: str, device: torch.device, spec: str | None = None, dtype
     """What `auto` means for `role` on `device`: among the `allowed` formats (a profile's
     `target_auto_formats`; else AUTO_FORMATS) that run here, the fastest one `specdec calibrate` measured on
     this machine for `spec` (a target by its 1-, 4- and 8-token forwards, where verification lives; a
-    draft by its one-token forward). Without a calibration: int8 on the CPU (2.5-4x faster than float on
+    draft by its 1-, 2- and 4-token forwards: a step's first draft forward also takes in the tokens the
+    last step accepted). Without a calibration: int8 on the CPU (2.5-4x faster than float on
     both CPU kinds measured, and flat up to 4-8 tokens), no quantisation elsewhere."""
     allowed = tuple(canonical(name) or "none" for name in (allowed or AUTO_FORMATS[role]))
     runnable = [name for name in allowed if name == "none" or (device.type == "cpu" and name in CPU_ONLY
@@ -65,7 +66,7 @@ def resolve_auto(role: str, device: torch.device, spec: str | None = None, dtype
         measured = {name: calibrated_seconds(spec, name, label) for name in runnable}
         measured = {name: seconds for name, seconds in measured.items() if seconds}
         if measured:
-            sizes = (1, 4, 8) if role == "target" else (1,)
+            sizes = (1, 4, 8) if role == "target" else (1, 2, 4)
             score = lambda name: sum(measured[name].get(n, measured[name][1]) for n in sizes)
             return canonical(min(measured, key=score))
     return "int8" if "int8" in runnable else None

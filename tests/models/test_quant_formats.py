@@ -91,10 +91,10 @@ def test_auto_in_a_pair_loads_int8_models_and_a_profile_can_keep_the_target_floa
     assert target.describe("target").endswith("· cpu · float32")
 
 
-def _calibrate(spec: str, seconds: dict[str, dict[str, float]]) -> None:
+def _calibrate(spec: str, seconds: dict[str, dict[str, float]], role: str = "target") -> None:
     from specdec_cli.models.calibrate import machine, save_calibration
 
-    entries = [{"role": "target", "model": spec, "quantization": name, "dtype": "float32", "seconds": curve}
+    entries = [{"role": role, "model": spec, "quantization": name, "dtype": "float32", "seconds": curve}
                for name, curve in seconds.items()]
     save_calibration({"machine": machine(), "entries": entries})
 
@@ -105,6 +105,18 @@ def test_auto_picks_the_fastest_calibrated_format_it_is_allowed(specdec_home):
     assert resolve_auto("target", CPU, "m", torch.float32) == "int8"  # int4 not allowed by default
     assert resolve_auto("target", CPU, "m", torch.float32, allowed=("none",)) is None
     assert resolve_auto("target", CPU, "other", torch.float32) == "int8"  # not measured: the fallback
+
+
+@needs_torchao
+def test_auto_picks_a_draft_by_its_catch_up_forwards_too(specdec_home):
+    # int4 is faster for one token, int8 once the step's first forward takes in the accepted tokens
+    # (this machine's calibration with specdec's int8 matmul, in ms: int8 31/32/36, int4 30/34/46)
+    _calibrate("d", {"int8": {"1": 0.031, "2": 0.032, "4": 0.036}, "int4": {"1": 0.030, "2": 0.034, "4": 0.046}},
+               role="draft")
+    assert resolve_auto("draft", CPU, "d", torch.float32) == "int8"
+    _calibrate("d", {"int8": {"1": 0.031, "2": 0.032, "4": 0.036}, "int4": {"1": 0.020, "2": 0.022, "4": 0.030}},
+               role="draft")
+    assert resolve_auto("draft", CPU, "d", torch.float32) == "int4"
 
 
 def test_auto_trusts_a_calibration_of_this_machine_only(specdec_home):
