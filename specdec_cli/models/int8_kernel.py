@@ -64,15 +64,21 @@ def _built() -> Path:
         raise OSError("no C compiler found: install gcc, or set CC")
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
     final = cache_dir("kernels") / f"int8-{key}"
-    if not (final / "libspecdec_int8.so").exists():
+    library = final / "libspecdec_int8.so"
+    if library.exists():
+        return library
+    try:
         with atomic_folder(final) as staging:
-            target = staging / "libspecdec_int8.so"
+            target = staging / library.name
             result = subprocess.run([compiler, *FLAGS, "-o", str(target), str(SOURCE), "-lm"],
                                     capture_output=True, text=True, timeout=300)
             if result.returncode:
                 last = (result.stderr.strip().splitlines() or ["no output"])[-1]
                 raise OSError(f"{Path(compiler).name} failed: {last}")
-    return final / "libspecdec_int8.so"
+    except OSError:
+        if not library.exists():  # else another process (a Ray worker, a second run) built it first: use theirs
+            raise
+    return library
 
 
 def _declare(library: ctypes.CDLL) -> None:

@@ -4,6 +4,7 @@ fall-back to oneDNN, with the reason, where it cannot be built."""
 
 import copy
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -120,3 +121,24 @@ def test_a_model_on_the_kernel_decodes_what_it_does_on_onednn(llama_target):
     ids = torch.tensor([[1, 5, 9, 14, 30, 2, 7]])
     assert torch.equal(on_kernel(ids).logits, on_onednn(ids).logits)
 
+
+
+def test_a_kernel_another_process_built_meanwhile_is_used(monkeypatch, tmp_path):
+    """Two processes building at once: the second one's rename finds the folder taken, and uses it."""
+    import subprocess
+
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    real_run = subprocess.run
+
+    def build_twice(command, **kwargs):
+        output = command[command.index("-o") + 1]
+        final = tmp_path / "home" / "kernels" / output.split("/")[-2].split(".")[1]
+        final.mkdir(parents=True)
+        real_run([*command[:command.index("-o") + 1], str(final / "libspecdec_int8.so"), *command[command.index("-o") + 2:]],
+                 **kwargs)  # the other process, done first
+        return real_run(command, **kwargs)
+
+    monkeypatch.setattr(int8_kernel.subprocess, "run", build_twice)
+    library, isa, problem = int8_kernel.load_library()
+    assert problem is None and library is not None and isa in (1, 2)
+    assert [path.name for path in (tmp_path / "home" / "kernels").iterdir()] == [Path(library._name).parent.name]
