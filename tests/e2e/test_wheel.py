@@ -85,3 +85,15 @@ def test_the_installed_wheel_lists_the_shipped_profiles(installed, tmp_path):
     assert names == (shipped - {"demo"}) | {"demo (default)"}
     shown = _from_the_venv(installed, installed / "specdec", "profiles", "show", "demo", cwd=tmp_path)
     assert "demo:qwen2.5-coder-1.5b" in shown.stdout
+
+
+def test_the_installed_wheel_builds_specdecs_int8_matmul(installed, tmp_path):
+    """The kernel's C source ships inside the wheel and builds from there, as it does in this tree."""
+    from specdec_cli.models import int8_kernel
+
+    expected = int8_kernel.kernel_name()
+    built = _from_the_venv(installed, installed / "python", "-c",
+                           "from specdec_cli.models.int8_kernel import kernel_name; print(kernel_name())", cwd=tmp_path)
+    assert built.stdout.strip() == expected
+    if expected != "oneDNN":
+        assert list((tmp_path / "home" / "kernels").glob("int8-*/libspecdec_int8.so"))
