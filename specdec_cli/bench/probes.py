@@ -107,9 +107,9 @@ def environment(target: LoadedModel, draft: LoadedModel | None) -> dict:
         "process_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
     }
     if "int8" in (target.quantization, draft.quantization if draft else None):
-        from specdec_cli.models.int8_kernel import kernel_name
+        from specdec_cli.models.int8 import matmul_name
 
-        record["int8_kernel"] = kernel_name()  # which int8 matmul ran (int8_kernel.py)
+        record["int8_kernel"] = matmul_name()  # which int8 matmul ran (int8_kernel.py)
     if target.device.type == "cuda":
         record["gpu"] = torch.cuda.get_device_name(target.device)
     return record

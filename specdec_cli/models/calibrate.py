@@ -65,7 +65,7 @@ def machine() -> dict:
     """What decides the costs: CPU model and the flags that pick kernels, threads, library versions."""
     import transformers
 
-    from specdec_cli.models.int8_kernel import kernel_name
+    from specdec_cli.models.int8 import matmul_name
 
     flags: set[str] = set()
     name = platform.processor() or platform.machine()
@@ -80,7 +80,7 @@ def machine() -> dict:
     return {
         "cpu": name, "cpu_flags": sorted(flag for flag in CPU_FLAGS if flag in flags),
         "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
-        "platform": platform.platform(), "int8_kernel": kernel_name(),
+        "platform": platform.platform(), "int8_kernel": matmul_name(),
     }
 
 

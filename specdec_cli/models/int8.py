@@ -51,7 +51,7 @@ class PerTokenInt8Linear(torch.nn.Module):
         self.out_features, self.in_features = weight_int8.shape
         self.bits = bits or activation_bits()
         self.own_kernel = int8_kernel.kernel_problem(self.bits) is None
-        if self.own_kernel:  # blocks of 16 rows (1 byte per weight) and each row's sum
+        if self.own_kernel:  # blocks of 32 rows (1 byte per weight, padded) and each row's sum
             blocks, row_sums = int8_kernel.pack(weight_int8)
             self.register_buffer("packed_weight", blocks)
             self.register_buffer("row_sums", row_sums)
@@ -101,6 +101,11 @@ class PerTokenInt8Linear(torch.nn.Module):
         matmul = "specdec" if self.own_kernel else "oneDNN"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"activations=int{self.bits} per token, {matmul} matmul")
+
+
+def matmul_name() -> str:
+    """Which int8 matmul a layer built now runs on this CPU: `specdec AVX512-VNNI`, `specdec AVX2` or `oneDNN`."""
+    return int8_kernel.kernel_name(activation_bits())
 
 
 @functools.cache

@@ -13,7 +13,7 @@
    Few tokens (a decode step, a verify) read the weights once per block and use them for up to 8 tokens
    held in registers, so the cost is the weights' bytes, nearly flat in the token count.
 
-   Built by int8_gemm.py with the system C compiler; no torch headers, called through ctypes. */
+   Built by int8_kernel.py with the system C compiler; no torch headers, called through ctypes. */
 
 #include <immintrin.h>
 #include <math.h>
@@ -54,8 +54,8 @@ void specdec_quantize_rows(int threads, const float *x, int64_t M, int64_t K, in
    bias, one fused multiply-add as torch's addcmul does it (bias + value * token scale, rounded once). */
 __attribute__((target("fma")))
 static void epilogue(const int32_t *acc, int64_t m_count, int64_t n0, int64_t N, const int32_t *row_sums,
-                            int zero_point, const float *weight_scales, const float *token_scales,
-                            const float *bias, float *y) {
+                     int zero_point, const float *weight_scales, const float *token_scales, const float *bias,
+                     float *y) {
     for (int64_t j = 0; j < m_count; j++) {
         for (int64_t lane = 0; lane < BLOCK && n0 + lane < N; lane++) {
             int64_t n = n0 + lane;
@@ -165,8 +165,8 @@ int specdec_isa(void) {
    Returns 0, or 1 when its buffers could not be allocated (y is then unwritten). */
 #define K_CHUNK 128
 int specdec_int8_gemm(int isa, int threads, const uint8_t *x_q, const float *token_scales, int64_t M,
-                       int64_t K4, const int8_t *w_packed, const int32_t *row_sums, const float *weight_scales,
-                       const float *bias, int64_t N, int zero_point, float *y) {
+                      int64_t K4, const int8_t *w_packed, const int32_t *row_sums, const float *weight_scales,
+                      const float *bias, int64_t N, int zero_point, float *y) {
     int64_t blocks = (N + BLOCK - 1) / BLOCK;
     int64_t tiles = (M + TILE - 1) / TILE;
     int64_t chunk = M <= TILE ? K4 : K_CHUNK;

@@ -99,8 +99,9 @@ def kernel_problem(bits: int) -> str | None:
     return problem
 
 
-def kernel_name(bits: int = 8) -> str:
-    """Which int8 matmul a layer built now runs: `specdec AVX512-VNNI`, `specdec AVX2` or `oneDNN`."""
+def kernel_name(bits: int) -> str:
+    """Which int8 matmul a layer with `bits`-bit activations built now runs: `specdec AVX512-VNNI`,
+    `specdec AVX2` or `oneDNN` (int8.matmul_name() asks for this CPU's activation bits)."""
     return "oneDNN" if kernel_problem(bits) else f"specdec {ISA_NAMES[_library()[1]]}"
 
 
@@ -134,13 +135,14 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, row_sums: torch.Tensor, weight
     limit = 2 ** (bits - 1) - 1
     values = torch.empty(tokens, padded_width, dtype=torch.uint8)
     scales = torch.empty(tokens, dtype=torch.float32)
-    library.specdec_quantize_rows(torch.get_num_threads(), x.data_ptr(), tokens, width, padded_width, limit, values.data_ptr(),
+    threads = torch.get_num_threads()
+    library.specdec_quantize_rows(threads, x.data_ptr(), tokens, width, padded_width, limit, values.data_ptr(),
                                   scales.data_ptr())
     out = torch.empty(tokens, row_sums.shape[0], dtype=torch.float32)
-    failed = library.specdec_int8_gemm(isa, torch.get_num_threads(), values.data_ptr(), scales.data_ptr(), tokens,
-                              blocks.shape[1], blocks.data_ptr(), row_sums.data_ptr(), weight_scales.data_ptr(),
-                              None if bias is None else bias.data_ptr(), row_sums.shape[0], limit + 1,
-                              out.data_ptr())
+    failed = library.specdec_int8_gemm(isa, threads, values.data_ptr(), scales.data_ptr(), tokens, blocks.shape[1],
+                                       blocks.data_ptr(), row_sums.data_ptr(), weight_scales.data_ptr(),
+                                       None if bias is None else bias.data_ptr(), row_sums.shape[0], limit + 1,
+                                       out.data_ptr())
     if failed:
         raise MemoryError(f"specdec's int8 matmul could not allocate its buffers for {tokens} tokens")
     return out

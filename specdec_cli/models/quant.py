@@ -184,10 +184,10 @@ def linear_bytes(quantization: str | None, in_features: int, out_features: int, 
     name = canonical(quantization)
     weights = in_features * out_features
     if name == "int8":
-        from specdec_cli.models.int8 import activation_bits
-        from specdec_cli.models.int8_kernel import kernel_problem, packed_bytes
+        from specdec_cli.models.int8 import matmul_name
+        from specdec_cli.models.int8_kernel import packed_bytes
 
-        if kernel_problem(activation_bits()) is None:  # specdec's kernel: padded blocks + an int32 row sum per row
+        if matmul_name() != "oneDNN":  # specdec's kernel: padded blocks + an int32 row sum per row
             return packed_bytes(out_features, in_features) + 8 * out_features
         return weights + 4 * out_features  # int8 values + a float32 scale per output channel
     if name == "int4":

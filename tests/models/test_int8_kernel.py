@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from specdec_cli.models import int8_kernel
-from specdec_cli.models.int8 import PerTokenInt8Linear, quantize_int8
+from specdec_cli.models import int8 as int8_module
+from specdec_cli.models.int8 import PerTokenInt8Linear, matmul_name, quantize_int8
 
 # In CI these run even where the kernel does not build, and fail: CI's machine must build it.
 needs_kernel = pytest.mark.skipif(int8_kernel.kernel_problem(7) is not None and not os.environ.get("CI"),
@@ -102,8 +103,19 @@ def test_without_a_compiler_int8_runs_on_onednn_and_says_why(monkeypatch, tmp_pa
 def test_int8_falls_back_to_onednn_where_the_kernel_is_off(monkeypatch):
     monkeypatch.setattr(int8_kernel, "_library", lambda: (None, 0, "SPECDEC_INT8_KERNEL=onednn"))
     layer = PerTokenInt8Linear.from_linear(torch.nn.Linear(16, 8))
-    assert not layer.own_kernel and int8_kernel.kernel_name() == "oneDNN"
+    assert not layer.own_kernel and matmul_name() == "oneDNN"
     assert layer(torch.randn(2, 16)).shape == (2, 8)
+
+
+@needs_kernel
+def test_a_cpu_without_vnni_is_named_for_the_matmul_its_layers_run(monkeypatch):
+    """Without VNNI activations are 7-bit and the AVX2 code runs them: the name calibrations and compare's
+    JSON record must say so, not oneDNN."""
+    library, _, _ = int8_kernel._library()
+    monkeypatch.setattr(int8_kernel, "_library", lambda: (library, 1, None))
+    monkeypatch.setattr(int8_module, "activation_bits", lambda: 7)
+    layer = PerTokenInt8Linear.from_linear(torch.nn.Linear(16, 8))
+    assert layer.own_kernel and matmul_name() == "specdec AVX2"
 
 
 def test_the_environment_forces_onednn(monkeypatch):
