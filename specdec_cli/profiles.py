@@ -105,7 +105,7 @@ def _one_of(names) -> tuple[str, Callable[[object], bool]]:
 _DTYPE_NAMES = ("auto", *DTYPES)
 _DEVICE = re.compile(r"auto|(cpu|cuda|mps)(:\d+)?")
 # Today's quantisation names and those being added (none, int4, nf4, bnb8, auto; 4bit/8bit stay as aliases).
-_QUANTIZATION_NAMES = tuple(dict.fromkeys(("none", "auto", "int8", "int4", "nf4", "bnb8", "4bit", "8bit",
+_QUANTIZATION_NAMES = tuple(dict.fromkeys(("none", "auto", "int8", "int4", "q4", "nf4", "bnb8", "4bit", "8bit",
                                            *(name for name in QUANTIZATIONS if name))))
 
 # key → (what is allowed, the check), for every key a profile file may hold.
@@ -120,9 +120,9 @@ _RULES: dict[str, tuple[str, Callable[[object], bool]]] = {
                lambda value: isinstance(value, str) and _DEVICE.fullmatch(value) is not None),
     "target_quantization": _one_of(_QUANTIZATION_NAMES),
     "draft_quantization": _one_of(_QUANTIZATION_NAMES),
-    "target_auto_formats": ("a list of formats from none, int8, int4, nf4, bnb8",
+    "target_auto_formats": ("a list of formats from none, int8, int4, q4, nf4, bnb8",
                             lambda value: isinstance(value, list) and bool(value)
-                            and all(name in ("none", "int8", "int4", "nf4", "bnb8") for name in value)),
+                            and all(name in ("none", "int8", "int4", "q4", "nf4", "bnb8") for name in value)),
     "k": (f'"auto" or a whole number from 0 to {MAX_K}',
           lambda value: value == "auto" or (_is_integer(value) and 0 <= value <= MAX_K)),
     "temperature": ("a finite number >= 0 (0 = greedy)", lambda value: _is_number(value) and value >= 0),

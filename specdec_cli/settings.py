@@ -40,7 +40,7 @@ class ModelOverrides:
     trust_remote_code: bool = False
     allow_pickle: bool = False
     draft_int8: bool | None = None  # --draft-int8 / --no-draft-int8; None: the profile decides
-    target_quant: str | None = None  # --target-quant: none, int8, int4, nf4, bnb8, auto (wins over the aliases)
+    target_quant: str | None = None  # --target-quant: none, int8, int4, q4, nf4, bnb8, auto (wins over the aliases)
     draft_quant: str | None = None   # --draft-quant, likewise for the draft
 
 

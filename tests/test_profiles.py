@@ -71,7 +71,7 @@ def test_malformed_toml_names_the_file_and_line(specdec_home):
         ('target = "org/big"\ntempreature = 0.1\n', "unknown key(s) tempreature"),
         ('target = "org/big"\ndrafter = "model"\n', 'drafter "model" needs a `draft`'),
         ('target = "org/big"\ndrafter = "forest"\n', "`drafter` must be one of model, ngram, cascade, tree, not 'forest'"),
-        ('target = "org/big"\ntarget_quantization = "3bit"\n', "`target_quantization` must be one of none, auto, int8, int4, nf4, bnb8, 4bit, 8bit, not '3bit'"),
+        ('target = "org/big"\ntarget_quantization = "3bit"\n', "`target_quantization` must be one of none, auto, int8, int4, q4, nf4, bnb8, 4bit, 8bit, not '3bit'"),
         ('target = "org/big"\nk = 99\n', '`k` must be "auto" or a whole number from 0 to 16, not 99'),
         ('target = "org/big"\ntop_p = 1.5\n', "`top_p` must be a number above 0 and at most 1, not 1.5"),
         ('target = "org/big"\ntemperature = "hot"\n', "`temperature` must be a finite number >= 0 (0 = greedy), not 'hot'"),
@@ -102,7 +102,7 @@ def test_invalid_profiles_say_what_is_wrong(specdec_home, text, complaint):
     assert raised.value.hint == "fix the file or remove it"
 
 
-@pytest.mark.parametrize("quantization", ["none", "auto", "int8", "int4", "nf4", "bnb8", "4bit", "8bit"])
+@pytest.mark.parametrize("quantization", ["none", "auto", "int8", "int4", "q4", "nf4", "bnb8", "4bit", "8bit"])
 def test_every_quantisation_name_is_accepted(specdec_home, quantization):
     _user_profile(specdec_home, "q", f'target = "org/big"\ndraft = "org/small"\ntarget_quantization = "{quantization}"\n'
                                      f'draft_quantization = "{quantization}"\n')

@@ -19,8 +19,8 @@ from specdec_cli.models.calibrate import TOKEN_COUNTS, machine, measure_forward_
 from specdec_cli.models.quant import canonical, check_quantization
 from specdec_cli.profiles import DEFAULT_PROFILE, load_profile
 
-DEFAULT_FORMATS = "none,int8,int4"
-FormatsOption = Annotated[str, typer.Option(help="Comma-separated formats: none, int8, int4, nf4, bnb8.")]
+DEFAULT_FORMATS = "none,int8,int4,q4"
+FormatsOption = Annotated[str, typer.Option(help="Comma-separated formats: none, int8, int4, q4, nf4, bnb8.")]
 
 
 def _formats(value: str, flag: str) -> list[str]:
@@ -56,7 +56,7 @@ def _cells(seconds: dict[str, float]) -> list[str]:
 @report_errors
 def calibrate_command(
     profile: ProfileOption = None,
-    target_formats: Annotated[str, typer.Option("--target-formats", help="Formats to time the target in (comma-separated: none, int8, int4, nf4, bnb8).")] = DEFAULT_FORMATS,
+    target_formats: Annotated[str, typer.Option("--target-formats", help="Formats to time the target in (comma-separated: none, int8, int4, q4, nf4, bnb8).")] = DEFAULT_FORMATS,
     draft_formats: Annotated[str, typer.Option("--draft-formats", help="Formats to time the draft in.")] = DEFAULT_FORMATS,
     dtype: DtypeOption = None,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed forwards per size (the median is kept).")] = 5,

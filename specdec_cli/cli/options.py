@@ -36,8 +36,8 @@ DraftInt8Option = Annotated[bool | None, typer.Option(
     help="Quantise the draft to int8 with torch (CPU only; about twice as fast a draft step). Default: the profile's choice.",
     rich_help_panel=_MODELS)]
 TargetQuantOption = _text("--target-quant", help="Target weights: none, int8 (per-token int8 activations, CPU), int4 "
-                          "(weight-only, CPU), nf4, bnb8 (bitsandbytes) or auto. Default: the profile's.")
-DraftQuantOption = _text("--draft-quant", help="Draft weights: none, int8, int4, nf4, bnb8 or auto (as --target-quant). "
+                          "(weight-only, CPU), q4 (4-bit weights, int8 activations, CPU), nf4, bnb8 (bitsandbytes) or auto. Default: the profile's.")
+DraftQuantOption = _text("--draft-quant", help="Draft weights: none, int8, int4, q4, nf4, bnb8 or auto (as --target-quant). "
                          "Default: the profile's.")
 TrustRemoteCodeOption = _flag("--trust-remote-code", help="Allow model code from the hub to run (only for models you trust).")
 AllowPickleOption = _flag("--allow-pickle", help="Allow .bin/.pt pickle weights, which can run code when loaded.")

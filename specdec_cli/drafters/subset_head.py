@@ -42,7 +42,7 @@ class SubsetHeadLM(torch.nn.Module):
 
 def _subset_layer(head: torch.nn.Module, token_ids: torch.Tensor) -> tuple[torch.nn.Module, int]:
     """A bias-free linear layer holding `head`'s rows at token_ids (int8 if `head` is), and head's row count."""
-    if hasattr(head, "select_rows"):  # an int8 layer: the same int8 rows with their per-row scales
+    if hasattr(head, "select_rows"):  # an int8 or q4 layer: the same rows with their scales
         return head.select_rows(token_ids.cpu()), head.out_features
     weight = head.weight.detach()
     if type(weight) is not torch.Tensor and type(weight) is not torch.nn.Parameter:

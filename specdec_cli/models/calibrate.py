@@ -98,7 +98,7 @@ def measure_forward_costs(
     progress: bool = False,
 ) -> dict:
     """Load each role's model (`models`: role → spec) once per format (`formats`: role → names such as
-    "none", "int8", "int4"), one at a time, and time its forwards. `on_result` sees each entry as it
+    "none", "int8", "int4", "q4"), one at a time, and time its forwards. `on_result` sees each entry as it
     is measured. `clock`: "wall" or "cpu" (see CLOCKS). Returns {"machine", "context_tokens", "clock",
     "measured_at", "entries": [...]}, each entry
     {"role", "model", "quantization", "precision", "dtype", "seconds": {"n": s}}."""

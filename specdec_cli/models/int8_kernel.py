@@ -1,5 +1,6 @@
-"""specdec's own int8 matmul (int8_gemm.c) for the `int8` format: built once per machine with the system
-C compiler, kept under the specdec home, called through ctypes.
+"""specdec's own matmuls: int8 (int8_gemm.c) for the `int8` format and q4 (q4_gemm.c, used by q4.py) for
+the `q4` format, built into one library once per machine with the system C compiler, kept under the
+specdec home, called through ctypes.
 
 Why a kernel of our own: at the sizes speculation runs (1-16 tokens) a forward's cost is reading the
 weights, and torch's oneDNN int8 matmul spends ~80 µs a call around that (measured: a 256x1536 layer
@@ -8,8 +9,8 @@ took 90 µs for one token; this kernel 15 µs). It gives the same numbers as the
 
 Chosen per CPU: AVX512-VNNI or AVX2 instructions, picked by the CPU's flags at run time.
 SPECDEC_INT8_KERNEL=onednn forces torch's matmul and =avx2 the AVX2 code (to compare them; `specdec
-calibrate` names the one it timed). Without a C compiler the int8 format runs on oneDNN, and
-`kernel_problem()` says why."""
+calibrate` names the one it timed; q4 takes the same switch, and with `onednn` does not run). Without a C
+compiler the int8 format runs on oneDNN, q4 does not run, and `kernel_problem()` says why."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import torch
 
 from specdec_cli.models.paths import atomic_folder, cache_dir
 
-SOURCE = Path(__file__).with_name("int8_gemm.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("int8_gemm.c", "q4_gemm.c"))  # one library (q4.py)
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off")  # no contraction: the exact float steps
 ISA_NAMES = {2: "AVX512-VNNI", 1: "AVX2"}
 BLOCK = 32  # output rows per packed block (int8_gemm.c)
@@ -44,11 +45,11 @@ def load_library() -> tuple[ctypes.CDLL | None, int, str | None]:
     if choice == "onednn":
         return None, 0, "SPECDEC_INT8_KERNEL=onednn"
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None, 0, f"specdec's int8 kernel is for x86-64 ({platform.machine()} here)"
+        return None, 0, f"specdec's matmul kernels (int8, q4) are for x86-64 ({platform.machine()} here)"
     try:
         path = _built()
     except (OSError, subprocess.SubprocessError) as error:
-        return None, 0, f"specdec's int8 kernel did not build ({error})"
+        return None, 0, f"specdec's matmul kernels (int8, q4) did not build ({error})"
     library = ctypes.CDLL(str(path))
     _declare(library)
     isa = library.specdec_isa()
@@ -62,7 +63,8 @@ def _built() -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler found: install gcc, or set CC")
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+    source = b"".join(path.read_bytes() for path in SOURCES)
+    key = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
     final = cache_dir("kernels") / f"int8-{key}"
     library = final / "libspecdec_int8.so"
     if library.exists():
@@ -70,7 +72,7 @@ def _built() -> Path:
     try:
         with atomic_folder(final) as staging:
             target = staging / library.name
-            result = subprocess.run([compiler, *FLAGS, "-o", str(target), str(SOURCE), "-lm"],
+            result = subprocess.run([compiler, *FLAGS, "-o", str(target), *map(str, SOURCES), "-lm"],
                                     capture_output=True, text=True, timeout=300)
             if result.returncode:
                 last = (result.stderr.strip().splitlines() or ["no output"])[-1]
@@ -88,6 +90,10 @@ def _declare(library: ctypes.CDLL) -> None:
     library.specdec_int8_gemm.restype = integer
     library.specdec_int8_gemm.argtypes = [integer, integer, pointer, pointer, size, size, pointer, pointer,
                                           pointer, pointer, size, integer, pointer]
+    library.specdec_q8_groups.argtypes = [integer, pointer, size, size, size, pointer, pointer, pointer]
+    library.specdec_q4_gemm.restype = integer
+    library.specdec_q4_gemm.argtypes = [integer, integer, pointer, pointer, pointer, size, size, pointer, pointer,
+                                        size, pointer]
 
 
 def kernel_problem(bits: int) -> str | None:

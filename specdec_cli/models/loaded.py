@@ -30,7 +30,7 @@ class LoadedModel:
     source: str  # resolved local path / hub id@rev
     device: torch.device
     dtype: torch.dtype  # compute dtype
-    quantization: str | None  # None | "int8" | "int4" | "nf4" | "bnb8" (canonical: aliases and auto resolved)
+    quantization: str | None  # None | "int8" | "int4" | "q4" | "nf4" | "bnb8" (canonical: aliases and auto resolved)
     eos_token_ids: tuple[int, ...]  # generation_config.eos_token_id ∪ tokenizer.eos_token_id
     vocab_size: int  # rows of the output layer (logits width)
 
@@ -145,7 +145,7 @@ def _load_weights(plan: _Plan, tokenizer) -> LoadedModel:
         folder = weights_folder(plan.source, plan.dtype, plan.allow_pickle, plan.progress)
         with status(f"loading {plan.source.spec} ...", plan.progress):
             model = _from_pretrained(plan, folder).eval()
-    if plan.quantization in ("int8", "int4"):
+    if plan.quantization in ("int8", "int4", "q4"):
         with status(f"quantising {plan.source.spec} to {plan.quantization} ...", plan.progress):
             model = quantize(model, plan.quantization, exact_rows=plan.role == "target")
     return LoadedModel(

@@ -85,7 +85,7 @@ def _layer_shapes(config) -> tuple[list[tuple[int, int]], tuple[int, int], int, 
 def estimate_weight_bytes(config, dtype: torch.dtype, quantization: str | None) -> int:
     """Bytes the weights of `config`'s model take when loaded at `dtype` with `quantization`: the Linear
     layers in their format (quant.linear_bytes), everything else at the dtype the model computes in.
-    int8/int4 quantise the output layer too (a tied one gets a copy beside the embedding); nf4/bnb8
+    int8/int4/q4 quantise the output layer too (a tied one gets a copy beside the embedding); nf4/bnb8
     leave it to bitsandbytes, which keeps it."""
     shapes, head_shape, other, tied = _layer_shapes(config)
     name = canonical(quantization)
@@ -93,7 +93,7 @@ def estimate_weight_bytes(config, dtype: torch.dtype, quantization: str | None) 
         name = "int8"
     width = torch.empty(0, dtype=compute_dtype(name, dtype)).element_size()
     linear = sum(linear_bytes(name, *shape, dtype) for shape in shapes)
-    if name in ("int8", "int4"):
+    if name in ("int8", "int4", "q4"):
         return int(linear + linear_bytes(name, *head_shape, dtype) + width * other)
     head = 0 if tied else head_shape[0] * head_shape[1] * width  # a tied head is in `other`
     return int(linear + head + width * other)

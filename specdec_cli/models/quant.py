@@ -3,6 +3,8 @@
 - `none`: the weights at the chosen dtype.
 - `int8`: int8 weights per output channel, int8 activations per token, CPU (torch's oneDNN; int8.py).
 - `int4`: int4 weights in groups, bfloat16 activations, CPU (torchao's CPU int4 config; int4.py).
+- `q4`: 4-bit weights in groups of 32, int8 activations per token and group of 32, CPU (specdec's own
+  matmul, llama.cpp's Q4_1 × Q8_0 recipe; q4.py).
 - `nf4`, `bnb8`: bitsandbytes 4-bit (nf4) and 8-bit (LLM.int8), CUDA and x86 CPUs.
 - `auto`: chosen per machine (`resolve_auto`).
 
@@ -18,13 +20,14 @@ import torch
 from specdec_cli.errors import MissingExtraError, ModelLoadError
 from specdec_cli.models.device import dtype_name
 
-FORMATS = ("none", "int8", "int4", "nf4", "bnb8", "auto")
+FORMATS = ("none", "int8", "int4", "q4", "nf4", "bnb8", "auto")
 ALIASES = {"4bit": "nf4", "8bit": "bnb8"}
 QUANTIZATIONS = (None, *FORMATS, *ALIASES)  # every value a profile or caller may pass
-CPU_ONLY = ("int8", "int4")
+CPU_ONLY = ("int8", "int4", "q4")
 PRECISIONS = {  # what describe() says a model runs at
     "int8": "int8 weights, per-token int8 activations",
     "int4": "int4 weights (groups of up to 128), bfloat16 activations",
+    "q4": "4-bit weights (groups of 32), int8 activations per group of 32",
     "nf4": "nf4 weights (bitsandbytes), bfloat16 compute",
     "bnb8": "int8 weights (bitsandbytes LLM.int8)",
 }
@@ -45,7 +48,7 @@ def canonical(quantization: str | None) -> str | None:
 # What `auto` may pick per role when a profile does not say. A draft's format never changes the output
 # (the target checks every draft token), so any format that runs may be picked; a target's changes what it
 # says, so by default only int8 (per-channel weights, per-token activations: close to the float model).
-AUTO_FORMATS = {"target": ("none", "int8"), "draft": ("none", "int8", "int4")}
+AUTO_FORMATS = {"target": ("none", "int8"), "draft": ("none", "int8", "int4", "q4")}
 
 
 def resolve_auto(role: str, device: torch.device, spec: str | None = None, dtype: torch.dtype | None = None,
@@ -84,13 +87,18 @@ def _kernel_problem(name: str) -> str | None:
         from specdec_cli.models.int8 import int8_kernel_problem
 
         return int8_kernel_problem()
+    if name == "q4":
+        from specdec_cli.models.q4 import kernel_problem
+
+        return kernel_problem()
     from specdec_cli.models.int4 import int4_kernel_problem
 
     return int4_kernel_problem()
 
 
 def _instead(name: str) -> str:
-    return {"int8": "use int4, nf4 or none instead", "int4": "use int8, nf4 or none instead"}[name]
+    return {"int8": "use int4, nf4 or none instead", "int4": "use int8, q4, nf4 or none instead",
+            "q4": "use int8 or int4 instead (q4 needs an x86-64 CPU with AVX2 and a C compiler: gcc, or set CC)"}[name]
 
 
 def check_quantization(quantization: str | None, device: torch.device | None = None) -> str | None:
@@ -137,7 +145,7 @@ def quantization_config(quantization: str | None):
 
 
 def quantize(model: torch.nn.Module, quantization: str | None, exact_rows: bool = True) -> torch.nn.Module:
-    """Apply int8 or int4 to a loaded model in place (the others are applied while loading). exact_rows: also
+    """Apply int8, int4 or q4 to a loaded model in place (the others are applied while loading). exact_rows: also
     compute attention row by row, so a k-token forward gives k one-token forwards' logits bit for bit — what
     a target needs for speculation to reproduce it; a draft does not (the target checks every draft token),
     and row-wise attention makes its multi-token catch-up forwards dearer (int8 0.5B, 8 tokens: 78 vs 55 ms)."""
@@ -148,6 +156,10 @@ def quantize(model: torch.nn.Module, quantization: str | None, exact_rows: bool 
         from specdec_cli.models.int4 import quantize_int4
 
         return _rows(quantize_int4(model), exact_rows)
+    if name == "q4":
+        from specdec_cli.models.q4 import quantize_q4
+
+        return _rows(quantize_q4(model), exact_rows)
     return model
 
 
@@ -168,10 +180,10 @@ def _rows(model: torch.nn.Module, exact_rows: bool) -> torch.nn.Module:
 
 
 def compute_dtype(quantization: str | None, dtype: torch.dtype) -> torch.dtype:
-    """The dtype activations and the non-Linear weights run at: int8 float32, int4 bfloat16, else `dtype`."""
+    """The dtype activations and the non-Linear weights run at: int8 and q4 float32, int4 bfloat16, else `dtype`."""
     from specdec_cli.models.int4 import COMPUTE_DTYPE
 
-    return {"int8": torch.float32, "int4": COMPUTE_DTYPE}.get(canonical(quantization), dtype)
+    return {"int8": torch.float32, "q4": torch.float32, "int4": COMPUTE_DTYPE}.get(canonical(quantization), dtype)
 
 
 def precision(quantization: str | None, dtype_label: str) -> str:
@@ -197,6 +209,10 @@ def linear_bytes(quantization: str | None, in_features: int, out_features: int, 
         if size is None:  # left unquantised, in bfloat16
             return 2 * weights
         return weights // 2 + 2 * 2 * out_features * (in_features // size)  # + a bf16 scale and zero per group
+    if name == "q4":
+        from specdec_cli.models.q4 import packed_bytes
+
+        return packed_bytes(out_features, in_features)  # 4 bits a weight + fp16 scale and minimum per 32, padded
     if name in _BYTES_PER_WEIGHT:
         return int(weights * _BYTES_PER_WEIGHT[name])
     return weights * torch.empty(0, dtype=dtype).element_size()

@@ -36,7 +36,7 @@ def test_a_quant_flag_beside_an_old_alias_is_refused(flags, complaint):
 def test_an_unknown_format_names_the_known_ones():
     with pytest.raises(ModelLoadError, match="unknown quantization 'int3'") as error:
         choose(target_quant="int3")
-    assert "none, int8, int4, nf4, bnb8, auto" in error.value.one_line()
+    assert "none, int8, int4, q4, nf4, bnb8, auto" in error.value.one_line()
 
 
 def test_run_with_an_int8_target_writes_records_naming_nothing_new(tiny_pair, tmp_path):
@@ -119,7 +119,7 @@ def test_calibrate_skips_a_default_format_it_cannot_run_but_refuses_one_asked_fo
     assert result.exit_code == 0, result.output
     assert "note: int4 skipped: int4 needs torchao, which is not installed — pip install 'specdec[quant]'" in result.output
     stored = json.loads((tmp_path / "home" / "calibration.json").read_text())
-    assert [entry["quantization"] for entry in stored["entries"]] == ["none", "int8"]
+    assert [entry["quantization"] for entry in stored["entries"]] == ["none", "int8", "q4"]
     asked = CliRunner().invoke(app, [*common, "--target-formats", "int8,int4"], env=WIDE)
     assert isinstance(asked.exception, SystemExit) and asked.exit_code == 2, asked.output
     assert "int4 needs torchao" in asked.output

@@ -96,7 +96,7 @@ def test_without_a_compiler_int8_runs_on_onednn_and_says_why(monkeypatch, tmp_pa
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
     library, isa, problem = int8_kernel.load_library()
     assert library is None and isa == 0
-    assert problem == "specdec's int8 kernel did not build (false failed: no output)"
+    assert problem == "specdec's matmul kernels (int8, q4) did not build (false failed: no output)"
     assert not list((tmp_path / "home" / "kernels").iterdir())  # no half-built entry left behind
 
 

@@ -1,4 +1,4 @@
-"""The quantisation names (none, int8, int4, nf4, bnb8, auto and the old aliases), int4 loaded for real,
+"""The quantisation names (none, int8, int4, q4, nf4, bnb8, auto and the old aliases), int4 loaded for real,
 and the one-line errors: a missing package, a CPU-only format off the CPU, a CPU without the kernel."""
 
 import importlib.util
@@ -20,7 +20,7 @@ needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, 
 
 
 @pytest.mark.parametrize(("name", "meaning"), [
-    ("none", None), (None, None), ("int8", "int8"), ("int4", "int4"), ("nf4", "nf4"), ("bnb8", "bnb8"),
+    ("none", None), (None, None), ("int8", "int8"), ("int4", "int4"), ("q4", "q4"), ("nf4", "nf4"), ("bnb8", "bnb8"),
     ("auto", "auto"), ("4bit", "nf4"), ("8bit", "bnb8"),
 ])
 def test_each_name_and_alias_means_one_format(name, meaning):
@@ -31,11 +31,11 @@ def test_an_unknown_name_lists_the_known_ones():
     with pytest.raises(ModelLoadError) as raised:
         canonical("int3")
     assert raised.value.one_line() == (
-        "unknown quantization 'int3' — use one of none, int8, int4, nf4, bnb8, auto (or the old 4bit, 8bit)"
+        "unknown quantization 'int3' — use one of none, int8, int4, q4, nf4, bnb8, auto (or the old 4bit, 8bit)"
     )
 
 
-@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["int8", "int4", "q4"])
 def test_a_cpu_only_format_off_the_cpu_names_what_to_use(name):
     with pytest.raises(ModelLoadError) as raised:
         check_quantization(name, torch.device("cuda"))
@@ -58,7 +58,7 @@ def test_a_cpu_without_the_int4_kernel_names_another_format(monkeypatch):
     monkeypatch.setattr(int4_module, "_probe", lambda: "this torch build has no CPU int4 matmul")
     with pytest.raises(ModelLoadError) as raised:
         check_quantization("int4", CPU)
-    assert raised.value.hint == "use int8, nf4 or none instead"
+    assert raised.value.hint == "use int8, q4, nf4 or none instead"
 
 
 def test_int4_without_torchao_says_what_to_install(llama_folder, monkeypatch):

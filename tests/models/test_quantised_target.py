@@ -99,7 +99,7 @@ def int8_draft(llama_near_draft):
     return quantize(copy.deepcopy(llama_near_draft), "int8")
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("quantization", ["int8", "int4", "q4"])
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_speculative_greedy_on_a_quantised_target_is_that_target_alone(llama_target, int8_draft, quantization, k):
     if quantization == "int4" and importlib.util.find_spec("torchao") is None:

@@ -1,4 +1,4 @@
-"""On the real demo pair: speculative greedy decoding on an int8 (or int4) target is token-identical to that
+"""On the real demo pair: speculative greedy decoding on an int8 (int4, q4) target is token-identical to that
 quantised target decoding alone. The draft is int8 too, as in the demo profile.
 
 Without row-wise attention this failed at near-ties (top-2 margins of 0.006 and 0.125 logits): int8
@@ -23,7 +23,7 @@ QUESTIONS = [
 NEW_TOKENS = 32
 
 
-@pytest.fixture(scope="module", params=["int8", "int4"])
+@pytest.fixture(scope="module", params=["int8", "int4", "q4"])
 def quantised_pair(request):
     if request.param == "int4" and importlib.util.find_spec("torchao") is None:
         pytest.skip("needs the quant extra (torchao)")

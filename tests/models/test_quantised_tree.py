@@ -80,7 +80,7 @@ def test_an_additive_tree_mask_would_not_be_bit_identical_on_int8(arch, seed, mo
     assert not all(rows_equal_to_decoding(model, tree_rows(model)))
 
 
-@pytest.mark.parametrize("quantization, budget, branching", [("int8", 6, 2), ("int8", 12, 3), ("int4", 8, 2)])
+@pytest.mark.parametrize("quantization, budget, branching", [("int8", 6, 2), ("int8", 12, 3), ("int4", 8, 2), ("q4", 8, 2)])
 def test_speculative_tree_greedy_on_a_quantised_target_is_that_target_alone(llama_target, llama_near_draft,
                                                                             quantization, budget, branching):
     if quantization == "int4" and importlib.util.find_spec("torchao") is None:

@@ -70,7 +70,8 @@ def alone_with_margins(model, prompt: list[int]) -> tuple[list[int], list[float]
 
 
 @pytest.mark.parametrize(
-    "quantization, dtype", [("nf4", "bfloat16"), ("bnb8", "float32"), ("int8", "float32"), ("int4", "bfloat16")])
+    "quantization, dtype",
+    [("nf4", "bfloat16"), ("bnb8", "float32"), ("int8", "float32"), ("int4", "bfloat16"), ("q4", "bfloat16")])
 def test_a_quantised_target_under_speculation_gives_its_own_greedy_output(confident_pair, prompt, quantization, dtype):
     pytest.importorskip({"nf4": "bitsandbytes", "bnb8": "bitsandbytes", "int4": "torchao"}.get(quantization, "torch"))
     target_folder, draft_folder, successor = confident_pair

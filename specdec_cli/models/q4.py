@@ -1,0 +1,153 @@
+"""q4 on the CPU: 4-bit weights with a float16 scale and minimum per row and group of 32 input channels,
+activations quantised to int8 on the fly per token and group of 32 (llama.cpp's Q4_1 × Q8_0 recipe), on
+specdec's own matmul (q4_gemm.c, built with int8_gemm.c by int8_kernel.py).
+
+Why: at 1-8 tokens a forward's cost is reading the weights, and q4 reads 0.625 bytes per weight where
+int8 reads 1 (and torchao's int4 needs bfloat16 activations, whose kernel is not flat past 2 tokens).
+A token's quantisation reads that token only, and its matmul is exact integer sums followed by the same
+float steps whatever else is in the forward, so with attention row by row (rowwise_attention.py) a
+k-token verify gives each token its one-token forward's logits bit for bit, as int8 does.
+
+Needs the kernel: x86-64 with AVX2 (or AVX512-VNNI) and a C compiler; there is no torch fallback."""
+
+from __future__ import annotations
+
+import torch
+
+from specdec_cli.models import int8_kernel
+
+GROUP = 32  # input channels per scale and minimum
+ROWS = 16  # output rows per packed block
+GROUP_BYTES = 320  # per block and group: 16 rows × 32 channels × 4 bits, then 16 scales and 16 minimums (fp16)
+LEVELS = 15  # q in 0..15
+
+
+def kernel_problem() -> str | None:
+    """None when the q4 matmul runs here; else why not (no compiler, not x86-64, no AVX2)."""
+    return int8_kernel._library()[2]
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, K) float → (q (N, groups*32) uint8 in 0..15, scales (N, groups) fp16, minimums (N, groups) fp16),
+    w ≈ scale·q + minimum; channels past K are zeros."""
+    rows, width = weight.shape
+    groups = -(-width // GROUP)
+    padded = torch.zeros(rows, groups * GROUP, dtype=torch.float32)
+    padded[:, :width] = weight.detach().float()
+    grouped = padded.view(rows, groups, GROUP)
+    low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)  # (N, groups)
+    scales, minimums = ((high - low) / LEVELS).half(), low.half()
+    step, base = scales.float()[..., None], minimums.float()[..., None]
+    levels = torch.where(step > 0, torch.round((grouped - base) / step.clamp_min(1e-30)), 0.0)
+    return levels.clamp_(0, LEVELS).to(torch.uint8).view(rows, -1), scales, minimums
+
+
+def pack(levels: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor) -> torch.Tensor:
+    """The kernel's layout (ceil(N/16) blocks, groups, 320) uint8 of `quantize_weight`'s three tensors."""
+    rows, width = levels.shape
+    groups, padded_rows = width // GROUP, -(-rows // ROWS) * ROWS
+    blocks = padded_rows // ROWS
+    padded = torch.zeros(padded_rows, width, dtype=torch.uint8)
+    padded[:rows] = levels
+    steps = padded.view(blocks, ROWS, groups, 8, 4).permute(0, 2, 3, 1, 4)  # (B, G, step, row, channel)
+    values = (steps[:, :, :4] | (steps[:, :, 4:] << 4)).reshape(blocks, groups, 256)
+    return torch.cat([values, _block_halves(scales, padded_rows), _block_halves(minimums, padded_rows)], dim=-1)
+
+
+def _block_halves(per_row: torch.Tensor, padded_rows: int) -> torch.Tensor:
+    """(N, groups) fp16 → (blocks, groups, 32) bytes: each block's 16 rows side by side."""
+    groups = per_row.shape[1]
+    padded = torch.zeros(padded_rows, groups, dtype=torch.float16)
+    padded[:per_row.shape[0]] = per_row
+    return padded.view(-1, ROWS, groups).permute(0, 2, 1).contiguous().view(torch.uint8)
+
+
+def unpack(packed: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (levels, scales, minimums) that `pack` took, for the first `rows` rows."""
+    blocks, groups, _ = packed.shape
+    nibbles = packed[..., :256].reshape(blocks, groups, 4, ROWS, 4)
+    steps = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=2)  # (B, G, 8, row, channel)
+    levels = steps.permute(0, 3, 1, 2, 4).reshape(blocks * ROWS, groups * GROUP)[:rows]
+
+    def halves(offset: int) -> torch.Tensor:
+        table = packed[..., offset:offset + 32].contiguous().view(torch.float16)  # (B, G, 16)
+        return table.permute(0, 2, 1).reshape(blocks * ROWS, groups)[:rows]
+
+    return levels.contiguous(), halves(256).contiguous(), halves(288).contiguous()
+
+
+def packed_bytes(rows: int, width: int) -> int:
+    """Bytes `pack` makes of a (rows, width) weight: rows padded to 16, width to 32."""
+    return -(-rows // ROWS) * -(-width // GROUP) * GROUP_BYTES
+
+
+def matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """(M, K) float32 → (M, N) float32 = x Wᵀ (+ bias), x quantised per token and group of 32."""
+    library, isa, problem = int8_kernel._library()
+    if problem:
+        raise RuntimeError(f"specdec's q4 matmul does not run here: {problem}")
+    x = x.contiguous()
+    tokens, width = x.shape
+    groups = packed.shape[1]
+    out = torch.empty(tokens, out_features, dtype=torch.float32)
+    if tokens == 0:
+        return out
+    values = torch.empty(tokens, groups * GROUP, dtype=torch.int8)
+    scales = torch.empty(tokens, groups, dtype=torch.float32)
+    scaled_sums = torch.empty(tokens, groups, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    library.specdec_q8_groups(threads, x.data_ptr(), tokens, width, groups, values.data_ptr(), scales.data_ptr(),
+                              scaled_sums.data_ptr())
+    failed = library.specdec_q4_gemm(isa, threads, values.data_ptr(), scales.data_ptr(), scaled_sums.data_ptr(),
+                                     tokens, groups, packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                                     out_features, out.data_ptr())
+    if failed:
+        raise MemoryError(f"specdec's q4 matmul could not allocate its buffers for {tokens} tokens")
+    return out
+
+
+class Q4Linear(torch.nn.Module):
+    """A drop-in for a CPU `nn.Linear`: y = x Wᵀ + b with W in q4 (see the module) and x in int8 per group."""
+
+    def __init__(self, levels: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor,
+                 bias: torch.Tensor | None, in_features: int) -> None:
+        super().__init__()
+        self.out_features, self.in_features = levels.shape[0], in_features
+        self.register_buffer("packed_weight", pack(levels, scales, minimums))
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear) -> "Q4Linear":
+        return cls(*quantize_weight(linear.weight), linear.bias, linear.in_features)
+
+    def select_rows(self, rows: torch.Tensor) -> "Q4Linear":
+        """A layer holding only output rows `rows`: the same 4-bit values and scales, so the same scores."""
+        levels, scales, minimums = unpack(self.packed_weight, self.out_features)
+        bias = None if self.bias is None else self.bias[rows]
+        return Q4Linear(levels[rows], scales[rows], minimums[rows], bias, self.in_features)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """(N, K) float32: the weight this layer multiplies by."""
+        levels, scales, minimums = unpack(self.packed_weight, self.out_features)
+        grouped = levels.float().view(self.out_features, -1, GROUP)
+        weight = grouped * scales.float()[..., None] + minimums.float()[..., None]
+        return weight.view(self.out_features, -1)[:, :self.in_features]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = matmul(x.reshape(-1, self.in_features).float(), self.packed_weight, self.bias, self.out_features)
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"q4 weights (groups of {GROUP}), int8 activations per group, specdec matmul")
+
+
+def quantize_q4(model: torch.nn.Module) -> torch.nn.Module:
+    """Every nn.Linear (the output layer too) to `Q4Linear`, in place; the rest in float32. A tied output
+    layer gets its own q4 copy; the input embedding keeps the float weights. Layers are replaced before
+    the float32 cast, so a bfloat16 model never exists in float32 whole."""
+    linears = [(name, module) for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    for name, linear in linears:
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, Q4Linear.from_linear(linear))
+    return model.float()

@@ -1,0 +1,150 @@
+"""specdec's q4 matmul (q4_gemm.c, the `q4` format): the numbers of its definition (4-bit weights with a
+scale and minimum per 32, int8 activations per 32) up to float rounding; each token's output bit for bit
+the same whatever else is in the call, on both code paths, which agree bit for bit; the layout kept
+exactly; and one line saying what to use instead where it cannot run."""
+
+import copy
+import os
+
+import pytest
+import torch
+
+from specdec_cli.errors import ModelLoadError
+from specdec_cli.models import int8_kernel, q4
+from specdec_cli.models.q4 import Q4Linear
+from specdec_cli.models.quant import check_quantization, linear_bytes
+
+# In CI these run even where the kernel does not build, and fail: CI's machine must build it.
+needs_kernel = pytest.mark.skipif(q4.kernel_problem() is not None and not os.environ.get("CI"),
+                                  reason=f"specdec's q4 kernel does not run here: {q4.kernel_problem()}")
+# Odd shapes on purpose: rows not a multiple of 16, widths not a multiple of 32; 1100 channels = 35 groups,
+# past one 32-group chunk of the many-token path.
+SHAPES = [(37, 18), (64, 100), (200, 131), (8, 7), (48, 1100)]
+TOKEN_COUNTS = [1, 2, 3, 4, 5, 8, 9, 17]
+
+
+@pytest.fixture(params=["vnni", "avx2"])
+def code_path(request, monkeypatch):
+    """Each ISA: the AVX2 code runs on an AVX512 CPU too (and takes the same 8-bit activations)."""
+    library, isa, _ = int8_kernel._library()
+    if request.param == "vnni" and isa != 2:
+        pytest.skip("this CPU has no AVX512-VNNI")
+    if request.param == "avx2":
+        monkeypatch.setattr(int8_kernel, "_library", lambda: (library, 1, None))
+    return request.param
+
+
+def _reference(layer: Q4Linear, x: torch.Tensor) -> torch.Tensor:
+    """The definition in float64: x quantised per token and group of 32 (scale amax/127), times the
+    dequantised weight, + bias."""
+    tokens, width = x.shape
+    groups = -(-width // q4.GROUP)
+    padded = torch.zeros(tokens, groups * q4.GROUP)
+    padded[:, :width] = x
+    grouped = padded.view(tokens, groups, q4.GROUP)
+    scales = grouped.abs().amax(dim=-1, keepdim=True) / 127
+    values = torch.where(scales > 0, torch.round(grouped / scales.clamp_min(1e-30)), 0.0).clamp(-127, 127)
+    dequantised = (values * scales).view(tokens, -1)[:, :width].double()
+    out = dequantised @ layer.dequantized_weight().double().T
+    return out if layer.bias is None else out + layer.bias.double()
+
+
+def _inputs(tokens: int, width: int) -> torch.Tensor:
+    return torch.randn(tokens, width) * torch.logspace(-2, 1, tokens)[:, None]  # rows of unlike scales
+
+
+@needs_kernel
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("in_features", "out_features"), SHAPES)
+def test_the_kernel_computes_its_definition(code_path, in_features, out_features, bias):
+    torch.manual_seed(in_features * out_features)
+    layer = Q4Linear.from_linear(torch.nn.Linear(in_features, out_features, bias=bias))
+    for tokens in TOKEN_COUNTS:
+        x = _inputs(tokens, in_features)
+        reference = _reference(layer, x)
+        error = (layer(x).double() - reference).abs().amax()
+        assert error <= 1e-5 * (1 + reference.abs().amax()), (tokens, code_path, float(error))
+
+
+@needs_kernel
+@pytest.mark.parametrize(("in_features", "out_features"), SHAPES)
+def test_a_tokens_output_does_not_depend_on_the_others(code_path, in_features, out_features):
+    torch.manual_seed(5)
+    layer = Q4Linear.from_linear(torch.nn.Linear(in_features, out_features))
+    x = _inputs(40, in_features)  # 5 tiles of 8 tokens: the many-token path
+    together = layer(x)
+    for tokens in TOKEN_COUNTS:
+        assert torch.equal(layer(x[:tokens]), together[:tokens]), tokens
+    assert torch.equal(torch.cat([layer(x[i:i + 1]) for i in range(40)]), together)
+
+
+@needs_kernel
+def test_the_vnni_and_avx2_code_agree_bit_for_bit(monkeypatch):
+    library, isa, _ = int8_kernel._library()
+    if isa != 2:
+        pytest.skip("this CPU has no AVX512-VNNI")
+    torch.manual_seed(11)
+    layer = Q4Linear.from_linear(torch.nn.Linear(1100, 70))
+    x = _inputs(17, 1100)
+    on_vnni = [layer(x[:tokens]) for tokens in TOKEN_COUNTS]
+    monkeypatch.setattr(int8_kernel, "_library", lambda: (library, 1, None))
+    assert all(torch.equal(layer(x[:tokens]), out) for tokens, out in zip(TOKEN_COUNTS, on_vnni))
+
+
+@needs_kernel
+def test_the_layer_takes_a_models_batch_and_dtype_shapes():
+    layer = Q4Linear.from_linear(torch.nn.Linear(64, 40))
+    x = torch.randn(2, 3, 64)
+    out = layer(x.to(torch.bfloat16))
+    assert out.shape == (2, 3, 40) and out.dtype == torch.bfloat16
+    assert torch.equal(layer(x)[1], layer(x[1]))
+    assert layer(torch.randn(0, 64)).shape == (0, 40)
+
+
+@pytest.mark.parametrize(("rows", "width"), SHAPES)
+def test_packing_keeps_every_value_and_the_byte_count_is_exact(rows, width):
+    torch.manual_seed(rows + width)
+    weight = torch.randn(rows, width) * torch.logspace(-3, 0, rows)[:, None]
+    levels, scales, minimums = q4.quantize_weight(weight)
+    packed = q4.pack(levels, scales, minimums)
+    for kept, taken in zip(q4.unpack(packed, rows), (levels, scales, minimums)):
+        assert torch.equal(kept, taken)
+    assert packed.numel() == q4.packed_bytes(rows, width) == linear_bytes("q4", width, rows, torch.float32)
+
+
+def test_each_weight_is_within_half_a_step_of_the_float_one():
+    torch.manual_seed(2)
+    linear = torch.nn.Linear(100, 24)
+    layer = Q4Linear.from_linear(linear)
+    _, scales, _ = q4.quantize_weight(linear.weight)
+    step = scales.float().repeat_interleave(q4.GROUP, dim=1)[:, :100]
+    error = (layer.dequantized_weight() - linear.weight.detach()).abs()
+    assert bool((error <= step / 2 + 2e-3 * step.clamp_min(1e-3) + 1e-3 * linear.weight.abs().amax()).all())
+
+
+@needs_kernel
+def test_selected_rows_score_what_the_whole_layer_scores():
+    torch.manual_seed(4)
+    layer = Q4Linear.from_linear(torch.nn.Linear(96, 50))
+    rows = torch.tensor([49, 3, 17, 0, 33])
+    x = torch.randn(3, 96)
+    assert torch.equal(layer.select_rows(rows)(x), layer(x)[:, rows])
+
+
+@needs_kernel
+def test_a_copied_layer_gives_the_same_numbers():
+    layer = Q4Linear.from_linear(torch.nn.Linear(100, 64))
+    x = torch.randn(3, 100)
+    assert torch.equal(copy.deepcopy(layer)(x), layer(x))
+
+
+def test_q4_where_the_kernel_cannot_run_says_what_to_use_instead(monkeypatch):
+    monkeypatch.setattr(int8_kernel, "_library", lambda: (None, 0, "specdec's matmul kernels (int8, q4) did not build "
+                                                                   "(no C compiler found: install gcc, or set CC)"))
+    with pytest.raises(ModelLoadError) as raised:
+        check_quantization("q4", torch.device("cpu"))
+    assert raised.value.one_line() == (
+        "q4 cannot run on this machine: specdec's matmul kernels (int8, q4) did not build (no C compiler found: "
+        "install gcc, or set CC) — use int8 or int4 instead (q4 needs an x86-64 CPU with AVX2 and a C compiler: "
+        "gcc, or set CC)"
+    )
