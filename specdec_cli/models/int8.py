@@ -81,9 +81,10 @@ class PerTokenInt8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.own_kernel:
-            out = int8_kernel.matmul(x.reshape(-1, self.in_features).float(), self.packed_weight, self.row_sums,
-                                     self.weight_scales, self.bias, self.bits)
-            return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+            rows = x.reshape(-1, self.in_features)
+            out = int8_kernel.matmul(rows if rows.dtype == torch.float32 else rows.float(), self.packed_weight,
+                                     self.row_sums, self.weight_scales, self.bias, self.bits)
+            return (out if x.dtype == torch.float32 else out.to(x.dtype)).view(*x.shape[:-1], self.out_features)
         values, scales = quantize_rows(x.reshape(-1, self.in_features), self.bits)  # (M, K), (M, 1)
         zero_point = 2 ** (self.bits - 1)
         out = torch.ops.onednn.qlinear_pointwise(

@@ -209,3 +209,21 @@ int specdec_int8_gemm(int isa, int threads, const uint8_t *x_q, const float *tok
     free(acc_all);
     return 0;
 }
+
+/* The whole layer in one call (one crossing from Python instead of two): x (M, K) float32 quantised per
+   token to `limit` (127 or 63), then the matmul. Returns 0, or 1 when a buffer could not be allocated. */
+int specdec_int8_linear(int isa, int threads, const float *x, int64_t M, int64_t K, int64_t K4, int limit,
+                        const int8_t *w_packed, const int32_t *row_sums, const float *weight_scales,
+                        const float *bias, int64_t N, float *y) {
+    uint8_t *values = malloc((size_t)(M * K4 * 4));
+    float *scales = malloc((size_t)M * sizeof(float));
+    int failed = 1;
+    if (values && scales) {
+        specdec_quantize_rows(threads, x, M, K, K4 * 4, limit, values, scales);
+        failed = specdec_int8_gemm(isa, threads, values, scales, M, K4, w_packed, row_sums, weight_scales, bias, N,
+                                   limit + 1, y);
+    }
+    free(values);
+    free(scales);
+    return failed;
+}

@@ -90,6 +90,15 @@ def _declare(library: ctypes.CDLL) -> None:
     library.specdec_int8_gemm.restype = integer
     library.specdec_int8_gemm.argtypes = [integer, integer, pointer, pointer, size, size, pointer, pointer,
                                           pointer, pointer, size, integer, pointer]
+    library.specdec_int8_linear.restype = integer
+    library.specdec_int8_linear.argtypes = [integer, integer, pointer, size, size, size, integer, pointer, pointer,
+                                            pointer, pointer, size, pointer]
+    library.specdec_q4_linear.restype = integer
+    library.specdec_q4_linear.argtypes = [integer, integer, pointer, size, size, size, pointer, pointer, size, pointer]
+    library.specdec_attention.restype = integer
+    library.specdec_attention.argtypes = [integer, pointer, pointer, pointer, pointer, size, size, size, size, size,
+                                          ctypes.c_float, pointer]
+    library.specdec_rms_norm.argtypes = [pointer, pointer, ctypes.c_float, size, size, pointer]
     library.specdec_q8_groups.argtypes = [integer, pointer, size, size, size, pointer, pointer, pointer]
     library.specdec_q4_gemm.restype = integer
     library.specdec_q4_gemm.argtypes = [integer, integer, pointer, pointer, pointer, size, size, pointer, pointer,
@@ -133,22 +142,18 @@ def unpack(blocks: torch.Tensor, rows: int, width: int) -> torch.Tensor:
 def matmul(x: torch.Tensor, blocks: torch.Tensor, row_sums: torch.Tensor, weight_scales: torch.Tensor,
            bias: torch.Tensor | None, bits: int) -> torch.Tensor:
     """(M, K) float32 → (M, N) float32: x quantised per token to `bits` bits, times the packed int8 weight,
-    scaled back (and + bias): the same float steps as PerTokenInt8Linear's oneDNN path."""
+    scaled back (and + bias): the same float steps as PerTokenInt8Linear's oneDNN path. One call into C
+    (quantisation and matmul): a layer's Python overhead is a large part of a one-token forward."""
     library, isa, _ = _library()
     x = x.contiguous()
     tokens, width = x.shape
-    padded_width = blocks.shape[1] * 4
-    limit = 2 ** (bits - 1) - 1
-    values = torch.empty(tokens, padded_width, dtype=torch.uint8)
-    scales = torch.empty(tokens, dtype=torch.float32)
-    threads = torch.get_num_threads()
-    library.specdec_quantize_rows(threads, x.data_ptr(), tokens, width, padded_width, limit, values.data_ptr(),
-                                  scales.data_ptr())
     out = torch.empty(tokens, row_sums.shape[0], dtype=torch.float32)
-    failed = library.specdec_int8_gemm(isa, threads, values.data_ptr(), scales.data_ptr(), tokens, blocks.shape[1],
-                                       blocks.data_ptr(), row_sums.data_ptr(), weight_scales.data_ptr(),
-                                       None if bias is None else bias.data_ptr(), row_sums.shape[0], limit + 1,
-                                       out.data_ptr())
+    if tokens == 0:
+        return out
+    failed = library.specdec_int8_linear(isa, torch.get_num_threads(), x.data_ptr(), tokens, width, blocks.shape[1],
+                                         2 ** (bits - 1) - 1, blocks.data_ptr(), row_sums.data_ptr(),
+                                         weight_scales.data_ptr(), None if bias is None else bias.data_ptr(),
+                                         row_sums.shape[0], out.data_ptr())
     if failed:
         raise MemoryError(f"specdec's int8 matmul could not allocate its buffers for {tokens} tokens")
     return out

@@ -82,25 +82,19 @@ def packed_bytes(rows: int, width: int) -> int:
 
 
 def matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """(M, K) float32 → (M, N) float32 = x Wᵀ (+ bias), x quantised per token and group of 32."""
+    """(M, K) float32 → (M, N) float32 = x Wᵀ (+ bias), x quantised per token and group of 32. One call into C
+    (quantisation and matmul): a layer's Python overhead is a large part of a one-token forward."""
     library, isa, problem = int8_kernel._library()
     if problem:
         raise RuntimeError(f"specdec's q4 matmul does not run here: {problem}")
     x = x.contiguous()
     tokens, width = x.shape
-    groups = packed.shape[1]
     out = torch.empty(tokens, out_features, dtype=torch.float32)
     if tokens == 0:
         return out
-    values = torch.empty(tokens, groups * GROUP, dtype=torch.int8)
-    scales = torch.empty(tokens, groups, dtype=torch.float32)
-    scaled_sums = torch.empty(tokens, groups, dtype=torch.float32)
-    threads = torch.get_num_threads()
-    library.specdec_q8_groups(threads, x.data_ptr(), tokens, width, groups, values.data_ptr(), scales.data_ptr(),
-                              scaled_sums.data_ptr())
-    failed = library.specdec_q4_gemm(isa, threads, values.data_ptr(), scales.data_ptr(), scaled_sums.data_ptr(),
-                                     tokens, groups, packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                                     out_features, out.data_ptr())
+    failed = library.specdec_q4_linear(isa, torch.get_num_threads(), x.data_ptr(), tokens, width, packed.shape[1],
+                                       packed.data_ptr(), None if bias is None else bias.data_ptr(), out_features,
+                                       out.data_ptr())
     if failed:
         raise MemoryError(f"specdec's q4 matmul could not allocate its buffers for {tokens} tokens")
     return out
@@ -134,8 +128,10 @@ class Q4Linear(torch.nn.Module):
         return weight.view(self.out_features, -1)[:, :self.in_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = matmul(x.reshape(-1, self.in_features).float(), self.packed_weight, self.bias, self.out_features)
-        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        rows = x.reshape(-1, self.in_features)
+        out = matmul(rows if rows.dtype == torch.float32 else rows.float(), self.packed_weight, self.bias,
+                     self.out_features)
+        return (out if x.dtype == torch.float32 else out.to(x.dtype)).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

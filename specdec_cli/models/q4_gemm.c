@@ -236,3 +236,92 @@ int specdec_q4_gemm(int isa, int threads, const int8_t *values, const float *sca
     free(sums_all);
     return 0;
 }
+
+/* The whole layer in one call (one crossing from Python instead of two): x (M, K) float32 quantised per
+   token and group, then the matmul. Returns 0, or 1 when a buffer could not be allocated. */
+int specdec_q4_linear(int isa, int threads, const float *x, int64_t M, int64_t K, int64_t groups,
+                      const uint8_t *w_packed, const float *bias, int64_t N, float *y) {
+    int8_t *values = malloc((size_t)(M * groups * Q4_GROUP));
+    float *scales = malloc((size_t)(M * groups) * 2 * sizeof(float));
+    int failed = 1;
+    if (values && scales) {
+        specdec_q8_groups(threads, x, M, K, groups, values, scales, scales + M * groups);
+        failed = specdec_q4_gemm(isa, threads, values, scales, scales + M * groups, M, groups, w_packed, bias, N, y);
+    }
+    free(values);
+    free(scales);
+    return failed;
+}
+
+/* RMSNorm of x (M, K) float32 into y: y = x / sqrt(mean(x²) + eps) · weight, each row on its own, in one
+   pass of float arithmetic whose order depends on K only (so a row's result never depends on the others).
+   torch's CPU rms_norm is a chain of ~6 operations (~35 µs a call for one token); this is one. */
+void specdec_rms_norm(const float *x, const float *weight, float eps, int64_t M, int64_t K, float *y) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *row = x + m * K;
+        double squares = 0.0;
+        for (int64_t k = 0; k < K; k++) squares += (double)row[k] * (double)row[k];
+        float inverse = (float)(1.0 / sqrt(squares / (double)K + (double)eps));
+        for (int64_t k = 0; k < K; k++) y[m * K + k] = weight[k] * (row[k] * inverse);
+    }
+}
+
+/* Σ a[d]·b[d] in a fixed order: 8 lanes, then the lanes in order, then the tail. */
+__attribute__((target("avx2,fma")))
+static float dot_avx2(const float *a, const float *b, int64_t n) {
+    __m256 lanes = _mm256_setzero_ps();
+    int64_t d = 0;
+    for (; d + 8 <= n; d += 8) lanes = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), lanes);
+    float parts[8], sum = 0.0f;
+    _mm256_storeu_ps(parts, lanes);
+    for (int lane = 0; lane < 8; lane++) sum += parts[lane];
+    for (; d < n; d++) sum += a[d] * b[d];
+    return sum;
+}
+
+/* Attention for a batch of one, each (query row, head) on its own: softmax(q·kᵀ·scale) · v over the keys the
+   row may see, in key order, with the same float steps whatever the number of rows. So row i of a k-token
+   verify (or a tree node) is computed exactly as a one-token forward over the same keys computes it.
+   q (rows, heads, dim); k, v (kv_heads, keys, dim); visible: NULL = causal (row r sees keys up to
+   keys - rows + r), else (rows, keys) bytes, nonzero = visible; out (rows, heads, dim).
+   Returns 0, or 1 when the scratch buffer could not be allocated. */
+__attribute__((target("avx2,fma")))
+int specdec_attention(int threads, const float *q, const float *k, const float *v, const uint8_t *visible,
+                      int64_t rows, int64_t heads, int64_t kv_heads, int64_t keys, int64_t dim, float scale,
+                      float *out) {
+    int64_t group = heads / kv_heads;
+    float *scratch = malloc((size_t)threads * (size_t)keys * sizeof(float));
+    if (!scratch) return 1;
+#pragma omp parallel for num_threads(threads) schedule(static) collapse(2) if (rows * heads * keys * dim > (1 << 20))
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t h = 0; h < heads; h++) {
+            float *scores = scratch + (size_t)omp_get_thread_num() * (size_t)keys;
+            const float *query = q + (r * heads + h) * dim;
+            const float *key = k + (h / group) * keys * dim, *value = v + (h / group) * keys * dim;
+            int64_t last = visible ? keys - 1 : keys - rows + r;
+            float best = -INFINITY;
+            for (int64_t j = 0; j <= last; j++) {
+                if (visible && !visible[r * keys + j]) continue;
+                scores[j] = dot_avx2(query, key + j * dim, dim) * scale;
+                best = scores[j] > best ? scores[j] : best;
+            }
+            float total = 0.0f;
+            for (int64_t j = 0; j <= last; j++) {
+                if (visible && !visible[r * keys + j]) continue;
+                scores[j] = expf(scores[j] - best);
+                total += scores[j];
+            }
+            float *row_out = out + (r * heads + h) * dim;
+            for (int64_t d = 0; d < dim; d++) row_out[d] = 0.0f;
+            if (total == 0.0f) continue; /* no visible key: zeros, not NaN */
+            for (int64_t j = 0; j <= last; j++) {
+                if (visible && !visible[r * keys + j]) continue;
+                float weight = scores[j] / total;
+                const float *value_row = value + j * dim;
+                for (int64_t d = 0; d < dim; d++) row_out[d] += weight * value_row[d];
+            }
+        }
+    }
+    free(scratch);
+    return 0;
+}

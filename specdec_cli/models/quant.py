@@ -157,9 +157,10 @@ def quantize(model: torch.nn.Module, quantization: str | None, exact_rows: bool 
 
         return _rows(quantize_int4(model), exact_rows)
     if name == "q4":
+        from specdec_cli.models.lean_layers import use_lean_layers
         from specdec_cli.models.q4 import quantize_q4
 
-        return _rows(quantize_q4(model), exact_rows)
+        return _rows(use_lean_layers(quantize_q4(model)), exact_rows)
     return model
 
 
@@ -167,8 +168,9 @@ def quantize_int8_dynamic(model: torch.nn.Module, exact_rows: bool = True) -> to
     """Every nn.Linear to int8 weights with int8 activations quantised per token on the fly, in place,
     CPU only; the rest in float32 (see int8.py); attention row by row when `exact_rows` (rowwise_attention.py)."""
     from specdec_cli.models.int8 import quantize_int8
+    from specdec_cli.models.lean_layers import use_lean_layers
 
-    return _rows(quantize_int8(model), exact_rows)
+    return _rows(use_lean_layers(quantize_int8(model)), exact_rows)
 
 
 def _rows(model: torch.nn.Module, exact_rows: bool) -> torch.nn.Module:

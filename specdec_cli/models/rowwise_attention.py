@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from specdec_cli.models import int8_kernel
+
 NAME = "specdec_rowwise"
 
 
@@ -39,6 +41,17 @@ class _LastMask:
     mask: torch.Tensor | None = None
     visible: list = []
 
+    bytes_mask: torch.Tensor | None = None
+    bytes_of: torch.Tensor | None = None
+
+    @classmethod
+    def visible_bytes(cls, attention_mask: torch.Tensor, keys: int) -> torch.Tensor:
+        """(rows, keys) uint8, nonzero where a row may attend: the mask's last `keys` columns, once per mask."""
+        if attention_mask is not cls.bytes_of or cls.bytes_mask is None or cls.bytes_mask.shape[1] != keys:
+            cls.bytes_mask = attention_mask[0, 0, :, -keys:].to(torch.uint8).contiguous()
+            cls.bytes_of = attention_mask
+        return cls.bytes_mask
+
     @classmethod
     def visible_keys(cls, attention_mask: torch.Tensor | None, rows: int, keys: int) -> list:
         if attention_mask is None or attention_mask is not cls.mask or len(cls.visible) != rows:
@@ -55,6 +68,9 @@ def rowwise_attention_forward(module, query, key, value, attention_mask, dropout
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    library, _, problem = int8_kernel._library()
+    if problem is None and query.dtype == key.dtype == value.dtype == torch.float32:
+        return _attention_in_c(library, query, key, value, attention_mask, scaling), None
     rows, keys = query.shape[2], key.shape[2]
     outputs = []
     for row, visible in enumerate(_LastMask.visible_keys(attention_mask, rows, keys)):
@@ -65,6 +81,22 @@ def rowwise_attention_forward(module, query, key, value, attention_mask, dropout
             enable_gqa=query.shape[1] != key.shape[1],
         ))  # (1, heads, 1, dim)
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _attention_in_c(library, query, key, value, attention_mask, scaling) -> torch.Tensor:
+    """The same rows, all in one call into C (q4_gemm.c: specdec_attention), reading the keys in place:
+    k SDPA calls, and a copy of the keys for every row but the last, cost several ms in an 8-token verify."""
+    rows, heads, keys, dim = query.shape[2], query.shape[1], key.shape[2], query.shape[3]
+    queries = query[0].transpose(0, 1).contiguous()  # (rows, heads, dim)
+    key, value = key[0].contiguous(), value[0].contiguous()  # (kv heads, keys, dim): the cache's own tensors
+    visible = None if attention_mask is None else _LastMask.visible_bytes(attention_mask, keys)
+    out = torch.empty(rows, heads, dim, dtype=torch.float32)
+    failed = library.specdec_attention(torch.get_num_threads(), queries.data_ptr(), key.data_ptr(), value.data_ptr(),
+                                       None if visible is None else visible.data_ptr(), rows, heads, key.shape[0],
+                                       keys, dim, dim**-0.5 if scaling is None else scaling, out.data_ptr())
+    if failed:
+        raise MemoryError(f"specdec's attention could not allocate its buffer for {keys} keys")
+    return out.unsqueeze(0)  # (1, rows, heads, dim)
 
 
 def use_rowwise_attention(model: torch.nn.Module) -> torch.nn.Module:

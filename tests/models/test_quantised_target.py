@@ -52,11 +52,77 @@ def verify_and_decode(model: torch.nn.Module, ids: torch.Tensor, rows: int) -> t
     return verified, torch.stack(decoded)
 
 
+@pytest.mark.parametrize("quantization", ["int8", "q4"])
 @pytest.mark.parametrize("arch, seed", MODELS)
-def test_int8_verify_rows_are_the_one_token_logits_bit_for_bit(arch, seed):
-    model = quantize(tiny_causal_lm(arch, seed=seed, logit_scale=8.0, layers=4), "int8")
+def test_int8_and_q4_verify_rows_are_the_one_token_logits_bit_for_bit(arch, seed, quantization):
+    model = quantize(tiny_causal_lm(arch, seed=seed, logit_scale=8.0, layers=4), quantization)
+    assert sum(hasattr(module, "qkv_proj") for module in model.modules()) == 4  # the lean layers ran
     verified, decoded = verify_and_decode(model, IDS, VERIFIED)
     assert torch.equal(verified, decoded)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "q4"])
+def test_the_lean_layers_give_transformers_layers_logits(quantization, monkeypatch):
+    """Fused projections and one rotary pass: with transformers' own RMSNorm, bit for bit the logits of
+    transformers' layers on the same weights (the C RMSNorm is compared on its own, below)."""
+    from specdec_cli.models import lean_layers
+
+    model = tiny_causal_lm("qwen2", seed=2, logit_scale=8.0, layers=4)  # qwen2: q/k/v with biases
+    monkeypatch.setattr(lean_layers, "_rms_norm", lambda norm, hidden: norm(hidden))
+    lean = quantize(copy.deepcopy(model), quantization)
+    monkeypatch.setattr(lean_layers, "use_lean_layers", lambda model: model)
+    plain = quantize(copy.deepcopy(model), quantization)
+    with torch.no_grad():
+        assert torch.equal(lean(IDS).logits, plain(IDS).logits)
+
+
+def test_the_rms_norm_in_c_is_transformers_rms_norm_up_to_rounding():
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    from specdec_cli.models.lean_layers import _rms_norm
+
+    norm = Qwen2RMSNorm(96, eps=1e-6)
+    norm.weight.data.uniform_(0.5, 1.5)
+    hidden = torch.randn(1, 5, 96) * torch.logspace(-3, 2, 5)[None, :, None]  # rows of unlike scales
+    with torch.no_grad():
+        ours, theirs = _rms_norm(norm, hidden), norm(hidden)
+        assert torch.allclose(ours, theirs, rtol=1e-6, atol=0)
+        assert torch.equal(_rms_norm(norm, hidden[:, 2:3]), ours[:, 2:3])  # a row on its own: the same bits
+
+
+def _attention_inputs(rows: int, keys: int, generator: torch.Generator):
+    query = torch.randn(1, 4, rows, 16, generator=generator)  # (1, heads, rows, dim): 2 heads per kv head
+    key, value = (torch.randn(1, 2, keys, 16, generator=generator) for _ in range(2))
+    return query, key, value
+
+
+def test_attention_in_c_gives_each_row_what_it_gives_that_row_alone():
+    """Causal: row r of a k-row call sees the keys a one-row call over the cache up to r sees, bit for bit."""
+    query, key, value = _attention_inputs(6, 30, torch.Generator().manual_seed(1))
+    module = torch.nn.Module()
+    together, _ = rowwise_attention_forward(module, query, key, value, None, scaling=0.25)
+    for row in range(6):
+        keys = 30 - 6 + row + 1
+        alone, _ = rowwise_attention_forward(module, query[:, :, row:row + 1], key[:, :, :keys].contiguous(),
+                                             value[:, :, :keys].contiguous(), None, scaling=0.25)
+        assert torch.equal(together[:, row], alone[:, 0]), row
+
+
+def test_attention_in_c_over_a_tree_gives_each_node_its_paths_attention():
+    """A tree mask: a node attends to the prefix and its ancestors, exactly as a one-row call over those keys
+    laid side by side (what one-token decoding along its path holds in its cache)."""
+    query, key, value = _attention_inputs(3, 8, torch.Generator().manual_seed(2))
+    mask = torch.ones(1, 1, 3, 8, dtype=torch.bool)  # keys 0-4 the prefix; nodes 0, 1, 2 are keys 5, 6, 7
+    mask[0, 0, 0, 6:] = False  # node 0: the prefix and itself
+    mask[0, 0, 1, 7] = False  # node 1, a child of node 0: the prefix, node 0, itself
+    mask[0, 0, 2, 6] = False  # node 2, node 1's sibling: the prefix, node 0, itself (not key 6: a branch)
+    module = torch.nn.Module()
+    together, _ = rowwise_attention_forward(module, query, key, value, mask, scaling=0.25)
+    for row in range(3):
+        path = mask[0, 0, row].nonzero().flatten()
+        alone, _ = rowwise_attention_forward(module, query[:, :, row:row + 1], key[:, :, path].contiguous(),
+                                             value[:, :, path].contiguous(), None, scaling=0.25)
+        assert torch.equal(together[:, row], alone[:, 0]), row
 
 
 @needs_torchao

@@ -1,0 +1,128 @@
+"""A leaner forward for the decoder layers of Llama- and Qwen2-style models quantised to int8 or q4.
+
+Why: with specdec's own matmuls a one-token forward of the 1.5B demo target spends ~18 of ~55 ms outside
+the matmuls (0.5B draft: ~10 of ~23 ms), most of it in per-call overhead: transformers' layer makes ~13
+module calls and ~60 tensor operations. Here a layer makes one matmul call for q, k and v together, one
+for gate and up together, one C call per RMSNorm (q4_gemm.c), and the rotary embedding once for q and k
+together.
+
+The arithmetic is transformers' own, element for element: the projections are the same rows of the same
+int8/q4 weights (a fused layer's rows are computed exactly as the separate layers' rows were), and the one
+rotary pass does per element what transformers' code does. The RMSNorm sums its squares in double, so it
+may differ from transformers' float32 one in the last bit; it is the same for every forward (each row on
+its own), so a verify still equals one-token decoding bit for bit (tested). The cache, the attention function (row-wise for a target), masks and
+positions are transformers' too, so trees, batches and caches behave as before.
+
+Only the exact classes named in LEAN_CLASSES with SiLU MLPs are changed; other models keep transformers'
+layers."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import torch
+
+from specdec_cli.models import int8_kernel
+from specdec_cli.models.int8 import PerTokenInt8Linear
+from specdec_cli.models.q4 import Q4Linear
+
+LEAN_CLASSES = ("LlamaDecoderLayer", "Qwen2DecoderLayer")
+
+
+def _fused(layers: list[torch.nn.Module]) -> torch.nn.Module:
+    """One layer whose output rows are `layers`' rows side by side, computed the same way."""
+    if all(isinstance(layer, Q4Linear) for layer in layers):
+        from specdec_cli.models.q4 import unpack
+
+        parts = [unpack(layer.packed_weight, layer.out_features) for layer in layers]
+        levels, scales, minimums = (torch.cat(tensors) for tensors in zip(*parts))
+        return Q4Linear(levels, scales, minimums, _fused_bias(layers), layers[0].in_features)
+    weight = torch.cat([layer.int8_weight() for layer in layers])
+    scales = torch.cat([layer.weight_scales for layer in layers])
+    return PerTokenInt8Linear(weight, scales, _fused_bias(layers), layers[0].bits)
+
+
+def _fused_bias(layers: list[torch.nn.Module]) -> torch.Tensor | None:
+    if all(layer.bias is None for layer in layers):
+        return None
+    return torch.cat([layer.bias if layer.bias is not None else torch.zeros(layer.out_features) for layer in layers])
+
+
+def _takes(layer: torch.nn.Module) -> bool:
+    if type(layer).__name__ not in LEAN_CLASSES:
+        return False
+    attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    projections = [getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj")]
+    projections += [getattr(mlp, name, None) for name in ("gate_proj", "up_proj")]
+    kinds = {type(projection) for projection in projections}
+    return (len(kinds) == 1 and kinds <= {Q4Linear, PerTokenInt8Linear}
+            and getattr(mlp.act_fn, "__class__", None).__name__ in ("SiLU", "SiLUActivation")
+            and type(layer.input_layernorm).__name__.endswith("RMSNorm"))
+
+
+def use_lean_layers(model: torch.nn.Module) -> torch.nn.Module:
+    """Fuse q/k/v and gate/up and give every decoder layer that `_takes` the lean forward, in place."""
+    for layer in model.modules():
+        if not _takes(layer):
+            continue
+        attention, mlp = layer.self_attn, layer.mlp
+        attention.qkv_proj = _fused([attention.q_proj, attention.k_proj, attention.v_proj])
+        attention.qkv_split = (attention.q_proj.out_features, attention.k_proj.out_features,
+                               attention.v_proj.out_features)
+        del attention.q_proj, attention.k_proj, attention.v_proj
+        mlp.gate_up_proj = _fused([mlp.gate_proj, mlp.up_proj])
+        del mlp.gate_proj, mlp.up_proj
+        layer.forward = types.MethodType(lean_forward, layer)
+    return model
+
+
+def _rms_norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """RMSNorm in one C call (int8_kernel: ~6 µs for one token, torch's CPU rms_norm ~35 µs) where the
+    kernels run and the model computes in float32; else transformers' own module."""
+    library, _, problem = int8_kernel._library()
+    if problem or hidden.dtype != torch.float32 or norm.weight.dtype != torch.float32:
+        return norm(hidden)
+    hidden = hidden.contiguous()
+    out = torch.empty_like(hidden)
+    library.specdec_rms_norm(hidden.data_ptr(), norm.weight.data_ptr(), norm.variance_epsilon,
+                             hidden.numel() // hidden.shape[-1], hidden.shape[-1], out.data_ptr())
+    return out
+
+
+def _rotate(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb on (B, heads, T, D): states·cos + rotate_half(states)·sin."""
+    half = states.shape[-1] // 2
+    rotated = torch.cat((-states[..., half:], states[..., :half]), dim=-1)
+    return states * cos + rotated * sin
+
+
+def lean_forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None, cache=None, use_cache: bool | None = False,
+                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, past_key_values=None,
+                 **kwargs) -> torch.Tensor:
+    """A decoder layer's forward (transformers' signature and result): hidden (B, T, hidden) → (B, T, hidden)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    attention, cache = self.self_attn, cache if cache is not None else past_key_values
+    kwargs = {**kwargs, "position_ids": position_ids, "use_cache": use_cache}  # what transformers' attention gets
+    batch, tokens = hidden_states.shape[:2]
+    head_dim = attention.head_dim
+    q_size, k_size, v_size = attention.qkv_split
+    qkv = attention.qkv_proj(_rms_norm(self.input_layernorm, hidden_states))  # (B, T, q + k + v)
+    qk = qkv[..., :q_size + k_size].view(batch, tokens, -1, head_dim).transpose(1, 2)  # (B, heads + kv, T, D)
+    cos, sin = position_embeddings  # (B, T, D)
+    qk = _rotate(qk, cos.unsqueeze(1), sin.unsqueeze(1))
+    query, key = qk[:, : q_size // head_dim], qk[:, q_size // head_dim:]
+    value = qkv[..., q_size + k_size:].view(batch, tokens, -1, head_dim).transpose(1, 2)
+    if cache is not None:
+        key, value = cache.update(key, value, attention.layer_idx, kwargs=kwargs)
+    eager = sys.modules[type(attention).__module__].eager_attention_forward
+    attend = ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation, eager)
+    extra = {"sliding_window": attention.sliding_window} if hasattr(attention, "sliding_window") else {}
+    out, _ = attend(attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling,
+                    **extra, **kwargs)
+    hidden_states = hidden_states + attention.o_proj(out.reshape(batch, tokens, -1))
+    gate_up = self.mlp.gate_up_proj(_rms_norm(self.post_attention_layernorm, hidden_states))
+    gate, up = gate_up.chunk(2, dim=-1)
+    return hidden_states + self.mlp.down_proj(torch.nn.functional.silu(gate) * up)
