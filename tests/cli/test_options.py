@@ -14,7 +14,7 @@ def test_no_model_options_means_the_demo_profile():
     assert choice.profile.name == "demo"
     assert (choice.target, choice.draft, choice.drafter) == ("demo:qwen2.5-coder-1.5b", "demo:qwen2.5-coder-0.5b", "cascade")
     assert (choice.device, choice.dtype, choice.target_quantization, choice.draft_quantization) == ("auto", "auto", "auto", "auto")
-    assert choice.profile.target_auto_formats == ("none", "int8")
+    assert choice.profile.target_auto_formats == ("none", "int8", "q4")
     assert (choice.trust_remote_code, choice.allow_pickle) == (False, False)
 
 
