@@ -1,6 +1,6 @@
 """What a user runs first: the installed `specdec` console script on its default profile (the offline demo
 pair: cascade drafting, target and draft in the formats `auto` picks on this machine (int8 on a CPU until
-`specdec calibrate` measured it), k = auto with the odds cut, sampled at the profile's
+`specdec calibrate` measured it; q4 for both on this project's AVX512 machine after it), k = auto with the odds cut, sampled at the profile's
 temperature / top-p / top-k). No model option is given; only the token budget (and a seed) are set, to keep
 each test to a minute or two.
 
@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specdec_cli.models.quant import precision
 from tests.models.test_demo_real import requires_demo
 from tests.run.test_run_command import without_timings
 
@@ -48,15 +49,18 @@ def check_models_line(stderr: str) -> None:
         for line, role, spec in ((target_line, "target", "demo:qwen2.5-coder-1.5b"),
                                  (draft_line, "draft", "demo:qwen2.5-coder-0.5b")):
             expected = auto_format(role, spec)
-            assert expected in ("int8", "int4") and f" · {expected} weights" in line.group(0), (expected, line.group(0))
+            assert expected in ("int8", "int4", "q4"), expected
+            assert line.group(0).endswith(f" · {precision(expected, '')}"), (expected, line.group(0))
 
 
 def auto_format(role: str, spec: str) -> str | None:
     from specdec_cli.models.device import resolve_dtype
     from specdec_cli.models.quant import resolve_auto
+    from specdec_cli.profiles import load_profile
 
     cpu = torch.device("cpu")
-    return resolve_auto(role, cpu, spec, resolve_dtype("auto", cpu), ("none", "int8") if role == "target" else None)
+    allowed = load_profile("demo").target_auto_formats if role == "target" else None
+    return resolve_auto(role, cpu, spec, resolve_dtype("auto", cpu), allowed)
 
 
 def test_a_piped_chat_prints_the_reply_and_its_stats_and_saves_the_same(tmp_path):
