@@ -124,11 +124,16 @@ def int8_kernel_problem() -> str | None:
 
 
 def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
-    """Every nn.Linear (the output layer too) to `PerTokenInt8Linear`, in place; the rest in float32.
-    A tied output layer gets its own int8 copy; the input embedding keeps the float weights. Layers are
-    replaced before the float32 cast, so a bfloat16 model never exists in float32 whole."""
+    """Every nn.Linear (the output layer too) to `PerTokenInt8Linear`, in place (`replace_linears`)."""
+    return replace_linears(model, PerTokenInt8Linear.from_linear)
+
+
+def replace_linears(model: torch.nn.Module, quantised) -> torch.nn.Module:
+    """Every nn.Linear to `quantised(linear)`, in place; the rest in float32. A tied output layer gets its own
+    quantised copy; the input embedding keeps the float weights. Layers are replaced before the float32
+    cast, so a bfloat16 model never exists in float32 whole."""
     linears = [(name, module) for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
     for name, linear in linears:
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, PerTokenInt8Linear.from_linear(linear))
+        setattr(model.get_submodule(parent_name), child, quantised(linear))
     return model.float()

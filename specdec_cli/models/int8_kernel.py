@@ -86,10 +86,6 @@ def _built() -> Path:
 def _declare(library: ctypes.CDLL) -> None:
     pointer, size, integer = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     library.specdec_isa.restype = integer
-    library.specdec_quantize_rows.argtypes = [integer, pointer, size, size, size, integer, pointer, pointer]
-    library.specdec_int8_gemm.restype = integer
-    library.specdec_int8_gemm.argtypes = [integer, integer, pointer, pointer, size, size, pointer, pointer,
-                                          pointer, pointer, size, integer, pointer]
     library.specdec_int8_linear.restype = integer
     library.specdec_int8_linear.argtypes = [integer, integer, pointer, size, size, size, integer, pointer, pointer,
                                             pointer, pointer, size, pointer]
@@ -99,10 +95,6 @@ def _declare(library: ctypes.CDLL) -> None:
     library.specdec_attention.argtypes = [integer, pointer, pointer, pointer, pointer, size, size, size, size, size,
                                           ctypes.c_float, pointer]
     library.specdec_rms_norm.argtypes = [pointer, pointer, ctypes.c_float, size, size, pointer]
-    library.specdec_q8_groups.argtypes = [integer, pointer, size, size, size, pointer, pointer, pointer]
-    library.specdec_q4_gemm.restype = integer
-    library.specdec_q4_gemm.argtypes = [integer, integer, pointer, pointer, pointer, size, size, pointer, pointer,
-                                        size, pointer]
 
 
 def kernel_problem(bits: int) -> str | None:

@@ -22,6 +22,7 @@ import sys
 import types
 
 import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from specdec_cli.models import int8_kernel
 from specdec_cli.models.int8 import PerTokenInt8Linear
@@ -68,8 +69,7 @@ def use_lean_layers(model: torch.nn.Module) -> torch.nn.Module:
             continue
         attention, mlp = layer.self_attn, layer.mlp
         attention.qkv_proj = _fused([attention.q_proj, attention.k_proj, attention.v_proj])
-        attention.qkv_split = (attention.q_proj.out_features, attention.k_proj.out_features,
-                               attention.v_proj.out_features)
+        attention.qk_sizes = (attention.q_proj.out_features, attention.k_proj.out_features)
         del attention.q_proj, attention.k_proj, attention.v_proj
         mlp.gate_up_proj = _fused([mlp.gate_proj, mlp.up_proj])
         del mlp.gate_proj, mlp.up_proj
@@ -102,13 +102,11 @@ def lean_forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor
                  position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, past_key_values=None,
                  **kwargs) -> torch.Tensor:
     """A decoder layer's forward (transformers' signature and result): hidden (B, T, hidden) → (B, T, hidden)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     attention, cache = self.self_attn, cache if cache is not None else past_key_values
     kwargs = {**kwargs, "position_ids": position_ids, "use_cache": use_cache}  # what transformers' attention gets
     batch, tokens = hidden_states.shape[:2]
     head_dim = attention.head_dim
-    q_size, k_size, v_size = attention.qkv_split
+    q_size, k_size = attention.qk_sizes
     qkv = attention.qkv_proj(_rms_norm(self.input_layernorm, hidden_states))  # (B, T, q + k + v)
     qk = qkv[..., :q_size + k_size].view(batch, tokens, -1, head_dim).transpose(1, 2)  # (B, heads + kv, T, D)
     cos, sin = position_embeddings  # (B, T, D)

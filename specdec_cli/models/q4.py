@@ -139,11 +139,7 @@ class Q4Linear(torch.nn.Module):
 
 
 def quantize_q4(model: torch.nn.Module) -> torch.nn.Module:
-    """Every nn.Linear (the output layer too) to `Q4Linear`, in place; the rest in float32. A tied output
-    layer gets its own q4 copy; the input embedding keeps the float weights. Layers are replaced before
-    the float32 cast, so a bfloat16 model never exists in float32 whole."""
-    linears = [(name, module) for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
-    for name, linear in linears:
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, Q4Linear.from_linear(linear))
-    return model.float()
+    """Every nn.Linear (the output layer too) to `Q4Linear`, in place (int8.replace_linears)."""
+    from specdec_cli.models.int8 import replace_linears
+
+    return replace_linears(model, Q4Linear.from_linear)
