@@ -39,13 +39,15 @@ class UnpricedLookups(DraftOrNot):
 def configurations(target, drafts: dict, curve):
     auto = lambda policy=DraftOrNot, curve=curve: policy(max_k=AUTO_MAX_K, rule=draft_rule("auto"), verify_curve=curve)  # noqa: E731
 
-    def cascade(name: str, subset: bool = False):
+    def cascade(name: str, subset: bool | int = False):
         loaded = drafts[name]
-        ids = frequent_token_ids(loaded.tokenizer, 32768, loaded.vocab_size) if subset else None
+        size = subset if isinstance(subset, int) and subset > 1 else 32768
+        ids = frequent_token_ids(loaded.tokenizer, size, loaded.vocab_size) if subset else None
         drafter = CascadeDrafter(DraftModelDrafter(loaded.model, token_ids=ids))
         drafter.obey(draft_rule("auto"))
         return drafter
 
+    fixed_cut = lambda: auto(lambda **kw: DraftOrNot(cost_cut=False, **kw))  # noqa: E731
     return {
         "target": lambda: (None, FixedK(0)),
         "cascade int8 draft": lambda: (cascade("int8"), auto()),
@@ -54,6 +56,10 @@ def configurations(target, drafts: dict, curve):
         "cascade int8 draft +fr32k": lambda: (cascade("int8", True), auto()),
         "cascade int4 (lookups unpriced)": lambda: (cascade("int4"), auto(UnpricedLookups)),
         "cascade int4 (curve learned)": lambda: (cascade("int4"), auto(curve=None)),
+        "cascade q4 draft": lambda: (cascade("q4"), auto()),
+        "cascade q4 draft (fixed odds cut)": lambda: (cascade("q4"), fixed_cut()),
+        "cascade q4 draft +fr32k": lambda: (cascade("q4", True), auto()),
+        "cascade q4 draft +fr64k": lambda: (cascade("q4", 65536), auto()),
         "ngram": lambda: (NgramDrafter(), auto()),
         "ngram (lookups unpriced)": lambda: (NgramDrafter(), auto(UnpricedLookups)),
     }
@@ -62,17 +68,20 @@ def configurations(target, drafts: dict, curve):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--target-quant", default="int8")
+    parser.add_argument("--draft-quants", default="int8,int4", help="draft formats to load (the configurations use them)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--only", default="")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     target = load_model("demo:qwen2.5-coder-1.5b", dtype="bfloat16", quantization=args.target_quant, progress=False)
     drafts = {name: load_model("demo:qwen2.5-coder-0.5b", dtype="bfloat16", quantization=name, progress=False, role="draft")
-              for name in ("int8", "int4")}
+              for name in args.draft_quants.split(",")}
     curve = verify_curve(target)
     configs = configurations(target, drafts, curve)
     if args.only:
         configs = {name: make for name, make in configs.items() if name == "target" or name in args.only.split(",")}
+    configs = {name: make for name, make in configs.items() if not name.startswith("cascade ")
+               or name.split()[1] in drafts}
     eos = eos_token_ids(target)
     questions = spec_bench(1)
     prompts = [encode_chat(target.tokenizer, [{"role": "user", "content": q}]) for _, q in questions]

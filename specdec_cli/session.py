@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specdec_cli.drafters import CascadeDrafter, DraftModelDrafter, NgramDrafter
+from specdec_cli.drafters.subset_head import draft_vocabulary
 from specdec_cli.drafters.tree import DEFAULT_BUDGET, TreeDrafter, budget_from_costs
 from specdec_cli.engine import DraftLengthPolicy, DraftOrNot, FixedK, SpeculativeDecoder
 from specdec_cli.engine.batched import BatchedDecoder
@@ -61,7 +62,8 @@ def make_policy(k: int | str, clock_free: bool = False, verify_curve: dict[int, 
 def make_drafter(drafter: str, draft: LoadedModel | None, k: int | str = "auto", target: LoadedModel | None = None,
                  tree_budget: int | None = None) -> Drafter | None:
     """model: the draft model; ngram: prompt lookup; cascade: prompt lookup when it matches, else
-    the draft model; tree: the draft model proposing a token tree of `tree_budget` nodes (None: as
+    the draft model (model and cascade score the draft's most frequent ids only where its vocabulary is
+    large: `draft_vocabulary`, lossless); tree: the draft model proposing a token tree of `tree_budget` nodes (None: as
     `tree_budget_for` the target says), as deep as k allows, or the draft model's chains where the draft
     or the target cannot take a tree mask (`tree_note` says so); none: the target alone. It obeys k's
     stop rule (`draft_rule`) from the start."""
@@ -75,7 +77,8 @@ def make_drafter(drafter: str, draft: LoadedModel | None, k: int | str = "auto",
         raise InputError(f"the {drafter} drafter needs a draft model", "pass --draft NAME, or --drafter ngram")
     if drafter == "tree" and tree_note(target, draft) is None:
         return TreeDrafter(draft.model, budget=tree_budget or tree_budget_for(target))
-    model_drafter = DraftModelDrafter(draft.model)
+    vocabulary = draft_vocabulary(draft.tokenizer, draft.vocab_size)
+    model_drafter = DraftModelDrafter(draft.model, token_ids=vocabulary, share_head=True)
     chosen = CascadeDrafter(model_drafter) if drafter == "cascade" else model_drafter
     chosen.obey(draft_rule(k))
     return chosen

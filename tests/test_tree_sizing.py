@@ -39,7 +39,8 @@ def test_no_budget_from_a_curve_that_is_not_flat_or_says_nothing(seconds):
 
 def loaded(model, name="org/big", quantization=None):
     return SimpleNamespace(model=model, name=name, quantization=quantization, dtype=torch.float32,
-                           tokenizer=SimpleNamespace(get_vocab=dict), eos_token_ids=(2,))
+                           tokenizer=SimpleNamespace(get_vocab=dict), eos_token_ids=(2,),
+                           vocab_size=model.config.vocab_size)
 
 
 def calibration(*entries):

@@ -5,7 +5,8 @@ step in which every draft was accepted, the draft's last token and the target's 
 together in the next step's first forward: no extra forward for the bonus token.
 
 Three options cut wasted draft work, all lossless:
-- `token_ids`: the draft scores only this subset of the vocabulary (see subset_head.py);
+- `token_ids`: the draft scores only this subset of the vocabulary (see subset_head.py; `share_head`: the
+  subset head is built once per model and id set, for drafters made again and again on one model);
 - `min_confidence`: stop drafting once the draft's own top probability falls below it (a token
   the draft itself doubts is likely rejected, and every later draft token with it);
 - `min_survival`: stop drafting once the product of the draft's probabilities of its tokens so far
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdec_cli.engine.draft import EMPTY_DRAFT, Draft, DraftRule, Drafter
-from specdec_cli.drafters.subset_head import SubsetHeadLM
+from specdec_cli.drafters.subset_head import SubsetHeadLM, shared_subset_head
 from specdec_cli.engine.context import context_length
 from specdec_cli.engine.kv import CachedModel
 from specdec_cli.engine.sampling import logits_to_probs, sample
@@ -36,10 +37,11 @@ class DraftModelDrafter(Drafter):
 
     def __init__(
         self, model: torch.nn.Module, token_ids: torch.Tensor | None = None, min_confidence: float = 0.0,
-        min_survival: float = 0.0,
+        min_survival: float = 0.0, share_head: bool = False,
     ) -> None:
         self.subset = token_ids.cpu() if token_ids is not None else None
-        self.head = SubsetHeadLM(model, token_ids) if token_ids is not None else None
+        make_head = shared_subset_head if share_head else SubsetHeadLM
+        self.head = make_head(model, self.subset) if token_ids is not None else None
         self.runner = CachedModel(self.head or model)
         self.context = context_length(model)
         self.min_confidence = min_confidence

@@ -182,14 +182,43 @@ class CostModelK:
         return max(self.tokens_per_second(k) for k in range(self.max_k + 1))
 
 
+CUT_SPAN = 8  # the verify slope of the odds cut: over verifies of 1 to 1 + CUT_SPAN tokens, where drafts end
+
+
 class DraftOrNot(CostModelK):
     """The cost model's yes or no: draft up to `max_k` when some k > 0 pays — the policy's `rule` (the
     draft model's odds cut) then stops the draft where the draft's own per-token odds say — else decode
     with the target alone (probing as CostModelK does). Per-token odds know more than per-position
-    averages, so this leaves "how far" to them and keeps only "whether"."""
+    averages, so this leaves "how far" to them and keeps only "whether".
 
-    def __init__(self, max_k: int = 20, **kwargs) -> None:
+    The odds cut follows the measured costs (`cost_cut`): one more draft token adds its survival odds S to
+    the tokens expected from the step and costs a draft token plus what one more token adds to the
+    verify, so it pays while S · rate > draft + verify slope, rate being the best tokens per second the
+    cost model expects (the slope taken over the first CUT_SPAN drafts). The cut is therefore (draft + slope) · rate, never below the rule's own: with a
+    draft costing 0.4 of a target step the fixed 0.3 drafts chains that cost more than they return."""
+
+    def __init__(self, max_k: int = 20, cost_cut: bool = True, **kwargs) -> None:
+        self.cost_cut = cost_cut
         super().__init__(max_k=max_k, **kwargs)
+
+    def reset(self) -> None:
+        super().reset()
+        self.cut = 0.0
+
+    @property
+    def rule(self) -> DraftRule | None:
+        rule = super().rule
+        if rule is None or self.cut <= rule.min_survival:
+            return rule
+        return replace(rule, min_survival=self.cut)
+
+    def update(self, drafted: int, accepted: int, draft_seconds: float | None, verify_seconds: float | None,
+               free: bool = False) -> None:
+        super().update(drafted, accepted, draft_seconds, verify_seconds, free)
+        if self.cost_cut and self.draft_cost.known and self.verify.known:
+            span = min(self.max_k, CUT_SPAN)
+            slope = (self.verify.at(span + 1) - self.verify.at(1)) / span
+            self.cut = min(0.95, (self.draft_cost.value + slope) * self.best_model_rate())
 
     def _choose(self) -> int:
         return self.max_k if super()._choose() else 0

@@ -109,11 +109,13 @@ def test_expected_tokens_formula():
 
 
 def feed(policy, alpha_pattern, draft_seconds_per_token, verify_seconds, steps=60):
-    """Simulate steps where the first `accepted(k)` of k drafts are accepted."""
+    """Simulate steps where the first `accepted(k)` of k drafts are accepted (verify_seconds: a number, or
+    seconds of a verify of n tokens)."""
     for _ in range(steps):
         k = policy.next_k()
         accepted = alpha_pattern(k)
-        policy.update(k, accepted, k * draft_seconds_per_token, verify_seconds)
+        seconds = verify_seconds(k + 1) if callable(verify_seconds) else verify_seconds
+        policy.update(k, accepted, k * draft_seconds_per_token, seconds)
     return policy
 
 
@@ -150,12 +152,30 @@ def test_draft_or_not_drafts_to_its_cap_while_drafting_pays_and_stops_when_it_do
     assert ks.count(0) >= 8 and 20 in ks  # plain decoding, with a probe now and then
 
 
+def test_the_odds_cut_rises_with_what_a_draft_token_costs_and_never_falls_below_the_rule():
+    """One more draft token pays while its survival odds x the expected rate beat its draft cost plus the
+    verify's slope: a draft at 0.4 of a target step cuts near 0.5, a cheap one keeps the rule's 0.3."""
+    rule = DraftRule(min_survival=0.3)
+    flat = {1: 0.1, 2: 0.1, 4: 0.1, 8: 0.1, 16: 0.1}
+    dear = feed(DraftOrNot(rule=rule, verify_curve=flat), lambda k: min(k, 3), 0.04, 0.1)
+    cheap = feed(DraftOrNot(rule=rule, verify_curve=flat), lambda k: min(k, 3), 0.002, 0.1)
+    assert dear.next_k() > 0  # drafting still pays: the cut decides how far, not whether
+    rate = dear.best_model_rate()
+    assert dear.rule.min_survival == pytest.approx(0.04 * rate) and 0.4 < dear.rule.min_survival < 0.95
+    assert cheap.rule.min_survival == 0.3  # 0.002 x rate is below the rule's own cut
+    steep = {1: 0.1, 2: 0.12, 4: 0.16, 8: 0.24, 16: 0.4}  # +0.02 s a token past the first
+    sloped = feed(DraftOrNot(rule=rule, verify_curve=steep), lambda k: min(k, 3), 0.002, VerifyCost(steep).at)
+    assert sloped.rule.min_survival == pytest.approx((0.002 + 0.02) * sloped.best_model_rate())
+    fixed = feed(DraftOrNot(rule=rule, verify_curve=flat, cost_cut=False), lambda k: min(k, 3), 0.04, 0.1)
+    assert fixed.rule.min_survival == 0.3
+
+
 def test_auto_is_draft_or_not_with_the_survival_cut_and_a_fixed_k_drafts_exactly_k(llama_target, llama_near_draft):
     from types import SimpleNamespace
 
     from specdec_cli.session import AUTO_MAX_K, AUTO_SURVIVAL, make_drafter, make_policy
 
-    draft = SimpleNamespace(model=llama_near_draft)
+    draft = SimpleNamespace(model=llama_near_draft, tokenizer=None, vocab_size=llama_near_draft.config.vocab_size)
     auto, fixed = make_drafter("cascade", draft, "auto"), make_drafter("cascade", draft, 4)
     assert auto.model_drafter.min_survival == AUTO_SURVIVAL and fixed.model_drafter.min_survival == 0.0
     assert isinstance(make_policy("auto"), DraftOrNot) and make_policy("auto").next_k() > 0
@@ -272,3 +292,27 @@ def test_cost_model_learns_that_acceptance_rises_with_depth():
     rates = policy.acceptance_by_position()
     assert rates[0] < 0.6 and min(rates[1:4]) > 0.9
     assert policy.next_k() >= 4  # an i.i.d. rate of ~0.5 would stop at 1 or 2
+
+
+def test_a_large_vocabulary_draft_scores_its_frequent_ids_by_default_and_stays_lossless():
+    """make_drafter gives a draft of more than 1.5 x DRAFT_VOCAB ids a subset head (built once per model),
+    a small vocabulary keeps the full head; the output stays the target's."""
+    from types import SimpleNamespace
+
+    from specdec_cli.drafters.subset_head import DRAFT_VOCAB, draft_vocabulary
+    from specdec_cli.session import make_drafter
+
+    from tests.conftest import tiny_causal_lm
+
+    vocab = DRAFT_VOCAB * 2
+    target = tiny_causal_lm("llama", vocab_size=vocab, hidden=16, logit_scale=4.0)
+    draft_model = tiny_causal_lm("llama", vocab_size=vocab, hidden=16, logit_scale=4.0)  # same seed: it agrees
+    draft = SimpleNamespace(model=draft_model, tokenizer=None, vocab_size=vocab)
+    first, second = make_drafter("cascade", draft, "auto"), make_drafter("model", draft, "auto")
+    assert len(first.model_drafter.subset) == DRAFT_VOCAB and first.model_drafter.head is second.head
+    assert draft_vocabulary(None, DRAFT_VOCAB * 3 // 2) is None
+    prompt = [1] + [(7 * i + 3) % 500 + 3 for i in range(30)]
+    reference = hf_greedy(target, prompt, 24)
+    result = SpeculativeDecoder(target, first, DraftOrNot(rule=DraftRule(0.3))).generate(
+        prompt, SamplingParams(), 24)
+    assert result.tokens == reference and result.stats.accepted > 0
