@@ -23,9 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
-from specdec_cli.engine.kv import CachedModel, _tree_mask_form, filled_layers, truncate_layers
+from specdec_cli.engine.kv import CachedModel, _tree_mask_form, filled_layers, new_cache, truncate_layers
 
 Row = int
 HOLE = -1
@@ -46,7 +45,7 @@ class PackedCache:
         self.reset()
 
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = new_cache(self.model.config)
         self.owner: list[Row] = []  # slot -> the row that owns it, or HOLE
         self.rows: dict[Row, _RowSlots] = {}
 
@@ -71,10 +70,7 @@ class PackedCache:
         self.single.extend(ids, 1)
         start = len(self.owner)
         for layer, source in zip(self.cache.layers, self.single.cache.layers):
-            if getattr(layer, "keys", None) is None or not layer.keys.numel():
-                layer.lazy_initialization(source.keys, source.values)
-            layer.keys = torch.cat([layer.keys, source.keys], dim=-2)
-            layer.values = torch.cat([layer.values, source.values], dim=-2)
+            layer.update(source.keys, source.values)  # appended after the rows already held
         self.single.reset()
         self.owner.extend([row] * len(ids))
         state.ids, state.slots = list(ids), list(range(start, start + len(ids)))

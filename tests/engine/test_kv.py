@@ -146,3 +146,55 @@ def test_the_draft_models_cache_equals_a_fresh_forward_after_rejections(llama_ta
     assert len(proposals) == len(events) > 10
     assert sum(1 for event in events if 0 < event.accepted < event.drafted) >= 3  # rejected mid-draft
     assert sum(1 for event in events if event.accepted == 0) >= 1 and any(e.accepted == e.drafted for e in events)
+
+
+def test_a_forward_writes_its_entries_in_place_and_a_rollback_reuses_the_room(llama_target):
+    """The cache's layers are views into buffers with room: one-token steps, a crop and the steps after it
+    keep the same buffer (transformers' layer copies the whole cache each forward), and the logits are
+    still those of a full forward."""
+    runner = CachedModel(llama_target)
+    runner.extend([1, 2, 3, 4, 5], 1)
+    layer = runner.cache.layers[0]
+    where = layer.keys.data_ptr(), layer.values.data_ptr()
+    ids = [1, 2, 3, 4, 5]
+    for token in (6, 7, 8):
+        ids.append(token)
+        runner.extend(ids, 1)
+    assert (layer.keys.data_ptr(), layer.values.data_ptr()) == where
+    assert layer.keys.shape[-2] == 8
+    logits = runner.extend([1, 2, 3, 4, 5, 6, 20, 21], 2)  # rolled back past 7 and 8, then two new tokens
+    assert (layer.keys.data_ptr(), layer.values.data_ptr()) == where
+    assert torch.allclose(logits, full_forward_logits(llama_target, [1, 2, 3, 4, 5, 6, 20, 21])[-2:], atol=1e-5)
+
+
+def test_growing_layer_holds_what_transformers_layer_holds_through_updates_crops_and_selects():
+    """The same sequence of updates, crops (past and within a buffer), an index select and growth past the
+    buffer's room: the same keys and values as transformers' concatenating layer, bit for bit."""
+    from transformers.cache_utils import DynamicLayer
+
+    from specdec_cli.engine.kv import GrowingLayer
+
+    generator = torch.Generator().manual_seed(0)
+    ours, theirs = GrowingLayer(), DynamicLayer()
+
+    def update(tokens: int) -> None:
+        key, value = (torch.randn(1, 2, tokens, 4, generator=generator) for _ in range(2))
+        got, expected = ours.update(key, value), theirs.update(key, value)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+    update(5)
+    update(1)
+    for layer in (ours, theirs):
+        layer.crop(-3)
+    update(2)
+    for layer in (ours, theirs):
+        index = torch.tensor([0, 2, 3])
+        layer.keys, layer.values = layer.keys.index_select(-2, index), layer.values.index_select(-2, index)
+    update(1)
+    update(400)  # past the buffer's room: a new buffer
+    update(3)
+    assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+    ours.reset()
+    update_after_reset = torch.randn(1, 2, 2, 4, generator=generator)
+    keys, _ = ours.update(update_after_reset, update_after_reset)
+    assert torch.equal(keys, update_after_reset)
