@@ -1,5 +1,6 @@
-"""specdec's own matmuls: int8 (int8_gemm.c) for the `int8` format and q4 (q4_gemm.c, used by q4.py) for
-the `q4` format, built into one library once per machine with the system C compiler, kept under the
+"""specdec's own kernels: int8 (int8_gemm.c) for the `int8` format, q4 (q4_gemm.c, used by q4.py) for the `q4`
+format, and the RMSNorm, attention and layer halves around them (layer_kernels.c), built into one library
+once per machine with the system C compiler, kept under the
 specdec home, called through ctypes.
 
 Why a kernel of our own: at the sizes speculation runs (1-16 tokens) a forward's cost is reading the
@@ -27,7 +28,7 @@ import torch
 
 from specdec_cli.models.paths import atomic_folder, cache_dir
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("int8_gemm.c", "q4_gemm.c"))  # one library (q4.py)
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("int8_gemm.c", "q4_gemm.c", "layer_kernels.c"))  # one library
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off")  # no contraction: the exact float steps
 ISA_NAMES = {2: "AVX512-VNNI", 1: "AVX2"}
 BLOCK = 32  # output rows per packed block (int8_gemm.c)
@@ -93,8 +94,14 @@ def _declare(library: ctypes.CDLL) -> None:
     library.specdec_q4_linear.argtypes = [integer, integer, pointer, size, size, size, pointer, pointer, size, pointer]
     library.specdec_attention.restype = integer
     library.specdec_attention.argtypes = [integer, pointer, pointer, pointer, pointer, size, size, size, size, size,
-                                          ctypes.c_float, pointer]
+                                          size, ctypes.c_float, pointer]
     library.specdec_rms_norm.argtypes = [pointer, pointer, ctypes.c_float, size, size, pointer]
+    library.specdec_lean_qkv.restype = integer
+    library.specdec_lean_qkv.argtypes = [integer, integer, pointer, size, size, pointer, ctypes.c_float, pointer,
+                                         pointer, pointer, size, size, size, pointer, pointer, pointer]
+    library.specdec_lean_mlp.restype = integer
+    library.specdec_lean_mlp.argtypes = [integer, integer, pointer, pointer, size, size, pointer, pointer,
+                                         ctypes.c_float, pointer, pointer, pointer]
 
 
 def kernel_problem(bits: int) -> str | None:

@@ -3,7 +3,7 @@
 Why: with specdec's own matmuls a one-token forward of the 1.5B demo target spends ~18 of ~55 ms outside
 the matmuls (0.5B draft: ~10 of ~23 ms), most of it in per-call overhead: transformers' layer makes ~13
 module calls and ~60 tensor operations. Here a layer makes one matmul call for q, k and v together, one
-for gate and up together, one C call per RMSNorm (q4_gemm.c), and the rotary embedding once for q and k
+for gate and up together, one C call per RMSNorm (layer_kernels.c), and the rotary embedding once for q and k
 together.
 
 The arithmetic is transformers' own, element for element: the projections are the same rows of the same
@@ -13,11 +13,20 @@ may differ from transformers' float32 one in the last bit; it is the same for ev
 its own), so a verify still equals one-token decoding bit for bit (tested). The cache, the attention function (row-wise for a target), masks and
 positions are transformers' too, so trees, batches and caches behave as before.
 
+Where a forward is a batch of one in float32 with a causal or boolean mask (every forward of the engine's
+caches) and the C kernels run, the layer goes further: the two halves around its attention are one C call each
+(layer_kernels.c: norm, q/k/v, rotary; o, residual, norm, gate/up, SiLU, down, residual) and the attention is
+specdec's C attention (rowwise_attention.py), so a layer is three calls and the cache update instead of ~45
+torch operations (1-token forward of the 1.5B target: ~11 ms outside the matmuls before). Its SiLU takes
+exp from layer_kernels.c, not torch's, so these logits equal transformers' up to rounding (tested), and still
+each row's alone.
+
 Only the exact classes named in LEAN_CLASSES with SiLU MLPs are changed; other models keep transformers'
 layers."""
 
 from __future__ import annotations
 
+import ctypes
 import sys
 import types
 
@@ -27,6 +36,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from specdec_cli.models import int8_kernel
 from specdec_cli.models.int8 import PerTokenInt8Linear
 from specdec_cli.models.q4 import Q4Linear
+from specdec_cli.models.rowwise_attention import attend_rows
 
 LEAN_CLASSES = ("LlamaDecoderLayer", "Qwen2DecoderLayer")
 
@@ -97,6 +107,82 @@ def _rotate(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return states * cos + rotated * sin
 
 
+class _Linear(ctypes.Structure):
+    """One projection for layer_kernels.c (its `specdec_linear`)."""
+
+    _fields_ = [("kind", ctypes.c_int64), ("in_features", ctypes.c_int64), ("out_features", ctypes.c_int64),
+                ("width", ctypes.c_int64), ("limit", ctypes.c_int64), ("packed", ctypes.c_void_p),
+                ("row_sums", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+
+
+def _described(layer: torch.nn.Module) -> _Linear | None:
+    """`layer` as layer_kernels.c takes it, or None where it runs another way (int8 on oneDNN)."""
+    bias = None if layer.bias is None else layer.bias.data_ptr()
+    if isinstance(layer, Q4Linear):
+        packed = layer.packed_weight
+        return _Linear(2, layer.in_features, layer.out_features, packed.shape[1], 0, packed.data_ptr(), None, None, bias)
+    if isinstance(layer, PerTokenInt8Linear) and layer.own_kernel:
+        packed = layer.packed_weight
+        return _Linear(1, layer.in_features, layer.out_features, packed.shape[1], 2 ** (layer.bits - 1) - 1,
+                       packed.data_ptr(), layer.row_sums.data_ptr(), layer.weight_scales.data_ptr(), bias)
+    return None
+
+
+def _c_projections(layer: torch.nn.Module) -> tuple[_Linear, ...] | None:
+    """The layer's four projections for C, described once and again whenever their weights moved (a copy of
+    the model, a `.to()`); None where one of them does not run in C."""
+    attention, mlp = layer.self_attn, layer.mlp
+    projections = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    where = tuple(projection.packed_weight.data_ptr() for projection in projections)
+    held = getattr(layer, "_c_projections", None)
+    if held is None or held[0] != where:
+        described = tuple(_described(projection) for projection in projections)
+        layer._c_projections = held = (where, None if None in described else described)
+    return held[1]
+
+
+def _runs_in_c(layer: torch.nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
+    attention = layer.self_attn
+    return (hidden_states.shape[0] == 1 and hidden_states.dtype == torch.float32
+            and (attention_mask is None or attention_mask.dtype == torch.bool)
+            and attention.config._attn_implementation in ("specdec_rowwise", "sdpa")
+            and getattr(attention, "sliding_window", None) is None
+            and layer.input_layernorm.weight.dtype == layer.post_attention_layernorm.weight.dtype == torch.float32
+            and int8_kernel._library()[2] is None)
+
+
+def _forward_in_c(self, projections: tuple[_Linear, ...], hidden_states: torch.Tensor, attention_mask, cache,
+                  position_embeddings, kwargs) -> torch.Tensor:
+    """The layer as three C calls and the cache update (see the module): hidden (1, T, H) → (1, T, H)."""
+    library, isa, _ = int8_kernel._library()
+    attention, threads = self.self_attn, torch.get_num_threads()
+    tokens, width = hidden_states.shape[1:]
+    hidden = hidden_states.contiguous()
+    head_dim, (q_size, k_size) = attention.head_dim, attention.qk_sizes
+    heads, kv_heads = q_size // head_dim, k_size // head_dim
+    cos, sin = (part.float().contiguous() for part in position_embeddings)  # (1, T, D)
+    query = torch.empty(tokens, heads, head_dim)
+    key, value = torch.empty(1, kv_heads, tokens, head_dim), torch.empty(1, kv_heads, tokens, head_dim)
+    qkv, o_proj, gate_up, down = projections
+    norm = self.input_layernorm
+    failed = library.specdec_lean_qkv(isa, threads, hidden.data_ptr(), tokens, width, norm.weight.data_ptr(),
+                                      norm.variance_epsilon, ctypes.byref(qkv), cos.data_ptr(), sin.data_ptr(),
+                                      heads, kv_heads, head_dim, query.data_ptr(), key.data_ptr(), value.data_ptr())
+    if failed:
+        raise MemoryError(f"specdec's layer kernels could not allocate their buffers for {tokens} tokens")
+    if cache is not None:
+        key, value = cache.update(key, value, attention.layer_idx, kwargs=kwargs)
+    attended = attend_rows(library, query, key, value, attention_mask, attention.scaling)  # (T, heads, head dim)
+    out = torch.empty_like(hidden)
+    norm = self.post_attention_layernorm
+    failed = library.specdec_lean_mlp(isa, threads, attended.data_ptr(), hidden.data_ptr(), tokens, width,
+                                                ctypes.byref(o_proj), norm.weight.data_ptr(), norm.variance_epsilon,
+                                                ctypes.byref(gate_up), ctypes.byref(down), out.data_ptr())
+    if failed:
+        raise MemoryError(f"specdec's layer kernels could not allocate their buffers for {tokens} tokens")
+    return out
+
+
 def lean_forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  position_ids: torch.Tensor | None = None, cache=None, use_cache: bool | None = False,
                  position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, past_key_values=None,
@@ -104,6 +190,8 @@ def lean_forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor
     """A decoder layer's forward (transformers' signature and result): hidden (B, T, hidden) → (B, T, hidden)."""
     attention, cache = self.self_attn, cache if cache is not None else past_key_values
     kwargs = {**kwargs, "position_ids": position_ids, "use_cache": use_cache}  # what transformers' attention gets
+    if _runs_in_c(self, hidden_states, attention_mask) and (projections := _c_projections(self)) is not None:
+        return _forward_in_c(self, projections, hidden_states, attention_mask, cache, position_embeddings, kwargs)
     batch, tokens = hidden_states.shape[:2]
     head_dim = attention.head_dim
     q_size, k_size = attention.qk_sizes

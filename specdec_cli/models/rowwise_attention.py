@@ -84,19 +84,37 @@ def rowwise_attention_forward(module, query, key, value, attention_mask, dropout
 
 
 def _attention_in_c(library, query, key, value, attention_mask, scaling) -> torch.Tensor:
-    """The same rows, all in one call into C (q4_gemm.c: specdec_attention), reading the keys in place:
-    k SDPA calls, and a copy of the keys for every row but the last, cost several ms in an 8-token verify."""
-    rows, heads, keys, dim = query.shape[2], query.shape[1], key.shape[2], query.shape[3]
+    """The same rows, all in one call into C (layer_kernels.c: specdec_attention), reading the keys in place (a
+    cache layer's view into its buffer too): k SDPA calls, and a copy of the keys for every row but the last,
+    cost several ms in an 8-token verify."""
     queries = query[0].transpose(0, 1).contiguous()  # (rows, heads, dim)
-    key, value = key[0].contiguous(), value[0].contiguous()  # (kv heads, keys, dim): the cache's own tensors
+    scaling = query.shape[3] ** -0.5 if scaling is None else scaling
+    return attend_rows(library, queries, key, value, attention_mask, scaling).unsqueeze(0)  # (1, rows, heads, dim)
+
+
+def attend_rows(library, queries: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    """queries (rows, heads, dim) over key, value (1, kv heads, keys, dim) → (rows, heads, dim), in C."""
+    rows, heads, dim = queries.shape
+    key, value = _rows_in_place(key[0]), _rows_in_place(value[0])  # (kv heads, keys, dim)
+    if key.stride(0) != value.stride(0):
+        key, value = key.contiguous(), value.contiguous()
+    keys = key.shape[1]
     visible = None if attention_mask is None else _LastMask.visible_bytes(attention_mask, keys)
     out = torch.empty(rows, heads, dim, dtype=torch.float32)
     failed = library.specdec_attention(torch.get_num_threads(), queries.data_ptr(), key.data_ptr(), value.data_ptr(),
                                        None if visible is None else visible.data_ptr(), rows, heads, key.shape[0],
-                                       keys, dim, dim**-0.5 if scaling is None else scaling, out.data_ptr())
+                                       keys, dim, key.stride(0), scaling, out.data_ptr())
     if failed:
         raise MemoryError(f"specdec's attention could not allocate its buffer for {keys} keys")
-    return out.unsqueeze(0)  # (1, rows, heads, dim)
+    return out
+
+
+def _rows_in_place(states: torch.Tensor) -> torch.Tensor:
+    """(kv heads, keys, dim) whose (keys, dim) rows are contiguous, heads any stride apart: as it is, else a copy."""
+    if states.stride(2) == 1 and states.stride(1) == states.shape[2] or states.shape[1] == 1 and states.stride(2) == 1:
+        return states
+    return states.contiguous()
 
 
 def use_rowwise_attention(model: torch.nn.Module) -> torch.nn.Module:

@@ -63,17 +63,38 @@ def test_int8_and_q4_verify_rows_are_the_one_token_logits_bit_for_bit(arch, seed
 
 @pytest.mark.parametrize("quantization", ["int8", "q4"])
 def test_the_lean_layers_give_transformers_layers_logits(quantization, monkeypatch):
-    """Fused projections and one rotary pass: with transformers' own RMSNorm, bit for bit the logits of
-    transformers' layers on the same weights (the C RMSNorm is compared on its own, below)."""
+    """Fused projections and one rotary pass (the torch path, as a batch of many rows or an additive mask
+    takes it): with transformers' own RMSNorm, bit for bit the logits of transformers' layers on the same
+    weights (the C RMSNorm is compared on its own, below)."""
     from specdec_cli.models import lean_layers
 
     model = tiny_causal_lm("qwen2", seed=2, logit_scale=8.0, layers=4)  # qwen2: q/k/v with biases
     monkeypatch.setattr(lean_layers, "_rms_norm", lambda norm, hidden: norm(hidden))
+    monkeypatch.setattr(lean_layers, "_runs_in_c", lambda *args: False)
     lean = quantize(copy.deepcopy(model), quantization)
     monkeypatch.setattr(lean_layers, "use_lean_layers", lambda model: model)
     plain = quantize(copy.deepcopy(model), quantization)
     with torch.no_grad():
         assert torch.equal(lean(IDS).logits, plain(IDS).logits)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "q4"])
+@pytest.mark.parametrize("arch, seed", MODELS)
+def test_the_layers_in_c_give_transformers_layers_logits_up_to_rounding(arch, seed, quantization, monkeypatch):
+    """A batch of one goes through layer_kernels.c (norm, q/k/v, rotary | attention | o, norm, gate/up, SiLU,
+    down): the logits of transformers' layers on the same weights up to rounding (libm's expf, the norm's
+    double sum, and int8 activations that turn a last-bit difference into a step now and then)."""
+    from specdec_cli.models import lean_layers
+
+    model = tiny_causal_lm(arch, seed=seed, logit_scale=8.0, layers=4)
+    lean = quantize(copy.deepcopy(model), quantization)
+    monkeypatch.setattr(lean_layers, "use_lean_layers", lambda model: model)
+    plain = quantize(copy.deepcopy(model), quantization)
+    with torch.no_grad():
+        ours, theirs = lean(IDS).logits, plain(IDS).logits
+    assert all(layer._c_projections[1] is not None for layer in lean.model.layers)  # the C path ran
+    assert torch.allclose(ours, theirs, atol=0.05), (ours - theirs).abs().max()  # a step of ~0.006
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
 
 
 def test_the_rms_norm_in_c_is_transformers_rms_norm_up_to_rounding():
@@ -175,3 +196,32 @@ def test_speculative_greedy_on_a_quantised_target_is_that_target_alone(llama_tar
     result = SpeculativeDecoder(target, DraftModelDrafter(int8_draft), FixedK(k)).generate(prompt, SamplingParams(), 40)
     assert result.tokens == hf_greedy(target, prompt, 40)
     assert result.stats.accepted > 0  # verification of several tokens at once happened
+
+
+@pytest.mark.parametrize("dim, keys", [(128, 37), (64, 200), (20, 9)])
+def test_attention_in_c_is_attention_at_real_head_sizes(dim, keys):
+    """Heads of 128 and 64 (the demo pair's), and 20 (a tail past the 8-wide steps); keys past a multiple of 8."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    generator = torch.Generator().manual_seed(dim)
+    query = torch.randn(1, 6, 3, dim, generator=generator)
+    key, value = (torch.randn(1, 2, keys, dim, generator=generator) for _ in range(2))
+    module = torch.nn.Module()
+    module.num_key_value_groups = 3
+    ours, _ = rowwise_attention_forward(module, query, key, value, None, scaling=dim**-0.5)
+    causal = torch.ones(3, keys, dtype=torch.bool).tril(keys - 3)[None, None]
+    reference, _ = sdpa_attention_forward(module, query, key, value, causal, scaling=dim**-0.5)
+    assert torch.allclose(ours, reference, atol=2e-6)
+
+
+def test_attention_in_c_reads_a_cache_buffers_view_in_place():
+    """A cache layer's keys are a view into a longer buffer (heads a buffer apart): the same bits as contiguous keys."""
+    query, key, value = _attention_inputs(2, 11, torch.Generator().manual_seed(3))
+    buffers = [torch.full((1, 2, 40, 16), float("nan")) for _ in range(2)]
+    for buffer, states in zip(buffers, (key, value)):
+        buffer[..., :11, :] = states
+    module = torch.nn.Module()
+    in_place, _ = rowwise_attention_forward(module, query, buffers[0][..., :11, :], buffers[1][..., :11, :], None,
+                                            scaling=0.25)
+    contiguous, _ = rowwise_attention_forward(module, query, key, value, None, scaling=0.25)
+    assert torch.equal(in_place, contiguous)

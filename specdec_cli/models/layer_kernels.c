@@ -1,0 +1,255 @@
+/* The two halves of a Llama/Qwen2 decoder layer around its attention, each in one call, for int8 and q4 models
+   (lean_layers.py). A one-token forward of the 1.5B demo target spent ~11 of ~54 ms outside its matmuls, most
+   of it in the ~45 torch operations per layer between them; here a layer is three calls into C (these two
+   and the attention) and the cache update.
+
+   Every step works on one row (token) at a time with the same float steps whatever the number of rows, so a
+   k-token verify still gives each token its one-token forward's numbers bit for bit. The steps are
+   transformers' own except two roundings: the RMSNorm sums its squares in double and SiLU's exp is exp_avx2
+   (torch: its own vectorised exp); both within a few ulp.
+
+   Also here: the RMSNorm and the attention of a batch of one that lean_layers.py and rowwise_attention.py
+   call on their own.
+
+   Built with int8_gemm.c and q4_gemm.c into one library by int8_kernel.py; called through ctypes. */
+
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+int specdec_int8_linear(int isa, int threads, const float *x, int64_t M, int64_t K, int64_t K4, int limit,
+                        const int8_t *w_packed, const int32_t *row_sums, const float *weight_scales,
+                        const float *bias, int64_t N, float *y);
+int specdec_q4_linear(int isa, int threads, const float *x, int64_t M, int64_t K, int64_t groups,
+                      const uint8_t *w_packed, const float *bias, int64_t N, float *y);
+
+/* RMSNorm of x (M, K) float32 into y: y = x / sqrt(mean(x²) + eps) · weight, each row on its own, in one
+   pass of float arithmetic whose order depends on K only (so a row's result never depends on the others).
+   torch's CPU rms_norm is a chain of ~6 operations (~35 µs a call for one token); this is one. */
+void specdec_rms_norm(const float *x, const float *weight, float eps, int64_t M, int64_t K, float *y) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *row = x + m * K;
+        double squares = 0.0;
+        for (int64_t k = 0; k < K; k++) squares += (double)row[k] * (double)row[k];
+        float inverse = (float)(1.0 / sqrt(squares / (double)K + (double)eps));
+        for (int64_t k = 0; k < K; k++) y[m * K + k] = weight[k] * (row[k] * inverse);
+    }
+}
+
+/* exp(x) for 8 floats, the same steps for every lane (so a score's weight never depends on its neighbours):
+   x = n·ln2 + r with |r| <= ln2/2, exp(r) by a degree-6 polynomial (Cephes' expf coefficients, ~1 ulp), times
+   2^n built in the exponent bits. Below -87.3 it gives 0; above 88.4, exp(88.4). */
+__attribute__((target("avx2,fma")))
+static inline __m256 exp_avx2(__m256 x) {
+    const __m256 low = _mm256_set1_ps(-87.33654f);
+    __m256 zero = _mm256_cmp_ps(x, low, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, low), _mm256_set1_ps(88.37626f)); /* above: FLT_MAX-ish, not garbage */
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(zero, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+/* q·k for 8 keys at once: each key's 8 lanes summed over d in order, then the lanes by one fixed tree (the
+   same for every slot), then the tail of d past a multiple of 8. So a key's score is the same whichever slot
+   it takes and whatever keys share its block. */
+__attribute__((target("avx2,fma")))
+static void dot8_avx2(const float *query, const float *const keys[8], int64_t dim, float *scores) {
+    __m256 acc[8];
+    for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+    int64_t d = 0;
+    for (; d + 8 <= dim; d += 8) {
+        __m256 q = _mm256_loadu_ps(query + d);
+        for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(keys[i] + d), q, acc[i]);
+    }
+    __m256 s01 = _mm256_hadd_ps(acc[0], acc[1]), s23 = _mm256_hadd_ps(acc[2], acc[3]);
+    __m256 s45 = _mm256_hadd_ps(acc[4], acc[5]), s67 = _mm256_hadd_ps(acc[6], acc[7]);
+    __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+    /* lanes: [k0 k1 k2 k3 | k0 k1 k2 k3] halves of keys 0-3, and the same for 4-7: add the halves */
+    __m256 low = _mm256_permute2f128_ps(s0123, s4567, 0x20), high = _mm256_permute2f128_ps(s0123, s4567, 0x31);
+    _mm256_storeu_ps(scores, _mm256_add_ps(low, high));
+    for (; d < dim; d++)
+        for (int i = 0; i < 8; i++) scores[i] += query[d] * keys[i][d];
+}
+
+/* Attention for a batch of one, each (query row, head) on its own: softmax(q·kᵀ·scale) · v over the keys the
+   row may see, in key order, with the same float steps whatever the number of rows. So row i of a k-token
+   verify (or a tree node) is computed exactly as a one-token forward over the same keys computes it.
+   q (rows, heads, dim); k, v: kv_heads runs of (keys, dim) rows, head_stride floats apart (a cache's view
+   into a longer buffer reads in place); visible: NULL = causal (row r sees keys up to keys - rows + r), else
+   (rows, keys) bytes, nonzero = visible; out (rows, heads, dim).
+   Scores go 8 keys at a time (dot8_avx2), their exponentials 8 at a time (exp_avx2), the sum and the weighted
+   values in key order. Returns 0, or 1 when the scratch buffer could not be allocated. */
+__attribute__((target("avx2,fma")))
+int specdec_attention(int threads, const float *q, const float *k, const float *v, const uint8_t *visible,
+                      int64_t rows, int64_t heads, int64_t kv_heads, int64_t keys, int64_t dim, int64_t head_stride,
+                      float scale, float *out) {
+    int64_t group = heads / kv_heads, padded = (keys + 7) / 8 * 8;
+    float *scratch = malloc((size_t)threads * (size_t)padded * sizeof(float));
+    if (!scratch) return 1;
+#pragma omp parallel for num_threads(threads) schedule(static) collapse(2) if (rows * heads * keys * dim > (1 << 18))
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t h = 0; h < heads; h++) {
+            float *scores = scratch + (size_t)omp_get_thread_num() * (size_t)padded;
+            const float *query = q + (r * heads + h) * dim;
+            const float *key = k + (h / group) * head_stride, *value = v + (h / group) * head_stride;
+            int64_t last = visible ? keys - 1 : keys - rows + r;
+            const uint8_t *seen = visible ? visible + r * keys : NULL;
+            for (int64_t j0 = 0; j0 <= last; j0 += 8) {
+                const float *block[8];
+                for (int i = 0; i < 8; i++) block[i] = key + (j0 + i <= last ? j0 + i : last) * dim;
+                dot8_avx2(query, block, dim, scores + j0);
+            }
+            float best = -INFINITY;
+            for (int64_t j = 0; j <= last; j++) {
+                if (seen && !seen[j]) continue;
+                scores[j] *= scale;
+                best = scores[j] > best ? scores[j] : best;
+            }
+            float *row_out = out + (r * heads + h) * dim;
+            for (int64_t d = 0; d < dim; d++) row_out[d] = 0.0f;
+            if (best == -INFINITY) continue; /* no visible key: zeros, not NaN */
+            __m256 top = _mm256_set1_ps(best);
+            for (int64_t j0 = 0; j0 <= last; j0 += 8) /* masked keys get exp of garbage: never read below */
+                _mm256_storeu_ps(scores + j0, exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(scores + j0), top)));
+            float total = 0.0f;
+            for (int64_t j = 0; j <= last; j++)
+                if (!seen || seen[j]) total += scores[j];
+            for (int64_t d0 = 0; d0 < dim; d0 += 64) { /* 8 registers of sums at a time */
+                int64_t width = dim - d0 < 64 ? dim - d0 : 64;
+                __m256 acc[8];
+                for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+                for (int64_t j = 0; j <= last; j++) {
+                    if (seen && !seen[j]) continue;
+                    __m256 weight = _mm256_set1_ps(scores[j] / total);
+                    const float *value_row = value + j * dim + d0;
+                    for (int i = 0; i < width / 8; i++)
+                        acc[i] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(value_row + 8 * i), acc[i]);
+                    for (int64_t d = width / 8 * 8; d < width; d++) row_out[d0 + d] += (scores[j] / total) * value_row[d];
+                }
+                for (int i = 0; i < width / 8; i++) _mm256_storeu_ps(row_out + d0 + 8 * i, acc[i]);
+            }
+        }
+    }
+    free(scratch);
+    return 0;
+}
+
+/* One projection as lean_layers.py describes it (ctypes Structure of the same fields). */
+typedef struct {
+    int64_t kind;         /* 1: int8 (int8_gemm.c), 2: q4 (q4_gemm.c) */
+    int64_t in_features, out_features;
+    int64_t width;        /* int8: input width in 4-byte steps (K4); q4: groups of 32 */
+    int64_t limit;        /* int8: the activation limit (127 or 63) */
+    const void *packed;
+    const int32_t *row_sums; /* int8 only */
+    const float *scales;     /* int8 only */
+    const float *bias;       /* or NULL */
+} specdec_linear;
+
+static int linear(int isa, int threads, const specdec_linear *l, const float *x, int64_t M, float *y) {
+    if (l->kind == 2)
+        return specdec_q4_linear(isa, threads, x, M, l->in_features, l->width, l->packed, l->bias, l->out_features, y);
+    return specdec_int8_linear(isa, threads, x, M, l->in_features, l->width, (int)l->limit, l->packed, l->row_sums,
+                               l->scales, l->bias, l->out_features, y);
+}
+
+/* transformers' apply_rotary_pos_emb for one head of one row: x·cos + rotate_half(x)·sin, each product and
+   the sum rounded on its own as torch's three operations round them. */
+static void rotate(const float *x, const float *cos, const float *sin, int64_t dim, float *out) {
+    int64_t half = dim / 2;
+    for (int64_t d = 0; d < dim; d++) {
+        float rotated = d < half ? -x[d + half] : x[d - half];
+        float a = x[d] * cos[d], b = rotated * sin[d];
+        out[d] = a + b;
+    }
+}
+
+/* x (T, H) → RMSNorm → q/k/v projection (one fused layer) → rotary on q and k:
+   q (T, heads, dim), k and v (kv_heads, T, dim) (the cache's layout). cos, sin (T, dim).
+   Returns 0, or 1 when a buffer could not be allocated. */
+int specdec_lean_qkv(int isa, int threads, const float *x, int64_t T, int64_t H, const float *norm_weight,
+                     float eps, const specdec_linear *qkv, const float *cos, const float *sin, int64_t heads,
+                     int64_t kv_heads, int64_t dim, float *q, float *k, float *v) {
+    int64_t width = qkv->out_features;
+    float *normed = malloc((size_t)(T * H) * sizeof(float)), *states = malloc((size_t)(T * width) * sizeof(float));
+    int failed = !normed || !states;
+    if (!failed) {
+        specdec_rms_norm(x, norm_weight, eps, T, H, normed);
+        failed = linear(isa, threads, qkv, normed, T, states);
+    }
+    for (int64_t t = 0; !failed && t < T; t++) {
+        const float *row = states + t * width, *c = cos + t * dim, *s = sin + t * dim;
+        for (int64_t h = 0; h < heads; h++) rotate(row + h * dim, c, s, dim, q + (t * heads + h) * dim);
+        for (int64_t h = 0; h < kv_heads; h++) {
+            rotate(row + (heads + h) * dim, c, s, dim, k + (h * T + t) * dim);
+            const float *value = row + (heads + kv_heads + h) * dim;
+            for (int64_t d = 0; d < dim; d++) v[(h * T + t) * dim + d] = value[d];
+        }
+    }
+    free(normed);
+    free(states);
+    return failed;
+}
+
+/* acted (T, inner) = silu(gate) · up for gates (T, 2·inner) = [gate | up] per row: silu(x) = x / (1 + exp(-x)),
+   8 channels at a time (exp_avx2) and the row's tail past a multiple of 8 with the same vector steps on a
+   padded copy, so every element takes the same steps wherever it sits. */
+__attribute__((target("avx2,fma")))
+static void silu_times(int threads, const float *gates, int64_t T, int64_t inner, float *acted) {
+    int64_t steps = (inner + 7) / 8;
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+#pragma omp parallel for num_threads(threads) schedule(static) collapse(2) if (T * inner > 32768)
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t step = 0; step < steps; step++) {
+            const float *gate_row = gates + t * 2 * inner, *up_row = gate_row + inner;
+            int64_t i = step * 8, count = inner - i < 8 ? inner - i : 8;
+            float gate_part[8] = {0}, up_part[8] = {0}, result[8];
+            for (int64_t j = 0; j < count; j++) gate_part[j] = gate_row[i + j], up_part[j] = up_row[i + j];
+            __m256 gate = _mm256_loadu_ps(gate_part), up = _mm256_loadu_ps(up_part);
+            __m256 silu = _mm256_div_ps(gate, _mm256_add_ps(one, exp_avx2(_mm256_xor_ps(gate, sign))));
+            _mm256_storeu_ps(result, _mm256_mul_ps(silu, up));
+            for (int64_t j = 0; j < count; j++) acted[t * inner + i + j] = result[j];
+        }
+    }
+}
+
+/* The rest of the layer: h = residual + o(attention); out = h + down(silu(gate) · up), gate and up from one
+   fused projection of RMSNorm(h). attention (T, heads·dim), residual and out (T, H).
+   Returns 0, or 1 when a buffer could not be allocated. */
+int specdec_lean_mlp(int isa, int threads, const float *attention, const float *residual, int64_t T, int64_t H,
+                     const specdec_linear *o, const float *norm_weight, float eps, const specdec_linear *gate_up,
+                     const specdec_linear *down, float *out) {
+    int64_t inner = gate_up->out_features / 2;
+    float *hidden = malloc((size_t)(T * H) * sizeof(float)), *normed = malloc((size_t)(T * H) * sizeof(float));
+    float *gates = malloc((size_t)(T * 2 * inner) * sizeof(float)), *acted = malloc((size_t)(T * inner) * sizeof(float));
+    int failed = !hidden || !normed || !gates || !acted;
+    if (!failed) failed = linear(isa, threads, o, attention, T, hidden);
+    if (!failed) {
+        for (int64_t i = 0; i < T * H; i++) hidden[i] = residual[i] + hidden[i];
+        specdec_rms_norm(hidden, norm_weight, eps, T, H, normed);
+        failed = linear(isa, threads, gate_up, normed, T, gates);
+    }
+    if (!failed) {
+        silu_times(threads, gates, T, inner, acted);
+        failed = linear(isa, threads, down, acted, T, out);
+    }
+    if (!failed)
+        for (int64_t i = 0; i < T * H; i++) out[i] = hidden[i] + out[i];
+    free(hidden);
+    free(normed);
+    free(gates);
+    free(acted);
+    return failed;
+}
