@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specdec_cli.drafters import DraftModelDrafter
-from specdec_cli.drafters.tree import DEFAULT_BUDGET, TreeDrafter, budget_from_costs
+from specdec_cli.drafters.tree import DEFAULT_BUDGET, MIN_BUDGET, TreeDrafter, budget_from_costs
 from specdec_cli.models.calibrate import machine, save_calibration
 from specdec_cli.session import build_decoder, make_drafter, tree_budget_for, tree_note
 
@@ -29,11 +29,18 @@ def test_the_budget_is_the_nodes_a_verify_takes_while_it_stays_flat(seconds, nod
 
 @pytest.mark.parametrize("seconds", [
     {1: 0.1, 2: 0.15, 4: 0.3},  # not flat even for two tokens
+    {1: 0.058, 2: 0.069, 4: 0.0735, 8: 0.114, 16: 0.182},  # measured (q4, 2026-12-02): x1.2 just past 2 tokens
+])
+def test_a_curve_that_is_not_flat_gives_the_smallest_tree(seconds):
+    assert budget_from_costs(seconds) == MIN_BUDGET
+
+
+@pytest.mark.parametrize("seconds", [
     {2: 0.1, 4: 0.1},             # no one-token cost to compare with
     {1: 0.1},                       # nothing past one token
     {},
 ])
-def test_no_budget_from_a_curve_that_is_not_flat_or_says_nothing(seconds):
+def test_no_budget_from_a_curve_that_says_nothing(seconds):
     assert budget_from_costs(seconds) is None
 
 
@@ -65,9 +72,9 @@ def test_the_budget_comes_from_the_target_s_own_measurement_on_this_machine(llam
     assert tree_budget_for(target) == 3  # measured as a draft: the same model and format cost the same
 
 
-def test_a_curve_that_is_not_flat_falls_back_to_the_default(llama_target):
+def test_a_curve_that_is_not_flat_gives_the_smallest_tree_not_the_default(llama_target):
     save_calibration(calibration(("target", "org/big", "none", "float32", {1: 0.1, 2: 0.2, 4: 0.4})))
-    assert tree_budget_for(loaded(llama_target)) == DEFAULT_BUDGET
+    assert tree_budget_for(loaded(llama_target)) == MIN_BUDGET
 
 
 def test_the_tree_drafter_gets_the_calibrated_budget_unless_one_is_given(llama_target, llama_near_draft):

@@ -17,8 +17,9 @@ After the step, `update` keeps the accepted branch's entries in the draft's cach
 
 How many nodes: a tree pays while verifying it costs about what verifying one token does. Given the
 target's forward costs measured on this machine (`specdec calibrate`), `budget_from_costs` takes the tokens a forward
-holds before its cost passes FLAT_RATIO times a one-token forward's; without a measurement, or when
-not even two tokens stay flat, the budget is DEFAULT_BUDGET."""
+holds before its cost passes FLAT_RATIO times a one-token forward's; when not even a tree of MIN_BUDGET nodes
+stays flat, the budget is MIN_BUDGET (the smallest tree: a measured curve that is not flat says a large one
+costs most); without a measurement it is DEFAULT_BUDGET."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from specdec_cli.engine.sampling import SamplingParams
 
 DEFAULT_BUDGET = 16
+MIN_BUDGET = 2  # the smallest tree there is (two siblings, or a chain of two)
 DEFAULT_BRANCHING = 2
 # "About as much as one token": the issue's flat formats measured x1.13 at 8 tokens (bf16, AVX512-BF16)
 # and x1.06 at 4 (int8, AVX2); a forward past x1.2 no longer hides the extra nodes.
@@ -47,9 +49,10 @@ def budget_from_costs(seconds: Mapping[int, float], flat_ratio: float = FLAT_RAT
     """Tree nodes from a forward-cost curve ({n: seconds of a forward of n new tokens}, as `specdec
     calibrate` measured it): the most tokens a verify forward takes while it costs at most `flat_ratio` x a
     one-token forward (the largest measured count within it, linear towards the next, never past the largest
-    measured), less the one sequence
-    token the verify feeds too. None when the curve says nothing (no n = 1, nothing past it) or is not
-    flat even for a 2-node tree."""
+    measured), less the one sequence token the verify feeds too, and never below MIN_BUDGET (a curve that is
+    not flat even for that: on a q4 target with 2 tokens at x1.19 and 4 at x1.27, falling back to the default
+    16 nodes made the tree x0.72 of the target alone). None when the curve says nothing (no n = 1, nothing
+    past it)."""
     curve = sorted((int(n), float(cost)) for n, cost in seconds.items() if cost > 0)
     one = dict(curve).get(1)
     if one is None or len(curve) < 2:
@@ -65,7 +68,7 @@ def budget_from_costs(seconds: Mapping[int, float], flat_ratio: float = FLAT_RAT
         reach = (flat_ratio * one - cost_before) / (cost - cost_before)  # 0..1 of the way to n
         flat_tokens = n_before + max(0.0, reach) * (n - n_before)
     nodes = math.floor(flat_tokens + 1e-9) - 1  # 1e-9: 2.9999999 tokens from float round-off are 3
-    return nodes if nodes >= 2 else None
+    return max(nodes, MIN_BUDGET)
 
 
 class TreeDrafter(Drafter):
