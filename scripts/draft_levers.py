@@ -2,6 +2,7 @@
 prompt in one process (13 Spec-Bench prompts, one per category, greedy):
 
 - the draft's format (int8, int4) and the subset head (the draft scores the 32k most frequent ids only);
+- the draft's window (it reads only the last 256 or 128 tokens of the prompt);
 - lookups priced by the verify-cost curve (the policy's lookup length) against lookups at a fixed length;
 - the verify curve from this machine's calibration against the one the run learns.
 
@@ -39,11 +40,11 @@ class UnpricedLookups(DraftOrNot):
 def configurations(target, drafts: dict, curve):
     auto = lambda policy=DraftOrNot, curve=curve: policy(max_k=AUTO_MAX_K, rule=draft_rule("auto"), verify_curve=curve)  # noqa: E731
 
-    def cascade(name: str, subset: bool | int = False):
+    def cascade(name: str, subset: bool | int = False, window: int | None = None):
         loaded = drafts[name]
         size = subset if isinstance(subset, int) and subset > 1 else 32768
         ids = frequent_token_ids(loaded.tokenizer, size, loaded.vocab_size) if subset else None
-        drafter = CascadeDrafter(DraftModelDrafter(loaded.model, token_ids=ids))
+        drafter = CascadeDrafter(DraftModelDrafter(loaded.model, token_ids=ids, share_head=True, window=window))
         drafter.obey(draft_rule("auto"))
         return drafter
 
@@ -60,6 +61,8 @@ def configurations(target, drafts: dict, curve):
         "cascade q4 draft (fixed odds cut)": lambda: (cascade("q4"), fixed_cut()),
         "cascade q4 draft +fr32k": lambda: (cascade("q4", True), auto()),
         "cascade q4 draft +fr64k": lambda: (cascade("q4", 65536), auto()),
+        "cascade q4 draft +fr64k +window256": lambda: (cascade("q4", 65536, 256), auto()),
+        "cascade q4 draft +fr64k +window128": lambda: (cascade("q4", 65536, 128), auto()),
         "ngram": lambda: (NgramDrafter(), auto()),
         "ngram (lookups unpriced)": lambda: (NgramDrafter(), auto(UnpricedLookups)),
     }

@@ -59,11 +59,18 @@ def make_policy(k: int | str, clock_free: bool = False, verify_curve: dict[int, 
     return DraftOrNot(max_k=AUTO_MAX_K, rule=rule, verify_curve=verify_curve)
 
 
+# Prompt tokens the draft model reads (DraftModelDrafter's window; lossless): on the demo pair a 662- or
+# 700-token prompt's draft prefill was ~15% of a cascade run. Measured (q4 pair, 13 Spec-Bench prompts, one
+# interleaved run, benchmarks/2026-12-02-draft-levers-avx512-q4-window.json): cascade x1.06 over the target
+# alone with the whole prompt, x1.15 with 256, x1.16 with 128 (rag x0.96 -> 1.18, summarization x0.72 -> 0.85).
+DRAFT_WINDOW = 256
+
+
 def make_drafter(drafter: str, draft: LoadedModel | None, k: int | str = "auto", target: LoadedModel | None = None,
                  tree_budget: int | None = None) -> Drafter | None:
     """model: the draft model; ngram: prompt lookup; cascade: prompt lookup when it matches, else
     the draft model (model and cascade score the draft's most frequent ids only where its vocabulary is
-    large: `draft_vocabulary`, lossless); tree: the draft model proposing a token tree of `tree_budget` nodes (None: as
+    large: `draft_vocabulary`, lossless; and read only the prompt's last DRAFT_WINDOW tokens); tree: the draft model proposing a token tree of `tree_budget` nodes (None: as
     `tree_budget_for` the target says), as deep as k allows, or the draft model's chains where the draft
     or the target cannot take a tree mask (`tree_note` says so); none: the target alone. It obeys k's
     stop rule (`draft_rule`) from the start."""
@@ -78,7 +85,7 @@ def make_drafter(drafter: str, draft: LoadedModel | None, k: int | str = "auto",
     if drafter == "tree" and tree_note(target, draft) is None:
         return TreeDrafter(draft.model, budget=tree_budget or tree_budget_for(target))
     vocabulary = draft_vocabulary(draft.tokenizer, draft.vocab_size)
-    model_drafter = DraftModelDrafter(draft.model, token_ids=vocabulary, share_head=True)
+    model_drafter = DraftModelDrafter(draft.model, token_ids=vocabulary, share_head=True, window=DRAFT_WINDOW)
     chosen = CascadeDrafter(model_drafter) if drafter == "cascade" else model_drafter
     chosen.obey(draft_rule(k))
     return chosen
