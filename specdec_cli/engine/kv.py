@@ -21,9 +21,10 @@ dropped) or the next forward crops them. `tree_capable` says whether a model tak
 Caches are transformers 5.x `DynamicCache` objects (`new_cache`); their layers hold `keys` / `values` tensors
 shaped (batch, kv_heads, seq, head_dim). Each full-attention layer is a `GrowingLayer`: its tensors are views
 into a longer buffer and a forward writes its new entries in place, where transformers' own layer concatenates
-(copying the layer's whole cache in every forward: ~1.3 ms of a 54 ms one-token forward of the 1.5B demo
-target at 200 cached tokens, growing with the context). Cropping stays a view; `keep` and others that make new
-tensors are taken into a new buffer at the next forward."""
+(copying the layer's whole cache in every forward; that grows with the context: an update and crop ~47 µs at
+700 cached tokens, this one ~29 µs, most of it Python either way). It also lets the C attention read the
+cache where it is. Cropping stays a view; `keep` and others that make new tensors are taken into a new buffer
+at the next forward."""
 
 from __future__ import annotations
 

@@ -216,11 +216,16 @@ static void silu_times(int threads, const float *gates, int64_t T, int64_t inner
             const float *gate_row = gates + t * 2 * inner, *up_row = gate_row + inner;
             int64_t i = step * 8, count = inner - i < 8 ? inner - i : 8;
             float gate_part[8] = {0}, up_part[8] = {0}, result[8];
-            for (int64_t j = 0; j < count; j++) gate_part[j] = gate_row[i + j], up_part[j] = up_row[i + j];
-            __m256 gate = _mm256_loadu_ps(gate_part), up = _mm256_loadu_ps(up_part);
+            const float *gate_from = gate_row + i, *up_from = up_row + i;
+            float *to = acted + t * inner + i;
+            if (count < 8) { /* the row's tail: the same vector steps on a padded copy */
+                for (int64_t j = 0; j < count; j++) gate_part[j] = gate_from[j], up_part[j] = up_from[j];
+                gate_from = gate_part, up_from = up_part, to = result;
+            }
+            __m256 gate = _mm256_loadu_ps(gate_from), up = _mm256_loadu_ps(up_from);
             __m256 silu = _mm256_div_ps(gate, _mm256_add_ps(one, exp_avx2(_mm256_xor_ps(gate, sign))));
-            _mm256_storeu_ps(result, _mm256_mul_ps(silu, up));
-            for (int64_t j = 0; j < count; j++) acted[t * inner + i + j] = result[j];
+            _mm256_storeu_ps(to, _mm256_mul_ps(silu, up));
+            for (int64_t j = 0; count < 8 && j < count; j++) acted[t * inner + i + j] = result[j];
         }
     }
 }

@@ -112,7 +112,7 @@ def attend_rows(library, queries: torch.Tensor, key: torch.Tensor, value: torch.
 
 def _rows_in_place(states: torch.Tensor) -> torch.Tensor:
     """(kv heads, keys, dim) whose (keys, dim) rows are contiguous, heads any stride apart: as it is, else a copy."""
-    if states.stride(2) == 1 and states.stride(1) == states.shape[2] or states.shape[1] == 1 and states.stride(2) == 1:
+    if states.stride(2) == 1 and (states.stride(1) == states.shape[2] or states.shape[1] == 1):
         return states
     return states.contiguous()
 
