@@ -90,6 +90,8 @@ def _declare(library: ctypes.CDLL) -> None:
     library.specdec_int8_linear.restype = integer
     library.specdec_int8_linear.argtypes = [integer, integer, pointer, size, size, size, integer, pointer, pointer,
                                             pointer, pointer, size, pointer]
+    library.specdec_q8_groups.restype = None
+    library.specdec_q8_groups.argtypes = [integer, pointer, size, size, size, pointer, pointer, pointer]
     library.specdec_q4_linear.restype = integer
     library.specdec_q4_linear.argtypes = [integer, integer, pointer, size, size, size, pointer, pointer, size, pointer]
     library.specdec_attention.restype = integer
@@ -99,6 +101,10 @@ def _declare(library: ctypes.CDLL) -> None:
     library.specdec_lean_qkv.restype = integer
     library.specdec_lean_qkv.argtypes = [integer, integer, pointer, size, size, pointer, ctypes.c_float, pointer,
                                          pointer, pointer, size, size, size, pointer, pointer, pointer]
+    library.specdec_decoder_stack.restype = integer
+    library.specdec_decoder_stack.argtypes = [integer, integer, pointer, size, pointer, pointer, pointer, size,
+                                              pointer, size, size, pointer, pointer, pointer, size, size, size,
+                                              ctypes.c_float]
     library.specdec_lean_mlp.restype = integer
     library.specdec_lean_mlp.argtypes = [integer, integer, pointer, pointer, size, size, pointer, pointer,
                                          ctypes.c_float, pointer, pointer, pointer]

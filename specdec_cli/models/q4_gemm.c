@@ -32,30 +32,72 @@
 #define Q4_AHEAD 2560   /* bytes to prefetch ahead: the unpacking is compute the hardware prefetcher does not
                            hide (cold 1-4 tokens: 20 → 28 GB/s measured; 640-5120 all help, 2560 best) */
 
+/* One whole group of 32 channels of a row, 8 at a time: the same steps as the scalar loop below (amax is exact,
+   x / scale the same IEEE division, rounding to nearest even as nearbyintf does, the sum in integers), so the
+   same bytes. Returns the sum of the quantised values. */
+__attribute__((target("avx2")))
+static int q8_group_avx2(const float *x, float scale, int8_t *dst) {
+    const __m256 top = _mm256_set1_ps(127.0f), bottom = _mm256_set1_ps(-127.0f), step = _mm256_set1_ps(scale);
+    __m256i q[4];
+    for (int i = 0; i < 4; i++) {
+        __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + 8 * i), step),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, bottom), top));
+    }
+    __m256i sums = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8); /* channels 0-15 in order */
+    __m256i words2 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8);
+    __m256i bytes = _mm256_permute4x64_epi64(_mm256_packs_epi16(words, words2), 0xD8);
+    _mm256_storeu_si256((__m256i *)dst, bytes);
+    __m128i half = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+    half = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4E));
+    half = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0xB1));
+    return _mm_cvtsi128_si32(half);
+}
+
+__attribute__((target("avx2")))
+static float amax_avx2(const float *x) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_setzero_ps(); /* max(a, m) keeps m unless a > m: the scalar loop's rule, NaN skipped too */
+    for (int i = 0; i < 4; i++) m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * i)), m);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 0x55));
+    return _mm_cvtss_f32(h);
+}
+
 /* x (M, K) float32 → a (M, groups*32) int8 (zero past K), s (M, groups) and s·Σa (M, groups) float32:
    per group scale = amax/127, a = clamp(round_half_even(x / scale), -127, 127); an all-zero group gets
-   scale 0 and a = 0. */
+   scale 0 and a = 0. Whole groups go 8 channels at a time where the CPU has AVX2 (the same bytes). */
 void specdec_q8_groups(int threads, const float *x, int64_t M, int64_t K, int64_t groups, int8_t *values,
                        float *scales, float *scaled_sums) {
+    int vector = __builtin_cpu_supports("avx2");
 #pragma omp parallel for num_threads(threads) schedule(static) if (M * K > 65536)
     for (int64_t m = 0; m < M; m++) {
         for (int64_t g = 0; g < groups; g++) {
             int64_t k0 = g * Q4_GROUP, k1 = k0 + Q4_GROUP < K ? k0 + Q4_GROUP : K;
             const float *row = x + m * K;
             int8_t *dst = values + m * groups * Q4_GROUP + k0;
+            int whole = vector && k1 - k0 == Q4_GROUP;
             float amax = 0.0f;
-            for (int64_t k = k0; k < k1; k++) {
-                float a = fabsf(row[k]);
-                amax = a > amax ? a : amax;
-            }
+            if (whole)
+                amax = amax_avx2(row + k0);
+            else
+                for (int64_t k = k0; k < k1; k++) {
+                    float a = fabsf(row[k]);
+                    amax = a > amax ? a : amax;
+                }
             float scale = amax / 127.0f;
             int sum = 0;
-            for (int64_t k = k0; k < k1; k++) {
-                float q = scale > 0.0f ? nearbyintf(row[k] / scale) : 0.0f;
-                q = q < -127.0f ? -127.0f : (q > 127.0f ? 127.0f : q);
-                dst[k - k0] = (int8_t)q;
-                sum += (int)q;
-            }
+            if (whole && scale > 0.0f)
+                sum = q8_group_avx2(row + k0, scale, dst);
+            else
+                for (int64_t k = k0; k < k1; k++) {
+                    float q = scale > 0.0f ? nearbyintf(row[k] / scale) : 0.0f;
+                    q = q < -127.0f ? -127.0f : (q > 127.0f ? 127.0f : q);
+                    dst[k - k0] = (int8_t)q;
+                    sum += (int)q;
+                }
             if (k1 - k0 < Q4_GROUP) memset(dst + (k1 - k0), 0, (size_t)(Q4_GROUP - (k1 - k0)));
             scales[m * groups + g] = scale;
             scaled_sums[m * groups + g] = (float)sum * scale;

@@ -148,3 +148,38 @@ def test_q4_where_the_kernel_cannot_run_says_what_to_use_instead(monkeypatch):
         "install gcc, or set CC) — use int8 or int4 instead (q4 needs an x86-64 CPU with AVX2 and a C compiler: "
         "gcc, or set CC)"
     )
+
+
+def _quantised_by_definition(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(int8 values (M, groups*32), scales, scaled sums), as the module defines them: torch's IEEE division and
+    round-half-even, so the kernel's bytes must equal these exactly."""
+    tokens, width = x.shape
+    groups = -(-width // q4.GROUP)
+    padded = torch.zeros(tokens, groups * q4.GROUP)
+    padded[:, :width] = x
+    grouped = padded.view(tokens, groups, q4.GROUP)
+    scales = grouped.abs().amax(dim=-1) / 127
+    values = torch.where(scales[..., None] > 0, torch.round(grouped / scales[..., None].clamp_min(1e-30)), 0.0)
+    values = values.clamp(-127, 127)
+    return values.to(torch.int8).view(tokens, -1), scales, values.sum(dim=-1) * scales
+
+
+@needs_kernel
+@pytest.mark.parametrize("width", [1536, 100, 64, 7])
+def test_activations_are_quantised_exactly_by_definition(width):
+    """The 8-at-a-time code (whole groups) and the scalar one (a row's last partial group) give the definition's
+    bytes: ties on .5 rounded to even, an all-zero group, rows of unlike scales."""
+    library = int8_kernel._library()[0]
+    torch.manual_seed(width)
+    x = _inputs(9, width)
+    x[1, : min(width, 40)] = 0.0  # an all-zero group (and part of the next)
+    x[2] = torch.arange(width) % 7 - 3.0  # amax 3: ties where x·127/3 lands on .5
+    x[3, :width] = torch.where(torch.arange(width) % 2 == 0, 127.0, -0.5 - torch.arange(width) % 9)  # scale 1: exact .5s
+    groups = -(-width // q4.GROUP)
+    values = torch.full((9, groups * q4.GROUP), 99, dtype=torch.int8)
+    scales, sums = torch.empty(9, groups), torch.empty(9, groups)
+    library.specdec_q8_groups(2, x.data_ptr(), 9, width, groups, values.data_ptr(), scales.data_ptr(), sums.data_ptr())
+    expected = _quantised_by_definition(x)
+    assert torch.equal(values, expected[0])
+    assert torch.equal(scales, expected[1])
+    assert torch.allclose(sums, expected[2], rtol=0, atol=0)
