@@ -1,6 +1,7 @@
-"""Forward costs of the demo pair with the decoder layers in C (layer_kernels.c) against the torch lean path,
-interleaved in one process: for each repeat and token count, one forward each way over its own cache. The
-two paths compute the same layers (the C one up to rounding), so only the time differs.
+"""Forward costs of the demo pair three ways, interleaved in one process: the torch lean path, the decoder layers
+in C one call per layer half (layer_kernels.c), and the whole decoder stack in one C call (lean_layers.stack_forward).
+For each repeat and token count, one forward each way over its own cache. The paths compute the same layers (the
+C ones up to rounding against torch, and the two C ones bit for bit), so only the time differs.
 
     python scripts/layers_ab.py --format q4 --json benchmarks/....json
 """
@@ -12,6 +13,7 @@ import json
 import platform
 import statistics
 import time
+import types
 
 import torch
 
@@ -45,26 +47,32 @@ def main() -> None:
 
 @torch.inference_mode()
 def _interleaved(model, context: int, repeats: int) -> dict:
-    in_c = lean_layers._runs_in_c
-    paths = {"torch lean layers": lambda *args: False, "layers in C": in_c}
+    in_c, decoder = lean_layers._runs_in_c, model.model
+    stack = decoder.forward
+
+    def use(path: str) -> None:
+        lean_layers._runs_in_c = (lambda *args: False) if path == "torch lean layers" else in_c
+        decoder.forward = stack if path == "decoder stack in C" else types.MethodType(type(decoder).forward, decoder)
+
+    paths = ("torch lean layers", "layers in C", "decoder stack in C")
     caches = {path: new_cache(model.config) for path in paths}
     times = {path: {n: [] for n in SIZES} for path in paths}
     generator = torch.Generator().manual_seed(0)
     try:
         for path, cache in caches.items():
-            lean_layers._runs_in_c = paths[path]
+            use(path)
             model(input_ids=torch.arange(100, 100 + context)[None], cache=cache, use_cache=True, logits_to_keep=1)
         for _ in range(repeats):
             for n in SIZES:
                 ids = torch.randint(100, 1000, (1, n), generator=generator)
                 for path, cache in caches.items():
-                    lean_layers._runs_in_c = paths[path]
+                    use(path)
                     start = time.perf_counter()
                     model(input_ids=ids, cache=cache, use_cache=True)
                     times[path][n].append(time.perf_counter() - start)
                     cache.crop(context - cache.get_seq_length())  # 5.24: a negative count of positions to drop
     finally:
-        lean_layers._runs_in_c = in_c
+        use("decoder stack in C")
     return {path: {n: 1000 * statistics.median(values) for n, values in rows.items()} for path, rows in times.items()}
 
 

@@ -71,6 +71,24 @@ class GrowingLayer(DynamicLayer):
         self.values, self._value_buffer = _appended(self.values, getattr(self, "_value_buffer", None), value_states)
         return self.keys, self.values
 
+    def reserve(self, new_shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key buffer, value buffer), each (B, heads, capacity, dim) holding this layer's entries at its start
+        with room for `new_shape` (B, heads, T, dim) more: for a forward that writes them itself (models/
+        lean_layers.py's decoder stack) and then calls `written(T)`."""
+        if not self.is_initialized:
+            empty = torch.empty(0, dtype=dtype, device=device)
+            self.lazy_initialization(empty, empty)
+        self._key_buffer = _with_room(self.keys, getattr(self, "_key_buffer", None), new_shape, dtype, device)
+        self._value_buffer = _with_room(self.values, getattr(self, "_value_buffer", None), new_shape, dtype, device)
+        length = _held_length(self.keys)
+        self.keys, self.values = self._key_buffer.narrow(-2, 0, length), self._value_buffer.narrow(-2, 0, length)
+        return self._key_buffer, self._value_buffer
+
+    def written(self, entries: int) -> None:
+        """`reserve`'s caller wrote `entries` new ones after the held ones: they are held now."""
+        length = _held_length(self.keys) + entries
+        self.keys, self.values = self._key_buffer.narrow(-2, 0, length), self._value_buffer.narrow(-2, 0, length)
+
     def reset(self) -> None:
         self._key_buffer = self._value_buffer = None
         super().reset()
@@ -79,18 +97,32 @@ class GrowingLayer(DynamicLayer):
 def _appended(held: torch.Tensor, buffer: torch.Tensor | None, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(the view of `buffer` holding `held` then `new`, that buffer): `new` is written after `held` in place when
     `held` is the buffer's prefix view and there is room; else into a new buffer ~1.5x as long as needed."""
-    length = held.shape[-2] if held.dim() == 4 else 0  # (B, heads, seq, dim); an empty 1-D tensor before any entry
-    needed = length + new.shape[-2]
-    fits = (buffer is not None and needed <= buffer.shape[-2] and buffer.shape[:2] == new.shape[:2]
-            and buffer.dtype == new.dtype and (length == 0 or _is_prefix_view(held, buffer)))
-    if not fits:
-        capacity = -(-(needed * 3 // 2) // 256) * 256
-        grown = torch.empty(*new.shape[:2], capacity, new.shape[-1], dtype=new.dtype, device=new.device)
-        if length:
-            grown.narrow(-2, 0, length).copy_(held)
-        buffer = grown
-    buffer.narrow(-2, length, needed - length).copy_(new)
-    return buffer.narrow(-2, 0, needed), buffer
+    length = _held_length(held)
+    buffer = _with_room(held, buffer, new.shape, new.dtype, new.device)
+    buffer.narrow(-2, length, new.shape[-2]).copy_(new)
+    return buffer.narrow(-2, 0, length + new.shape[-2]), buffer
+
+
+def _held_length(held: torch.Tensor) -> int:
+    return held.shape[-2] if held.dim() == 4 else 0  # (B, heads, seq, dim); an empty 1-D tensor before any entry
+
+
+def _with_room(held: torch.Tensor, buffer: torch.Tensor | None, new_shape: Sequence[int], dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
+    """A buffer whose prefix is `held` with room after it for `new_shape[-2]` entries: `buffer` itself when
+    `held` is its prefix view and it has the room, else a new one ~1.5x as long as needed (`held` copied in)."""
+    length = _held_length(held)
+    needed = length + new_shape[-2]
+    fits = (buffer is not None and needed <= buffer.shape[-2] and tuple(buffer.shape[:2]) == tuple(new_shape[:2])
+            and buffer.shape[-1] == new_shape[-1] and buffer.dtype == dtype
+            and (length == 0 or _is_prefix_view(held, buffer)))
+    if fits:
+        return buffer
+    capacity = -(-(needed * 3 // 2) // 256) * 256
+    grown = torch.empty(*new_shape[:2], capacity, new_shape[-1], dtype=dtype, device=device)
+    if length:
+        grown.narrow(-2, 0, length).copy_(held)
+    return grown
 
 
 def _is_prefix_view(held: torch.Tensor, buffer: torch.Tensor) -> bool:

@@ -18,6 +18,7 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 int specdec_int8_linear(int isa, int threads, const float *x, int64_t M, int64_t K, int64_t K4, int limit,
                         const int8_t *w_packed, const int32_t *row_sums, const float *weight_scales,
@@ -256,5 +257,52 @@ int specdec_lean_mlp(int isa, int threads, const float *attention, const float *
     free(normed);
     free(gates);
     free(acted);
+    return failed;
+}
+
+/* One decoder layer as specdec_decoder_stack takes it (lean_layers.py's `_Layer`, the same fields). */
+typedef struct {
+    const float *input_norm, *post_norm; /* RMSNorm weights (H,) */
+    float input_eps, post_eps;
+    specdec_linear qkv, o, gate_up, down;
+} specdec_layer;
+
+/* Every decoder layer of a batch of one in a single call: per layer exactly the three calls lean_layers.py makes
+   one by one (specdec_lean_qkv, specdec_attention, specdec_lean_mlp), in the same order on the same numbers, so
+   the result is theirs bit for bit; what goes is the Python between them (~0.3 ms a layer: module calls, tensor
+   allocations, the cache update, argument conversion), a third of a one-token forward of the 0.5B draft.
+   hidden (T, H) float32, the input on entry and the last layer's output on return. Layer i's cache:
+   keys[i], values[i] (kv_heads runs of `capacity[i]` rows of dim floats; `cached` of them held); the new
+   entries are written at rows cached..cached+T-1 (the caller made room). visible: NULL = causal, else (T,
+   cached+T) bytes, nonzero = visible. Returns 0, or 1 when a buffer could not be allocated. */
+int specdec_decoder_stack(int isa, int threads, const specdec_layer *layers, int64_t count, float *const *keys,
+                          float *const *values, const int64_t *capacity, int64_t cached, float *hidden, int64_t T,
+                          int64_t H, const float *cos, const float *sin, const uint8_t *visible, int64_t heads,
+                          int64_t kv_heads, int64_t dim, float scale) {
+    float *q = malloc((size_t)(T * heads * dim) * sizeof(float)), *attended = malloc((size_t)(T * heads * dim) * sizeof(float));
+    float *k = malloc((size_t)(T * kv_heads * dim) * sizeof(float)), *v = malloc((size_t)(T * kv_heads * dim) * sizeof(float));
+    float *out = malloc((size_t)(T * H) * sizeof(float));
+    int failed = !q || !attended || !k || !v || !out;
+    for (int64_t i = 0; !failed && i < count; i++) {
+        const specdec_layer *layer = layers + i;
+        failed = specdec_lean_qkv(isa, threads, hidden, T, H, layer->input_norm, layer->input_eps, &layer->qkv, cos,
+                                  sin, heads, kv_heads, dim, q, k, v);
+        if (failed) break;
+        for (int64_t h = 0; h < kv_heads; h++) { /* (kv_heads, T, dim) → the cache's rows cached.. */
+            memcpy(keys[i] + (h * capacity[i] + cached) * dim, k + h * T * dim, (size_t)(T * dim) * sizeof(float));
+            memcpy(values[i] + (h * capacity[i] + cached) * dim, v + h * T * dim, (size_t)(T * dim) * sizeof(float));
+        }
+        failed = specdec_attention(threads, q, keys[i], values[i], visible, T, heads, kv_heads, cached + T, dim,
+                                   capacity[i] * dim, scale, attended);
+        if (!failed)
+            failed = specdec_lean_mlp(isa, threads, attended, hidden, T, H, &layer->o, layer->post_norm,
+                                      layer->post_eps, &layer->gate_up, &layer->down, out);
+        if (!failed) memcpy(hidden, out, (size_t)(T * H) * sizeof(float));
+    }
+    free(q);
+    free(attended);
+    free(k);
+    free(v);
+    free(out);
     return failed;
 }

@@ -1,0 +1,84 @@
+"""The decoder stack in one C call (lean_layers.stack_forward, layer_kernels.c's specdec_decoder_stack) computes
+what the lean layers compute one call at a time, bit for bit, through everything the engine's cache does:
+prefill in chunks, a cache that outgrows its buffer, verification, rollback, kept positions, token trees and
+their commit. Forwards it does not take (transformers' own cache, a batch of two) go the old way."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from specdec_cli.engine.kv import CachedModel
+from specdec_cli.models import lean_layers
+from specdec_cli.models.quant import quantize
+
+from tests.conftest import tiny_causal_lm
+
+MODELS = [("llama", 0), ("qwen2", 2)]
+IDS = [1] + [(7 * i + 2) % 90 + 3 for i in range(299)]  # 300 tokens: past the first 256-entry buffer
+
+
+def _pair(arch: str, seed: int, quantization: str):
+    """(the model with the stack, the same model whose decoder runs its layers one by one)."""
+    stacked = quantize(tiny_causal_lm(arch, seed=seed, logit_scale=8.0, layers=4), quantization)
+    layered = quantize(tiny_causal_lm(arch, seed=seed, logit_scale=8.0, layers=4), quantization)
+    assert stacked.model.forward.__func__ is lean_layers.stack_forward
+    del layered.model.forward  # back to transformers' forward, the lean layers one by one
+    return stacked, layered
+
+
+@pytest.fixture
+def layer_calls(monkeypatch):
+    """How many layers ran one by one in C (lean_layers._forward_in_c) so far."""
+    calls = [0]
+    one_layer = lean_layers._forward_in_c
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return one_layer(*args, **kwargs)
+
+    monkeypatch.setattr(lean_layers, "_forward_in_c", counted)
+    return calls
+
+
+def _same(stacked: CachedModel, layered: CachedModel, layer_calls, step) -> torch.Tensor:
+    """step(model) on both; asserts the stack ran no layer one by one, the other did, and the logits are equal."""
+    before = layer_calls[0]
+    ours = step(stacked)
+    assert layer_calls[0] == before, "the stack ran its layers one by one"
+    theirs = step(layered)
+    assert layer_calls[0] > before, "the layered model did not run its layers in C"
+    assert torch.equal(ours, theirs), (ours - theirs).abs().max()
+    return ours
+
+
+@pytest.mark.parametrize("quantization", ["int8", "q4"])
+@pytest.mark.parametrize("arch, seed", MODELS)
+def test_the_stack_gives_the_layers_one_by_one_bit_for_bit(arch, seed, quantization, layer_calls):
+    stacked, layered = (CachedModel(model, prefill_chunk=128) for model in _pair(arch, seed, quantization))
+    steps = [
+        lambda model: model.extend(IDS[:250], 1),  # prefill in two chunks
+        lambda model: model.extend(IDS[:251], 1),  # decode one
+        lambda model: model.extend(IDS[:259], 8),  # verify 8, outgrowing the 256-entry buffer
+        lambda model: model.extend(IDS[:254] + [5, 6], 3),  # rollback, then a rejected draft's correction
+        lambda model: model.extend_tree(IDS[:260], [5, 6, 7, 8, 9], [-1, 0, 0, 1, 2], sequence_logits=True),
+        lambda model: (model.keep_path([0, 2]), model.extend(list(model.ids) + [11], 1))[1],  # commit, go on
+        lambda model: (model.keep(list(range(100)) + list(range(150, 200))), model.extend(list(model.ids) + [4], 2))[1],
+    ]
+    for step in steps:
+        _same(stacked, layered, layer_calls, step)
+    assert stacked.ids == layered.ids
+    for ours, theirs in zip(stacked.cache.layers, layered.cache.layers):
+        assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+
+
+def test_forwards_the_stack_does_not_take_go_the_layered_way(layer_calls):
+    stacked, layered = _pair("qwen2", 2, "q4")
+    ids = torch.tensor([IDS[:40], IDS[40:80]])
+    with torch.no_grad():
+        # transformers' own cache: its layers have no room to write into, so the layers run one by one in C
+        ours = stacked(input_ids=ids[:1], cache=DynamicCache(config=stacked.config)).logits
+        assert layer_calls[0] == 4
+        assert torch.equal(ours, layered(input_ids=ids[:1], cache=DynamicCache(config=layered.config)).logits)
+        both = stacked(input_ids=ids).logits  # a batch of two: transformers' layers (the torch path), no crash
+        assert layer_calls[0] == 8
+        assert torch.equal(both, layered(input_ids=ids).logits)
