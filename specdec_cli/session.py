@@ -83,7 +83,7 @@ def make_drafter(drafter: str, draft: LoadedModel | None, k: int | str = "auto",
     if draft is None:
         raise InputError(f"the {drafter} drafter needs a draft model", "pass --draft NAME, or --drafter ngram")
     if drafter == "tree" and tree_note(target, draft) is None:
-        return TreeDrafter(draft.model, budget=tree_budget or tree_budget_for(target))
+        return TreeDrafter(draft.model, budget=tree_budget or tree_budget_for(target), window=DRAFT_WINDOW)
     vocabulary = draft_vocabulary(draft.tokenizer, draft.vocab_size)
     model_drafter = DraftModelDrafter(draft.model, token_ids=vocabulary, share_head=True, window=DRAFT_WINDOW)
     chosen = CascadeDrafter(model_drafter) if drafter == "cascade" else model_drafter

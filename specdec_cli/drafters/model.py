@@ -6,9 +6,7 @@ together in the next step's first forward: no extra forward for the bonus token.
 
 Four options cut wasted draft work, all lossless:
 - `window`: the draft model reads only the last `window` tokens of the sequence it first sees (and all that
-  follows): a long prompt's prefill costs the draft a third of the target's (0.5B against 1.5B), and a
-  draft conditions mostly on the recent tokens anyway (lookups cover copying from further back). The start
-  stays where it was set while the sequence keeps those tokens, so every step extends the same cache;
+  follows; window.py says why and how the start moves);
 - `token_ids`: the draft scores only this subset of the vocabulary (see subset_head.py; `share_head`: the
   subset head is built once per model and id set, for drafters made again and again on one model);
 - `min_confidence`: stop drafting once the draft's own top probability falls below it (a token
@@ -28,6 +26,7 @@ import torch
 
 from specdec_cli.engine.draft import EMPTY_DRAFT, Draft, DraftRule, Drafter
 from specdec_cli.drafters.subset_head import SubsetHeadLM, shared_subset_head
+from specdec_cli.drafters.window import DraftWindow
 from specdec_cli.engine.context import context_length
 from specdec_cli.engine.kv import CachedModel
 from specdec_cli.engine.sampling import logits_to_probs, sample
@@ -50,15 +49,14 @@ class DraftModelDrafter(Drafter):
         self.context = context_length(model)
         self.min_confidence = min_confidence
         self.min_survival = min_survival
-        self.window = window
-        self.dropped: list[int] | None = None  # the tokens before the window (None: no window set yet)
+        self.window = DraftWindow(window)
 
     def propose(
         self, ids: Sequence[int], k: int, params: "SamplingParams", generator: torch.Generator
     ) -> Draft:
         if k <= 0:
             return EMPTY_DRAFT
-        sequence = self._seen(ids)
+        sequence = self.window.seen(ids)
         drafted: list[int] = []
         rows: list[torch.Tensor] = []
         logits = self.runner.extend(sequence, 1)[-1]  # (V_draft,) or (|subset|,)
@@ -85,16 +83,6 @@ class DraftModelDrafter(Drafter):
                 logits = self.runner.extend(sequence, 1)[-1]
         return Draft(drafted, torch.stack(rows) if rows else None)
 
-    def _seen(self, ids: Sequence[int]) -> list[int]:
-        """The part of `ids` the draft model reads: all of it, or from the window's start on. The start moves
-        (to the last `window` tokens) only when `ids` no longer begins with the tokens it dropped."""
-        if self.window is None:
-            return list(ids)
-        dropped = self.dropped
-        if dropped is None or len(ids) <= len(dropped) or list(ids[: len(dropped)]) != dropped:
-            self.dropped = list(ids[: max(0, len(ids) - self.window)])
-        return list(ids[len(self.dropped):])
-
     def _token_id(self, index: int) -> int:
         return int(self.subset[index]) if self.subset is not None else index
 
@@ -106,7 +94,7 @@ class DraftModelDrafter(Drafter):
 
     def reset(self) -> None:
         self.runner.reset()
-        self.dropped = None
+        self.window.reset()
 
     def obey(self, rule: DraftRule) -> None:
         self.min_survival = rule.min_survival

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdec_cli.engine.draft import EMPTY_DRAFT, Draft, Drafter
+from specdec_cli.drafters.window import DraftWindow
 from specdec_cli.engine.kv import CachedModel
 from specdec_cli.engine.sampling import logits_to_probs
 from specdec_cli.engine.tree import children_of
@@ -75,10 +76,11 @@ class TreeDrafter(Drafter):
     name = "tree"
 
     def __init__(self, model: torch.nn.Module, budget: int = DEFAULT_BUDGET, branching: int = DEFAULT_BRANCHING,
-                 max_depth: int = 12) -> None:
+                 max_depth: int = 12, window: int | None = None) -> None:
         if budget < 1 or branching < 1 or max_depth < 1:
             raise ValueError(f"need budget, branching and max_depth >= 1, got {budget}, {branching}, {max_depth}")
         self.runner = CachedModel(model)
+        self.window = DraftWindow(window)  # what the draft model reads of the sequence (window.py)
         self.budget = budget
         self.branching = branching
         self.max_depth = max_depth
@@ -91,7 +93,7 @@ class TreeDrafter(Drafter):
         depth_limit = min(k, self.max_depth)
         if depth_limit <= 0:
             return EMPTY_DRAFT
-        sequence = list(ids)
+        sequence = self.window.seen(ids)
         tree_ids: list[int] = []
         parents: list[int] = []
         rows: list[torch.Tensor] = []     # per node: the distribution it was drawn from
@@ -141,9 +143,10 @@ class TreeDrafter(Drafter):
         """Keep the draft's entries for the branch that `ids` took through the proposed tree."""
         if self._proposed is None:
             return
-        start, tree_ids, parents = self._proposed
+        start, tree_ids, parents = self._proposed  # start: in the window's tokens
         self._proposed = None
-        if len(self.runner) != start or self.runner.shared_prefix(ids) < start:
+        ids = self.window.within(ids)
+        if ids is None or len(self.runner) != start or self.runner.shared_prefix(ids) < start:
             return  # the cache does not hold this step's prefix; its next forward crops it
         children, cached = children_of(parents), set(self.runner.tree_nodes)
         path: list[int] = []
@@ -158,6 +161,7 @@ class TreeDrafter(Drafter):
 
     def reset(self) -> None:
         self.runner.reset()
+        self.window.reset()
         self._proposed = None
 
 

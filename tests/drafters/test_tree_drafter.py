@@ -70,3 +70,27 @@ def test_sampling_children_are_drawn_from_the_draft_distribution_with_their_rows
 def test_bad_sizes_are_refused(llama_near_draft):
     with pytest.raises(ValueError):
         TreeDrafter(llama_near_draft, budget=0)
+
+
+def test_a_windowed_tree_reads_the_last_tokens_and_keeps_its_branch(llama_near_draft):
+    """With a window the tree's draft cache holds the window's tokens only, and `update` still finds the branch
+    the sequence took (the ids it gets are the whole sequence's): the next step extends that cache."""
+    prompt = [1] + [(7 * i + 2) % 60 + 3 for i in range(40)]
+    drafter = TreeDrafter(llama_near_draft, budget=6, branching=2, window=16)
+    draft = drafter.propose(prompt, 3, SamplingParams(), make_generator(0))
+    assert drafter.runner.ids == prompt[-16:]
+    child = draft.parents.index(0)
+    accepted = [draft.ids[0], draft.ids[child]]
+    drafter.update(prompt + accepted + [42], len(draft), 2)
+    assert drafter.runner.ids[:17] == prompt[-16:] + accepted[:1] and drafter.runner.tree_nodes == []  # the leaf was not fed
+    forwards = drafter.runner.forwards
+    drafter.propose(prompt + accepted + [42], 1, SamplingParams(), make_generator(0))
+    assert drafter.runner.forwards == forwards + 1 and drafter.runner.ids[0] == prompt[-16]  # extended, not refilled
+
+
+def test_greedy_output_with_a_windowed_tree_equals_the_target_alone(llama_target, llama_near_draft):
+    prompt = [1] + [(7 * i + 2) % 60 + 3 for i in range(40)]
+    decoder = SpeculativeDecoder(llama_target, TreeDrafter(llama_near_draft, 8, 2, window=8), FixedK(4))
+    result = decoder.generate(prompt, max_new_tokens=40)
+    assert result.tokens == hf_greedy(llama_target, prompt, 40)
+    assert result.stats.tree_accepted > 0

@@ -178,7 +178,7 @@ def test_auto_is_draft_or_not_with_the_survival_cut_and_a_fixed_k_drafts_exactly
     draft = SimpleNamespace(model=llama_near_draft, tokenizer=None, vocab_size=llama_near_draft.config.vocab_size)
     auto, fixed = make_drafter("cascade", draft, "auto"), make_drafter("cascade", draft, 4)
     assert auto.model_drafter.min_survival == AUTO_SURVIVAL and fixed.model_drafter.min_survival == 0.0
-    assert auto.model_drafter.window == make_drafter("model", draft, "auto").window == DRAFT_WINDOW
+    assert auto.model_drafter.window.size == make_drafter("model", draft, "auto").window.size == DRAFT_WINDOW
     assert isinstance(make_policy("auto"), DraftOrNot) and make_policy("auto").next_k() > 0
     assert make_policy("auto").max_k == AUTO_MAX_K and make_policy(4).next_k() == 4
     clock_free = make_policy("auto", clock_free=True)  # run's: never reads the clock
