@@ -2,8 +2,7 @@
 prompt in one process (13 Spec-Bench prompts, one per category, greedy):
 
 - the draft's format (int8, int4) and the subset head (the draft scores the 32k most frequent ids only);
-- the draft's window (it reads only the last 256, 128 or 64 tokens of the prompt), and the cascade asking the
-  draft model only after the answer's first 8 or 16 tokens;
+- the draft's window (it reads only the last 256, 128 or 64 tokens of the prompt);
 - lookups priced by the verify-cost curve (the policy's lookup length) against lookups at a fixed length;
 - the verify curve from this machine's calibration against the one the run learns.
 
@@ -41,12 +40,11 @@ class UnpricedLookups(DraftOrNot):
 def configurations(target, drafts: dict, curve):
     auto = lambda policy=DraftOrNot, curve=curve: policy(max_k=AUTO_MAX_K, rule=draft_rule("auto"), verify_curve=curve)  # noqa: E731
 
-    def cascade(name: str, subset: bool | int = False, window: int | None = None, start_after: int = 0):
+    def cascade(name: str, subset: bool | int = False, window: int | None = None):
         loaded = drafts[name]
         size = subset if isinstance(subset, int) and subset > 1 else 32768
         ids = frequent_token_ids(loaded.tokenizer, size, loaded.vocab_size) if subset else None
-        drafter = CascadeDrafter(DraftModelDrafter(loaded.model, token_ids=ids, share_head=True, window=window),
-                                 start_after=start_after)
+        drafter = CascadeDrafter(DraftModelDrafter(loaded.model, token_ids=ids, share_head=True, window=window))
         drafter.obey(draft_rule("auto"))
         return drafter
 
@@ -66,8 +64,6 @@ def configurations(target, drafts: dict, curve):
         "cascade q4 draft +fr64k +window256": lambda: (cascade("q4", 65536, 256), auto()),
         "cascade q4 draft +fr64k +window128": lambda: (cascade("q4", 65536, 128), auto()),
         "cascade q4 draft +fr64k +window64": lambda: (cascade("q4", 65536, 64), auto()),
-        "cascade q4 draft +fr64k +window256 +after8": lambda: (cascade("q4", 65536, 256, 8), auto()),
-        "cascade q4 draft +fr64k +window256 +after16": lambda: (cascade("q4", 65536, 256, 16), auto()),
         "ngram": lambda: (NgramDrafter(), auto()),
         "ngram (lookups unpriced)": lambda: (NgramDrafter(), auto(UnpricedLookups)),
     }

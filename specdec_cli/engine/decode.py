@@ -185,9 +185,8 @@ class SpeculativeDecoder:
         tokens, provenance, finish_reason = trim_step(tokens, provenance, remaining, self.eos_token_ids)
         draft_seconds, verify_seconds = drafted_at - started, verified_at - drafted_at
         tree_depth = _depth(draft)
-        # The first step also prefills the prompt (and a draft's first read of it, whenever it comes): its seconds
-        # say nothing of a step's cost.
-        timed = (None, None) if first or draft.prefilled else (draft_seconds, verify_seconds)
+        # The first step also prefills the prompt: its seconds say nothing of a step's cost.
+        timed = (None, None) if first else (draft_seconds, verify_seconds)
         self.policy.update(tree_depth or len(draft), verdict.accepted, *timed, free=draft.free)
         if self.drafter is not None:
             self.drafter.update(ids + tokens, len(draft), verdict.accepted)

@@ -28,8 +28,6 @@ class Draft:
     parents: list[int] | None = None     # tree drafts only; None = a chain
     free: bool = False                   # drafted at no model cost (lookup): the draft-length policy,
                                          # which prices draft-model tokens, does not learn from it
-    prefilled: bool = False              # the draft model read the prompt for it (its first draft of a
-                                         # sequence after the first step): that step's seconds are not timed
 
     def __len__(self) -> int:
         return len(self.ids)
