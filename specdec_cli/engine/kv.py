@@ -23,8 +23,9 @@ shaped (batch, kv_heads, seq, head_dim). Each full-attention layer is a `Growing
 into a longer buffer and a forward writes its new entries in place, where transformers' own layer concatenates
 (copying the layer's whole cache in every forward; that grows with the context: an update and crop ~47 µs at
 700 cached tokens, this one ~29 µs, most of it Python either way). It also lets the C attention read the
-cache where it is. Cropping stays a view; `keep` and others that make new tensors are taken into a new buffer
-at the next forward."""
+cache where it is, and a forward that writes its entries itself (models/lean_layers.py's decoder stack in C)
+takes the buffers from `reserve` and says `written`. Cropping stays a view; `keep` and others that make new
+tensors are taken into a new buffer at the next forward."""
 
 from __future__ import annotations
 

@@ -24,8 +24,8 @@ each row's alone.
 A decoder (LlamaModel, Qwen2Model) all of whose layers are lean goes one step further for a batch of one over
 the engine's growing cache (engine/kv.py): `stack_forward` runs every layer in one call into C, the same three
 calls per layer in the same order, so the same numbers bit for bit (tested); the Python between the layers
-(~0.1-0.2 ms a layer) goes. Measured in one interleaved run (scripts/layers_ab.py): 0.5B q4 draft 22.8 → 19.4 ms a
-token, 1.5B q4 target 52.5 → 51.4 ms; at 8 tokens 99.7 → 85.8 ms.
+(~0.1-0.3 ms a layer) goes. Measured in one interleaved run (scripts/layers_ab.py, benchmarks/2026-12-02-layers-ab-
+q4-avx512-stack.json): 0.5B q4 draft 21.9 → 18.6 ms a token, 1.5B q4 target 60.0 → 50.9 ms; 8 tokens 94.2 → 85.3 ms.
 
 Only the exact classes named in LEAN_CLASSES with SiLU MLPs are changed; other models keep transformers'
 layers."""
@@ -255,7 +255,7 @@ def _stack_layers(decoder: torch.nn.Module):
     return held[1]
 
 
-def _stack_problem(decoder: torch.nn.Module, input_ids, inputs_embeds, cache, kwargs) -> bool:
+def _stack_declines(decoder: torch.nn.Module, input_ids, inputs_embeds, cache, kwargs) -> bool:
     """Whether this forward must take transformers' own path (the layers then still run lean, one by one)."""
     if input_ids is None or inputs_embeds is not None or input_ids.shape[0] != 1 or cache is None:
         return True
@@ -273,28 +273,34 @@ def stack_forward(self, input_ids: torch.Tensor | None = None, attention_mask: t
                   use_cache: bool | None = None, past_key_values=None, **kwargs):
     """A Llama/Qwen2 decoder's forward (transformers' signature and result) whose layers all run in one call into
     C (layer_kernels.c: specdec_decoder_stack) for a batch of one over specdec's growing cache (engine/kv.py):
-    the same steps as the lean layers one by one, so the same numbers bit for bit (tested), less ~0.3 ms of
+    the same steps as the lean layers one by one, so the same numbers bit for bit (tested), less ~0.1-0.3 ms of
     Python per layer. Anything else (another cache, a batch, an additive mask, hidden states asked for) goes
     through transformers' forward."""
     from transformers.masking_utils import create_causal_mask
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
     cache = cache if cache is not None else past_key_values
-    layers = None if _stack_problem(self, input_ids, inputs_embeds, cache, kwargs) else _stack_layers(self)
-    hidden = None if layers is None else self.embed_tokens(input_ids)  # (1, T, H)
-    cached = 0 if layers is None else cache.get_seq_length()
-    if hidden is not None:
-        tokens = hidden.shape[1]
+    layers = None if _stack_declines(self, input_ids, inputs_embeds, cache, kwargs) else _stack_layers(self)
+    if layers is not None:
+        hidden = self.embed_tokens(input_ids)  # (1, T, H)
+        cached, tokens = cache.get_seq_length(), hidden.shape[1]
         if position_ids is None:
             position_ids = torch.arange(cached, cached + tokens).unsqueeze(0)
         mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
                                   cache=cache, position_ids=position_ids)
-        if not all(_runs_in_c(layer, hidden, mask) for layer in self.layers):
-            hidden = None
-    if hidden is None:
-        return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                  cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
-    attention = self.layers[0].self_attn
+        if all(_runs_in_c(layer, hidden, mask) for layer in self.layers):
+            hidden = _stack_in_c(self, layers, cache, hidden, cached, position_ids, mask)
+            return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden),
+                                           cache=cache if use_cache is not False else None)
+    return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+
+
+def _stack_in_c(decoder: torch.nn.Module, layers, cache, hidden: torch.Tensor, cached: int,
+                position_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """hidden (1, T, H) after every layer, in one call into C; each cache layer then holds its T new entries."""
+    tokens = hidden.shape[1]
+    attention = decoder.layers[0].self_attn
     head_dim, (q_size, k_size) = attention.head_dim, attention.qk_sizes
     kv_heads = k_size // head_dim
     buffers = [layer.reserve((1, kv_heads, tokens, head_dim), torch.float32, hidden.device) for layer in cache.layers]
@@ -302,8 +308,8 @@ def stack_forward(self, input_ids: torch.Tensor | None = None, attention_mask: t
     values = (ctypes.c_void_p * len(buffers))(*(value.data_ptr() for _, value in buffers))
     capacity = (ctypes.c_int64 * len(buffers))(*(key.shape[-2] for key, _ in buffers))
     visible = None if mask is None else mask[0, 0, :, -(cached + tokens):].to(torch.uint8).contiguous()
-    cos, sin = (part.float().contiguous() for part in self.rotary_emb(hidden, position_ids))  # (1, T, D)
-    hidden = hidden.contiguous()
+    cos, sin = (part.float().contiguous() for part in decoder.rotary_emb(hidden, position_ids))  # (1, T, D)
+    hidden = hidden.contiguous()  # the C writes the last layer's output over it
     library, isa, _ = int8_kernel._library()
     failed = library.specdec_decoder_stack(
         isa, torch.get_num_threads(), layers, len(buffers), keys, values, capacity, cached, hidden.data_ptr(),
@@ -313,4 +319,4 @@ def stack_forward(self, input_ids: torch.Tensor | None = None, attention_mask: t
         raise MemoryError(f"specdec's layer kernels could not allocate their buffers for {tokens} tokens")
     for layer in cache.layers:
         layer.written(tokens)
-    return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), cache=cache if use_cache is not False else None)
+    return hidden
