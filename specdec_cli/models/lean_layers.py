@@ -144,6 +144,15 @@ def _described(layer: torch.nn.Module) -> _Linear | None:
     return None
 
 
+class _Held(tuple):
+    """A (key, value) of descriptors made for C, kept on a module: pointers into that module's tensors. A deep copy
+    of the model gets None instead (its tensors are elsewhere, and ctypes objects holding pointers cannot be
+    copied), so the copy describes its own on its first forward."""
+
+    def __deepcopy__(self, memo) -> None:
+        return None
+
+
 def _c_projections(layer: torch.nn.Module) -> tuple[_Linear, ...] | None:
     """The layer's four projections for C, described once and again whenever their weights moved (a copy of
     the model, a `.to()`); None where one of them does not run in C."""
@@ -153,7 +162,7 @@ def _c_projections(layer: torch.nn.Module) -> tuple[_Linear, ...] | None:
     held = getattr(layer, "_c_projections", None)
     if held is None or held[0] != where:
         described = tuple(_described(projection) for projection in projections)
-        layer._c_projections = held = (where, None if None in described else described)
+        layer._c_projections = held = _Held((where, None if None in described else described))
     return held[1]
 
 
@@ -251,7 +260,7 @@ def _stack_layers(decoder: torch.nn.Module):
                    layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon,
                    *projections)
             for layer, projections in zip(decoder.layers, described)))
-        decoder._c_stack = held = (described, layers)
+        decoder._c_stack = held = _Held((described, layers))
     return held[1]
 
 

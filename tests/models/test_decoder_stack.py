@@ -3,6 +3,8 @@ what the lean layers compute one call at a time, bit for bit, through everything
 prefill in chunks, a cache that outgrows its buffer, verification, rollback, kept positions, token trees and
 their commit. Forwards it does not take (transformers' own cache, a batch of two) go the old way."""
 
+import copy
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -82,3 +84,13 @@ def test_forwards_the_stack_does_not_take_go_the_layered_way(layer_calls):
         both = stacked(input_ids=ids).logits  # a batch of two: transformers' layers (the torch path), no crash
         assert layer_calls[0] == 8
         assert torch.equal(both, layered(input_ids=ids).logits)
+
+
+def test_a_model_copied_after_a_forward_computes_the_same_on_its_own_weights():
+    """The C descriptors cached on the model point into its own tensors: a deep copy drops them and makes its own."""
+    model = quantize(tiny_causal_lm("qwen2", seed=2, logit_scale=8.0, layers=4), "q4")
+    first = CachedModel(model).extend(IDS[:40], 2)
+    twin = copy.deepcopy(model)
+    assert twin.model._c_stack is None and twin.model.layers[0]._c_projections is None
+    assert torch.equal(CachedModel(twin).extend(IDS[:40], 2), first)
+    assert twin.model._c_stack[1] is not model.model._c_stack[1]
