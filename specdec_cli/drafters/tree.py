@@ -13,7 +13,8 @@ i.i.d. from the draft's distribution (shaped like the target's) and reports that
 as multi-candidate rejection needs (see engine/tree.py). A repeated draw stays in the tree (dropping it
 would bias the result) but is never expanded: its subtree would repeat its twin's.
 
-After the step, `update` keeps the accepted branch's entries in the draft's cache (`keep_path`).
+After the step, `update` keeps the accepted branch's entries in the draft's cache (`keep_path`). With a
+`window` the draft reads only the window's tokens of the sequence (window.py), as the model drafter does.
 
 How many nodes: a tree pays while verifying it costs about what verifying one token does. Given the
 target's forward costs measured on this machine (`specdec calibrate`), `budget_from_costs` takes the tokens a forward
