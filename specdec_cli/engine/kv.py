@@ -79,10 +79,10 @@ class GrowingLayer(DynamicLayer):
         if not self.is_initialized:
             empty = torch.empty(0, dtype=dtype, device=device)
             self.lazy_initialization(empty, empty)
+        # `keys` / `values` stay what they were until `written`: if the forward fails they still hold the entries
+        # (a new buffer holds a copy of them at its start, which `written` then points at).
         self._key_buffer = _with_room(self.keys, getattr(self, "_key_buffer", None), new_shape, dtype, device)
         self._value_buffer = _with_room(self.values, getattr(self, "_value_buffer", None), new_shape, dtype, device)
-        length = _held_length(self.keys)
-        self.keys, self.values = self._key_buffer.narrow(-2, 0, length), self._value_buffer.narrow(-2, 0, length)
         return self._key_buffer, self._value_buffer
 
     def written(self, entries: int) -> None:
