@@ -94,3 +94,22 @@ def test_a_model_copied_after_a_forward_computes_the_same_on_its_own_weights():
     assert twin.model._c_stack is None and twin.model.layers[0]._c_projections is None
     assert torch.equal(CachedModel(twin).extend(IDS[:40], 2), first)
     assert twin.model._c_stack[1] is not model.model._c_stack[1]
+
+
+def test_the_stack_follows_weights_that_moved_and_an_attention_that_changed(layer_calls):
+    """The stack's descriptors are made once and checked every forward against the weights' addresses: a
+    projection given new weights after a forward is read from its new tensor, and an attention set to one the
+    C does not compute sends the forward the layered way."""
+    stacked, layered = _pair("qwen2", 2, "q4")
+    before = CachedModel(stacked).extend(IDS[:40], 2)
+    for model in (stacked, layered):
+        down = model.model.layers[2].mlp.down_proj
+        down.packed_weight = down.packed_weight.flip(0).contiguous()  # new values at a new address
+    ours = _same(CachedModel(stacked), CachedModel(layered), layer_calls, lambda model: model.extend(IDS[:40], 2))
+    assert not torch.equal(ours, before)
+    stacked.config._attn_implementation = "eager"
+    calls = layer_calls[0]
+    with torch.no_grad():
+        eager = CachedModel(stacked).extend(IDS[:40], 2)
+    assert layer_calls[0] == calls  # neither the stack nor the layers in C: transformers' eager attention
+    assert torch.allclose(eager, ours, atol=1e-4)
