@@ -308,10 +308,14 @@ class VerifyCost:
     With a prior curve ({n: seconds}, what `specdec calibrate` measured on this machine for this model and
     format): the curve's shape — piecewise linear between the measured n, the last segment's slope past
     them — times the decayed mean ratio of the run's own timings to it (a busier machine, a longer
-    context). Without one: a line through the run's timings (intercept + slope·n, never sloping down)."""
+    context). The curve is taken never falling (each n at least what a smaller n measured): more tokens never
+    cost less, and a dip is the machine's noise, which would make drafting look free. Without a curve: a
+    line through the run's timings (intercept + slope·n, never sloping down)."""
 
     def __init__(self, curve: dict[int, float] | None = None) -> None:
-        self.points = sorted((int(n), float(s)) for n, s in curve.items()) if curve else []
+        self.points = []
+        for n, seconds in sorted((int(n), float(s)) for n, s in (curve or {}).items()):
+            self.points.append((n, max(seconds, self.points[-1][1]) if self.points else seconds))
         self.line = _Line()
         self.scale = _Mean()
 

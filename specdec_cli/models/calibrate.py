@@ -40,25 +40,35 @@ def _token(i: int, vocab_size: int) -> int:
 def forward_seconds(model: torch.nn.Module, context: list[int], new_tokens: int, repeats: int,
                     vocab_size: int, clock: str = "wall") -> float:
     """Median seconds of a forward of `new_tokens` tokens after `context` (already cached); one warm-up."""
-    now = CLOCKS[clock]
-    runner = CachedModel(model)
-    runner.extend(context, 1)
-    times = []
-    for repeat in range(repeats + 1):
-        # another first id each repeat, so none of the new tokens is already cached
-        extra = [_token(len(context) + 1000 * repeat + 7 * i + 1, vocab_size) for i in range(new_tokens)]
-        started = now()
-        runner.extend(context + extra, new_tokens)  # crops back to `context`, then runs the new tokens
-        times.append(now() - started)
-    return statistics.median(times[1:])
+    return _interleaved_seconds(model, context, (new_tokens,), repeats, vocab_size, clock)[new_tokens]
 
 
 def forward_costs(loaded: LoadedModel, token_counts: Iterable[int] = TOKEN_COUNTS,
                   context_tokens: int = CONTEXT_TOKENS, repeats: int = 5, clock: str = "wall") -> dict[str, float]:
     """{"n": seconds} for a forward of n new tokens on a `context_tokens`-token cache."""
     context = [_token(i, loaded.vocab_size) for i in range(context_tokens)]
-    vocab_size = loaded.vocab_size
-    return {str(n): forward_seconds(loaded.model, context, n, repeats, vocab_size, clock) for n in token_counts}
+    seconds = _interleaved_seconds(loaded.model, context, tuple(token_counts), repeats, loaded.vocab_size, clock)
+    return {str(n): value for n, value in seconds.items()}
+
+
+def _interleaved_seconds(model: torch.nn.Module, context: list[int], token_counts: tuple[int, ...], repeats: int,
+                         vocab_size: int, clock: str) -> dict[int, float]:
+    """{n: median seconds}, each repeat timing every n in turn (after one warm-up round): a machine whose speed
+    drifts (a shared VM: ±25% within minutes) then slows all n alike, where n after n would tilt the curve (one
+    such run measured a 1-token forward of the q4 demo target at 37 ms, 2 tokens at 30)."""
+    now = CLOCKS[clock]
+    runner = CachedModel(model)
+    runner.extend(context, 1)
+    times: dict[int, list[float]] = {n: [] for n in token_counts}
+    for repeat in range(repeats + 1):
+        for n in token_counts:
+            # another first id each repeat, so none of the new tokens is already cached
+            extra = [_token(len(context) + 1000 * repeat + 7 * i + 1, vocab_size) for i in range(n)]
+            started = now()
+            runner.extend(context + extra, n)  # crops back to `context`, then runs the new tokens
+            if repeat:
+                times[n].append(now() - started)
+    return {n: statistics.median(values) for n, values in times.items()}
 
 
 def machine() -> dict:

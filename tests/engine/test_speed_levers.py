@@ -263,6 +263,15 @@ def test_verify_cost_follows_the_curve_between_and_past_its_points():
     assert learned.at(3) == pytest.approx(0.2)
 
 
+def test_verify_cost_takes_a_dip_in_the_curve_as_noise():
+    """A calibration on a drifting machine can time 2 tokens below 1; the cost model must not believe that
+    verifying a draft costs less than decoding without one."""
+    cost = VerifyCost({1: 0.037, 2: 0.030, 4: 0.046, 8: 0.044, 16: 0.105})
+    assert cost.at(1) == cost.at(2) == pytest.approx(0.037)
+    assert cost.at(8) == pytest.approx(0.046) and cost.at(16) == pytest.approx(0.105)
+    assert all(cost.at(n) <= cost.at(n + 1) for n in range(1, 20))
+
+
 def test_the_decoder_hands_the_drafter_the_lookup_length_the_policy_chose(llama_target, reference):
     class Chooser:  # a fixed k of 4, with a lookup length set from outside
         lookup_k = 0

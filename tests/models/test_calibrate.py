@@ -35,3 +35,20 @@ def test_no_or_a_broken_calibration_reads_as_none(specdec_home):
     calibration_path().parent.mkdir(parents=True, exist_ok=True)
     calibration_path().write_text("{not json")
     assert load_calibration() is None
+
+
+def test_each_repeat_times_every_token_count_in_turn(llama_folder, monkeypatch):
+    """A machine that slows down halfway must slow every token count alike, not the ones measured last."""
+    from specdec_cli.engine.kv import CachedModel
+
+    fed = []
+    extend = CachedModel.extend
+
+    def counted(self, ids, n_logits=1):
+        fed.append(n_logits)
+        return extend(self, ids, n_logits)
+
+    monkeypatch.setattr(CachedModel, "extend", counted)
+    measure_forward_costs({"target": str(llama_folder)}, {"target": ["none"]}, dtype="float32",
+                          token_counts=(1, 2, 4), context_tokens=8, repeats=2)
+    assert fed == [1] + [1, 2, 4] * 3  # the context, then a warm-up round and two timed rounds
