@@ -70,6 +70,7 @@ def test_a_probe_never_feeds_the_draft_model_a_prompt():
     policy = CostBatchK(4, TARGET, DRAFT, probe_every=4)
     unseen, seen = RowPlan(100, MODEL, catch_up=120), RowPlan(100, MODEL, catch_up=9)
     assert [policy.plan({0: unseen})[0] for _ in range(8)] == [0] * 8
+    accepting(policy, 1, 4, 0, 30)  # its drafts failed: k = 0, but probed
     assert [policy.plan({1: seen})[1] for _ in range(8)] == [0, 0, 0, 2, 0, 0, 0, 2]
     for _ in range(30):
         policy.update(2, 4, 0, LOOKUP)  # lookups that failed: k = 0, but probed (they feed the draft model nothing)
