@@ -40,12 +40,11 @@ class UnpricedLookups(DraftOrNot):
 def configurations(target, drafts: dict, curve):
     auto = lambda policy=DraftOrNot, curve=curve: policy(max_k=AUTO_MAX_K, rule=draft_rule("auto"), verify_curve=curve)  # noqa: E731
 
-    def cascade(name: str, subset: bool | int = False, window: int | None = None, head: int = 0):
+    def cascade(name: str, subset: bool | int = False, window: int | None = None):
         loaded = drafts[name]
         size = subset if isinstance(subset, int) and subset > 1 else 32768
         ids = frequent_token_ids(loaded.tokenizer, size, loaded.vocab_size) if subset else None
-        drafter = CascadeDrafter(DraftModelDrafter(loaded.model, token_ids=ids, share_head=True,
-                                                          window=window, window_head=head))
+        drafter = CascadeDrafter(DraftModelDrafter(loaded.model, token_ids=ids, share_head=True, window=window))
         drafter.obey(draft_rule("auto"))
         return drafter
 
@@ -65,8 +64,6 @@ def configurations(target, drafts: dict, curve):
         "cascade q4 draft +fr64k +window256": lambda: (cascade("q4", 65536, 256), auto()),
         "cascade q4 draft +fr64k +window128": lambda: (cascade("q4", 65536, 128), auto()),
         "cascade q4 draft +fr64k +window64": lambda: (cascade("q4", 65536, 64), auto()),
-        "cascade q4 draft +fr64k +window64 +head32": lambda: (cascade("q4", 65536, 64, 32), auto()),
-        "cascade q4 draft +fr64k +window256 +head32": lambda: (cascade("q4", 65536, 256, 32), auto()),
         "ngram": lambda: (NgramDrafter(), auto()),
         "ngram (lookups unpriced)": lambda: (NgramDrafter(), auto(UnpricedLookups)),
     }

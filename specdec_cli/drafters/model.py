@@ -40,7 +40,7 @@ class DraftModelDrafter(Drafter):
 
     def __init__(
         self, model: torch.nn.Module, token_ids: torch.Tensor | None = None, min_confidence: float = 0.0,
-        min_survival: float = 0.0, share_head: bool = False, window: int | None = None, window_head: int = 0,
+        min_survival: float = 0.0, share_head: bool = False, window: int | None = None,
     ) -> None:
         self.subset = token_ids.cpu() if token_ids is not None else None
         make_head = shared_subset_head if share_head else SubsetHeadLM
@@ -49,7 +49,7 @@ class DraftModelDrafter(Drafter):
         self.context = context_length(model)
         self.min_confidence = min_confidence
         self.min_survival = min_survival
-        self.window = DraftWindow(window, window_head)
+        self.window = DraftWindow(window)
 
     def propose(
         self, ids: Sequence[int], k: int, params: "SamplingParams", generator: torch.Generator

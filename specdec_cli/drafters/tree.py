@@ -77,11 +77,11 @@ class TreeDrafter(Drafter):
     name = "tree"
 
     def __init__(self, model: torch.nn.Module, budget: int = DEFAULT_BUDGET, branching: int = DEFAULT_BRANCHING,
-                 max_depth: int = 12, window: int | None = None, window_head: int = 0) -> None:
+                 max_depth: int = 12, window: int | None = None) -> None:
         if budget < 1 or branching < 1 or max_depth < 1:
             raise ValueError(f"need budget, branching and max_depth >= 1, got {budget}, {branching}, {max_depth}")
         self.runner = CachedModel(model)
-        self.window = DraftWindow(window, window_head)  # what the draft model reads of the sequence (window.py)
+        self.window = DraftWindow(window)  # what the draft model reads of the sequence (window.py)
         self.budget = budget
         self.branching = branching
         self.max_depth = max_depth

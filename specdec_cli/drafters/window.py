@@ -12,13 +12,11 @@ from collections.abc import Sequence
 
 
 class DraftWindow:
-    def __init__(self, size: int | None, head: int = 0) -> None:
+    def __init__(self, size: int | None) -> None:
         if size is not None and size < 1:
             raise ValueError(f"a draft window needs at least one token, got {size}")
-        if head < 0:
-            raise ValueError(f"a draft window's head is a count of tokens, got {head}")
-        self.size, self.head = size, head
-        self.dropped: list[int] | None = None  # the tokens before the window, the head among them (None: not set yet)
+        self.size = size
+        self.dropped: list[int] | None = None  # the tokens before the window (None: not set yet)
 
     def seen(self, ids: Sequence[int]) -> list[int]:
         """The tokens of `ids` the draft reads, moving the window's start if `ids` lost the dropped tokens."""
@@ -27,19 +25,14 @@ class DraftWindow:
         dropped = self.dropped
         if dropped is None or len(ids) <= len(dropped) or list(ids[: len(dropped)]) != dropped:
             self.dropped = list(ids[: max(0, len(ids) - self.size)])
-        return self._read(ids)
+        return list(ids[len(self.dropped):])
 
     def within(self, ids: Sequence[int]) -> list[int] | None:
         """`ids` as the draft reads them with the window where it is; None when `ids` lost the dropped tokens."""
         dropped = self.dropped or []
         if self.size is not None and (len(ids) < len(dropped) or list(ids[: len(dropped)]) != dropped):
             return None
-        return self._read(ids)
-
-    def _read(self, ids: Sequence[int]) -> list[int]:
-        """The head (the sequence's first `head` tokens, where they were dropped), then the tokens after the dropped."""
-        cut = len(self.dropped or ())
-        return list(ids[:min(self.head, cut)]) + list(ids[cut:])
+        return list(ids[len(dropped):])
 
     def reset(self) -> None:
         self.dropped = None
