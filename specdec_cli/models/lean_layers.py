@@ -158,12 +158,21 @@ def _c_projections(layer: torch.nn.Module) -> tuple[_Linear, ...] | None:
     the model, a `.to()`); None where one of them does not run in C."""
     attention, mlp = layer.self_attn, layer.mlp
     projections = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    where = tuple(projection.packed_weight.data_ptr() for projection in projections)
+    where = tuple(_address(projection) for projection in projections)
     held = getattr(layer, "_c_projections", None)
     if held is None or held[0] != where:
         described = tuple(_described(projection) for projection in projections)
         layer._c_projections = held = _Held((where, None if None in described else described))
     return held[1]
+
+
+def _address(projection: torch.nn.Module) -> int:
+    """Where a projection's packed weight lies; 0 for oneDNN's (a prepacked tensor without storage, whose address
+    cannot be taken; the C never reads it): an int8 layer without specdec's kernel (no C compiler, not x86-64,
+    SPECDEC_INT8_KERNEL=onednn)."""
+    if not projection.__dict__.get("own_kernel", True):
+        return 0
+    return projection._buffers["packed_weight"].data_ptr()
 
 
 def _runs_in_c(layer: torch.nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
@@ -280,7 +289,7 @@ def _stack_where(decoder: torch.nn.Module) -> tuple[int, ...]:
         parts = layer._modules
         attention, mlp = parts["self_attn"]._modules, parts["mlp"]._modules
         for projection in (attention["qkv_proj"], attention["o_proj"], mlp["gate_up_proj"], mlp["down_proj"]):
-            where.append(projection._buffers["packed_weight"].data_ptr())
+            where.append(_address(projection))
         where.append(parts["input_layernorm"]._parameters["weight"].data_ptr())
         where.append(parts["post_attention_layernorm"]._parameters["weight"].data_ptr())
     return tuple(where)

@@ -78,6 +78,27 @@ def test_the_lean_layers_give_transformers_layers_logits(quantization, monkeypat
         assert torch.equal(lean(IDS).logits, plain(IDS).logits)
 
 
+def test_an_int8_model_on_onednn_runs_over_the_engines_cache(monkeypatch):
+    """Without specdec's kernel (no C compiler, not x86-64, SPECDEC_INT8_KERNEL=onednn) int8 runs on oneDNN, whose
+    prepacked weights have no address: the lean layers and the decoder stack must not ask for one (every forward
+    raised RuntimeError) and give transformers' layers' logits, with speculation still the target alone."""
+    from specdec_cli.engine.kv import CachedModel
+    from specdec_cli.models import int8_kernel, lean_layers
+
+    monkeypatch.setattr(int8_kernel, "_library", lambda: (None, 0, "SPECDEC_INT8_KERNEL=onednn"))
+    model = tiny_causal_lm("qwen2", seed=2, logit_scale=8.0, layers=4)
+    lean = quantize(copy.deepcopy(model), "int8")
+    assert not lean.model.layers[0].mlp.down_proj.own_kernel
+    assert lean.model.forward.__func__ is lean_layers.stack_forward
+    monkeypatch.setattr(lean_layers, "use_lean_layers", lambda model: model)
+    plain = quantize(copy.deepcopy(model), "int8")
+    ids = IDS[0].tolist()
+    assert torch.equal(CachedModel(lean).extend(ids, 3), CachedModel(plain).extend(ids, 3))
+    drafter = DraftModelDrafter(quantize(tiny_causal_lm("qwen2", seed=3, layers=2), "int8"))
+    result = SpeculativeDecoder(lean, drafter, FixedK(3)).generate(ids, SamplingParams(), 12)
+    assert result.tokens == hf_greedy(lean, ids, 12)
+
+
 @pytest.mark.parametrize("quantization", ["int8", "q4"])
 @pytest.mark.parametrize("arch, seed", MODELS)
 def test_the_layers_in_c_give_transformers_layers_logits_up_to_rounding(arch, seed, quantization, monkeypatch):
