@@ -3,7 +3,8 @@ forward, as a share of one verification forward.
 
     python scripts/step_overhead.py [--profile demo] [--drafter cascade] [--k auto] [--prompts 3] [--max-new-tokens 96]
 
-Forward hooks on the target's and the draft's top-level modules time every forward; everything
+Forward hooks on the target's and the draft's top-level modules (the draft's subset head where the drafter
+scores a subset of the vocabulary, as the demo's does) time every forward; everything
 else in a step (drafting logic, acceptance, cache bookkeeping, the policy) is overhead. Prints the
 overhead per step in ms and in % of the mean target forward, and the Python functions with the
 most own time outside the models (cProfile)."""
@@ -30,6 +31,7 @@ class ForwardClock:
     """Sums the seconds spent inside a module's forward (top level only)."""
 
     def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
         self.seconds = 0.0
         self.calls = 0
         self._started = 0.0
@@ -42,6 +44,16 @@ class ForwardClock:
     def _post(self, *_args) -> None:
         self.seconds += time.perf_counter() - self._started
         self.calls += 1
+
+
+def subset_head_clocks(draft, clocks: list[ForwardClock]) -> list[ForwardClock]:
+    """Clocks for the draft's subset heads (drafters/subset_head.py) not clocked yet: a drafter that scores a
+    subset of the vocabulary calls its SubsetHeadLM, never the draft's top-level model."""
+    if draft is None:
+        return []
+    clocked = {id(clock.module) for clock in clocks}
+    heads = draft.model.__dict__.get("_specdec_subset_heads", {}).values()
+    return [ForwardClock(head) for head in heads if id(head) not in clocked]
 
 
 def main() -> None:
@@ -61,6 +73,7 @@ def main() -> None:
     profiler = cProfile.Profile()
     for prompt in prompts:
         decoder = build_decoder(target, draft, choice.drafter, parse_k(args.k))
+        clocks += subset_head_clocks(draft, clocks)
         stream = decoder.stream(prompt, SamplingParams(), args.max_new_tokens)
         next(stream)  # the first step also prefills: not a typical step
         for clock in clocks:
