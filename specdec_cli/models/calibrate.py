@@ -37,12 +37,6 @@ def _token(i: int, vocab_size: int) -> int:
     return 3 + (31 * i) % min(vocab_size - 3, 5000)
 
 
-def forward_seconds(model: torch.nn.Module, context: list[int], new_tokens: int, repeats: int,
-                    vocab_size: int, clock: str = "wall") -> float:
-    """Median seconds of a forward of `new_tokens` tokens after `context` (already cached); one warm-up."""
-    return _interleaved_seconds(model, context, (new_tokens,), repeats, vocab_size, clock)[new_tokens]
-
-
 def forward_costs(loaded: LoadedModel, token_counts: Iterable[int] = TOKEN_COUNTS,
                   context_tokens: int = CONTEXT_TOKENS, repeats: int = 5, clock: str = "wall") -> dict[str, float]:
     """{"n": seconds} for a forward of n new tokens on a `context_tokens`-token cache."""
