@@ -156,14 +156,20 @@ class _Held(tuple):
 def _c_projections(layer: torch.nn.Module) -> tuple[_Linear, ...] | None:
     """The layer's four projections for C, described once and again whenever their weights moved (a copy of
     the model, a `.to()`); None where one of them does not run in C."""
-    attention, mlp = layer.self_attn, layer.mlp
-    projections = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    projections = _projections(layer)
     where = tuple(_address(projection) for projection in projections)
     held = getattr(layer, "_c_projections", None)
     if held is None or held[0] != where:
         described = tuple(_described(projection) for projection in projections)
         layer._c_projections = held = _Held((where, None if None in described else described))
     return held[1]
+
+
+def _projections(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
+    """A lean layer's four projections (q/k/v, o, gate/up, down), read from the modules' own dicts: nn.Module's
+    attribute lookup costs ~1 µs a name, and the decoder stack asks for them every forward."""
+    attention, mlp = layer._modules["self_attn"]._modules, layer._modules["mlp"]._modules
+    return attention["qkv_proj"], attention["o_proj"], mlp["gate_up_proj"], mlp["down_proj"]
 
 
 def _address(projection: torch.nn.Module) -> int:
@@ -287,9 +293,7 @@ def _stack_where(decoder: torch.nn.Module) -> tuple[int, ...]:
     where = []
     for layer in decoder._modules["layers"]._modules.values():
         parts = layer._modules
-        attention, mlp = parts["self_attn"]._modules, parts["mlp"]._modules
-        for projection in (attention["qkv_proj"], attention["o_proj"], mlp["gate_up_proj"], mlp["down_proj"]):
-            where.append(_address(projection))
+        where.extend(_address(projection) for projection in _projections(layer))
         where.append(parts["input_layernorm"]._parameters["weight"].data_ptr())
         where.append(parts["post_attention_layernorm"]._parameters["weight"].data_ptr())
     return tuple(where)
