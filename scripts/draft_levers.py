@@ -4,9 +4,10 @@ prompt in one process (13 Spec-Bench prompts, one per category, greedy):
 - the draft's format (int8, int4) and the subset head (the draft scores the 32k most frequent ids only);
 - the draft's window (it reads only the last 256, 128 or 64 tokens of the prompt);
 - lookups priced by the verify-cost curve (the policy's lookup length) against lookups at a fixed length;
-- the verify curve from this machine's calibration against the one the run learns.
+- the verify curve from this machine's calibration against the one the run learns;
+- the odds cut as it was before it divided by the next token's expected acceptance.
 
-    python scripts/draft_levers.py [--target-quant int8] [--max-new-tokens 128] [--only a,b] [--json PATH]
+    python scripts/draft_levers.py [--target-quant int8] [--max-new-tokens 128] [--per-category 1] [--only a,b] [--json PATH]
 
 Prints one row per configuration (speedup = baseline seconds / seconds over all prompts, tok/s, accepted,
 tokens per step, identical to the baseline) and a per-category speedup line. Run on an idle machine."""
@@ -28,6 +29,13 @@ from specdec_cli.models.calibrate import machine
 from specdec_cli.session import AUTO_MAX_K, draft_rule, encode_chat, eos_token_ids, verify_curve
 
 from levers import spec_bench  # scripts/levers.py: one Spec-Bench question per category
+
+
+class CutOnOdds(DraftOrNot):
+    """The odds cut before it took the next token's acceptance into account: (draft + slope) · rate."""
+
+    def next_acceptance(self) -> float:
+        return 1.0
 
 
 class UnpricedLookups(DraftOrNot):
@@ -64,6 +72,7 @@ def configurations(target, drafts: dict, curve):
         "cascade q4 draft +fr64k +window256": lambda: (cascade("q4", 65536, 256), auto()),
         "cascade q4 draft +fr64k +window128": lambda: (cascade("q4", 65536, 128), auto()),
         "cascade q4 draft +fr64k +window64": lambda: (cascade("q4", 65536, 64), auto()),
+        "cascade q4 draft +fr64k +window256 (cut on odds)": lambda: (cascade("q4", 65536, 256), auto(CutOnOdds)),
         "ngram": lambda: (NgramDrafter(), auto()),
         "ngram (lookups unpriced)": lambda: (NgramDrafter(), auto(UnpricedLookups)),
     }
@@ -74,6 +83,7 @@ def main() -> None:
     parser.add_argument("--target-quant", default="int8")
     parser.add_argument("--draft-quants", default="int8,int4", help="draft formats to load (the configurations use them)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--per-category", type=int, default=1, help="Spec-Bench prompts per category")
     parser.add_argument("--only", default="")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
@@ -87,7 +97,7 @@ def main() -> None:
     configs = {name: make for name, make in configs.items() if not name.startswith("cascade ")
                or name.split()[1] in drafts}
     eos = eos_token_ids(target)
-    questions = spec_bench(1)
+    questions = spec_bench(args.per_category)
     prompts = [encode_chat(target.tokenizer, [{"role": "user", "content": q}]) for _, q in questions]
     for make in configs.values():  # warm-up
         drafter, policy = make()
@@ -126,7 +136,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as file:
             json.dump({"machine": machine(), "target": target.precision, "verify_curve": curve,
-                       "max_new_tokens": args.max_new_tokens, "rows": rows}, file, indent=1)
+                       "max_new_tokens": args.max_new_tokens, "per_category": args.per_category, "rows": rows},
+                      file, indent=1)
 
 
 if __name__ == "__main__":

@@ -191,11 +191,15 @@ class DraftOrNot(CostModelK):
     with the target alone (probing as CostModelK does). Per-token odds know more than per-position
     averages, so this leaves "how far" to them and keeps only "whether".
 
-    The odds cut follows the measured costs (`cost_cut`): one more draft token adds its survival odds S to
-    the tokens expected from the step and costs a draft token plus what one more token adds to the
-    verify, so it pays while S · rate > draft + verify slope, rate being the best tokens per second the
-    cost model expects (the slope taken over the first CUT_SPAN drafts). The cut is therefore (draft + slope) · rate, never below the rule's own: with a
-    draft costing 0.4 of a target step the fixed 0.3 drafts chains that cost more than they return."""
+    The odds cut follows the measured costs (`cost_cut`). The drafter compares the survival odds S of the
+    tokens it has drafted so far with the cut, to decide whether to pay for one more: that token adds
+    S · a to the tokens expected from the step (a: the chance it is accepted once the ones before it were,
+    which is not known before its forward) and costs a draft token plus what one more token adds to the
+    verify. It pays while S · a · rate > draft + verify slope, rate being the best tokens per second the
+    cost model expects (the slope taken over the first CUT_SPAN drafts), so the cut is
+    (draft + slope) · rate / a, with a the model's acceptance past the first position (`next_acceptance`);
+    never below the rule's own: with a draft costing 0.4 of a target step the fixed 0.3
+    drafts chains that cost more than they return."""
 
     def __init__(self, max_k: int = 20, cost_cut: bool = True, **kwargs) -> None:
         self.cost_cut = cost_cut
@@ -218,7 +222,12 @@ class DraftOrNot(CostModelK):
         if self.cost_cut and self.draft_cost.known and self.verify.known:
             span = min(self.max_k, CUT_SPAN)
             slope = (self.verify.at(span + 1) - self.verify.at(1)) / span
-            self.cut = min(0.95, (self.draft_cost.value + slope) * self.best_model_rate())
+            self.cut = min(0.95, (self.draft_cost.value + slope) * self.best_model_rate() / self.next_acceptance())
+
+    def next_acceptance(self) -> float:
+        """The chance that a token drafted after accepted ones is accepted too: the model's acceptance pooled
+        over every position past the first (as often as each was reached), with the prior."""
+        return max(self.model.pooled(first=1), 1e-3)
 
     def _choose(self) -> int:
         return self.max_k if super()._choose() else 0
@@ -292,6 +301,11 @@ class _Positions:
             previous = min((kept + previous * self.prior_weight) / (reached + self.prior_weight), 0.999)
             rates.append(previous)
         return rates
+
+    def pooled(self, first: int = 0) -> float:
+        """Accepted / reached over positions `first`+1 onwards together (decayed counts, with the prior)."""
+        kept, reached = sum(self.kept[first:]), sum(self.reached[first:])
+        return (kept + self.prior_alpha * self.prior_weight) / (reached + self.prior_weight)
 
     def expected_tokens(self, k: int) -> float:
         """1 + sum_{i<=k} prod_{j<=i} a_j: the drafts expected to survive plus the target's own token."""

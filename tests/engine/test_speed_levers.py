@@ -153,19 +153,22 @@ def test_draft_or_not_drafts_to_its_cap_while_drafting_pays_and_stops_when_it_do
 
 
 def test_the_odds_cut_rises_with_what_a_draft_token_costs_and_never_falls_below_the_rule():
-    """One more draft token pays while its survival odds x the expected rate beat its draft cost plus the
-    verify's slope: a draft at 0.4 of a target step cuts near 0.5, a cheap one keeps the rule's 0.3."""
+    """The drafter holds the odds S of what it drafted so far against the cut before it pays for one more
+    token, which adds S x (its chance once the others were accepted) to the step: that pays while it, times
+    the expected rate, beats the draft cost plus the verify's slope. A draft at 0.3 of a target step, accepted
+    2 times in 3 past its first token, cuts near 0.9; a cheap one keeps the rule's 0.3."""
     rule = DraftRule(min_survival=0.3)
     flat = {1: 0.1, 2: 0.1, 4: 0.1, 8: 0.1, 16: 0.1}
-    dear = feed(DraftOrNot(rule=rule, verify_curve=flat), lambda k: min(k, 3), 0.04, 0.1)
+    dear = feed(DraftOrNot(rule=rule, verify_curve=flat), lambda k: min(k, 3), 0.03, 0.1)
     cheap = feed(DraftOrNot(rule=rule, verify_curve=flat), lambda k: min(k, 3), 0.002, 0.1)
     assert dear.next_k() > 0  # drafting still pays: the cut decides how far, not whether
-    rate = dear.best_model_rate()
-    assert dear.rule.min_survival == pytest.approx(0.04 * rate) and 0.4 < dear.rule.min_survival < 0.95
-    assert cheap.rule.min_survival == 0.3  # 0.002 x rate is below the rule's own cut
+    rate, following = dear.best_model_rate(), dear.next_acceptance()
+    assert following == pytest.approx(2 / 3, abs=0.01)  # past the first position: 2 and 3 kept, 4 rejected
+    assert dear.rule.min_survival == pytest.approx(0.03 * rate / following) and 0.6 < dear.rule.min_survival < 0.95
+    assert cheap.rule.min_survival == 0.3  # 0.002 x rate / following is below the rule's own cut
     steep = {1: 0.1, 2: 0.12, 4: 0.16, 8: 0.24, 16: 0.4}  # +0.02 s a token past the first
     sloped = feed(DraftOrNot(rule=rule, verify_curve=steep), lambda k: min(k, 3), 0.002, VerifyCost(steep).at)
-    assert sloped.rule.min_survival == pytest.approx((0.002 + 0.02) * sloped.best_model_rate())
+    assert sloped.rule.min_survival == pytest.approx((0.002 + 0.02) * sloped.best_model_rate() / sloped.next_acceptance())
     fixed = feed(DraftOrNot(rule=rule, verify_curve=flat, cost_cut=False), lambda k: min(k, 3), 0.04, 0.1)
     assert fixed.rule.min_survival == 0.3
 

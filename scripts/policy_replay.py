@@ -1,0 +1,191 @@
+"""Draft-length policies replayed, without timing noise: the target's greedy output on Spec-Bench prompts is
+recorded once, with the draft model's top token and its probability at every position of it (teacher-forced:
+a chain draft that got tokens 1..i right sees exactly what it saw here, so token i + 1 of any chain is what
+this records), and each policy then decodes that output again on paper: it picks how far to draft, the draft
+stops where the policy's odds cut says, the leading matches are accepted, and every step costs what this
+machine's calibrated curve (`specdec calibrate`) says a verify of n tokens costs, and a draft token what a
+one-token forward of the draft (its subset head) measures here.
+
+    python scripts/policy_replay.py [--per-category 3] [--max-new-tokens 128] [--json PATH]   (after specdec calibrate)
+
+Prints the decoding speedup over the target alone (prefill left out) and tokens per step for: the shipped
+policy (`session.make_policy("auto")`), the odds cut before it divided by the next token's acceptance, fixed
+odds cuts, and the oracle that drafts exactly up to the first token the target rejects (the ceiling of any
+stopping rule with this draft and these costs). Model drafts only: no lookups (the cascade's are extra)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+from specdec_cli.drafters.subset_head import draft_vocabulary, shared_subset_head
+from specdec_cli.engine import DraftOrNot, SamplingParams
+from specdec_cli.engine.kv import CachedModel
+from specdec_cli.engine.policy import VerifyCost
+from specdec_cli.models import load_model
+from specdec_cli.models.calibrate import machine
+from specdec_cli.session import (
+    AUTO_MAX_K, DRAFT_WINDOW, build_decoder, draft_rule, encode_chat, forward_curve, make_policy,
+)
+
+from draft_levers import CutOnOdds  # the odds cut before it divided by the next token's acceptance
+from levers import spec_bench  # scripts/levers.py: Spec-Bench questions, n per category
+
+STEP_OVERHEAD = 0.0017  # seconds of the engine's own work per speculative step (scripts/step_overhead.py)
+
+
+def record(target, draft, questions, max_new_tokens: int) -> list[dict]:
+    """Per prompt: the target's greedy output and, at each of its positions, the draft's top token and its
+    probability, as the model drafter computes them (its subset head, its window)."""
+    subset = draft_vocabulary(draft.tokenizer, draft.vocab_size)
+    head = shared_subset_head(draft.model, subset) if subset is not None else draft.model
+    recorded = []
+    for category, question in questions:
+        prompt = encode_chat(target.tokenizer, [{"role": "user", "content": question}])
+        output = build_decoder(target, None, "none", 0).generate(prompt, SamplingParams(), max_new_tokens).tokens
+        seen = prompt[-DRAFT_WINDOW:]
+        with torch.inference_mode():
+            logits = head(input_ids=torch.tensor([seen + output]), use_cache=False).logits[0]
+        probs = logits[len(seen) - 1: len(seen) + len(output) - 1].float().softmax(-1)
+        top, index = probs.max(-1)
+        recorded.append({"category": category, "output": output,
+                         "draft_top": (subset[index] if subset is not None else index).tolist(),
+                         "draft_p": top.tolist()})
+        print(f"recorded {len(recorded)}/{len(questions)} ({category}, {len(output)} tokens)", flush=True)
+    return recorded
+
+
+def draft_token_seconds(draft, context: int = 200, repeats: int = 21) -> float:
+    """Median seconds of a one-token forward of the draft as the model drafter runs it (its subset head) over
+    a `context`-token cache: what a draft token costs (the calibration times the full output layer)."""
+    subset = draft_vocabulary(draft.tokenizer, draft.vocab_size)
+    runner = CachedModel(shared_subset_head(draft.model, subset) if subset is not None else draft.model)
+    ids = [100 + (31 * i) % 5000 for i in range(context)]
+    runner.extend(ids, 1)
+    seconds = []
+    for repeat in range(repeats):
+        started = time.perf_counter()
+        runner.extend(ids + [200 + repeat], 1)
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds)
+
+
+def replay(sequences: list[dict], choose, verify: VerifyCost, draft_seconds: float) -> dict:
+    """Decode each recorded output again with `choose(sequence, position, policy)` -> tokens to draft; the
+    policy (or None) learns from each step as the engine's would. Seconds: modelled, not measured."""
+    alone = spec = 0.0
+    steps = tokens = 0
+    by_category = defaultdict(lambda: [0.0, 0.0])
+    for sequence in sequences:
+        output, policy = sequence["output"], choose.policy()
+        position, seconds = 0, 0.0
+        while position < len(output):
+            drafted = choose(sequence, position, policy)
+            accepted = 0
+            while accepted < drafted and sequence["draft_top"][position + accepted] == output[position + accepted]:
+                accepted += 1
+            verify_seconds = verify.at(drafted + 1)
+            seconds += verify_seconds + drafted * draft_seconds + (STEP_OVERHEAD if drafted else 0.0)
+            if policy is not None:
+                policy.update(drafted, accepted, drafted * draft_seconds if drafted else 0.0, verify_seconds)
+            position += accepted + 1
+            steps, tokens = steps + 1, tokens + accepted + 1
+        plain = len(output) * verify.at(1)
+        alone, spec = alone + plain, spec + seconds
+        by_category[sequence["category"]][0] += plain
+        by_category[sequence["category"]][1] += seconds
+    return {"speedup": alone / spec, "tokens_per_step": tokens / steps,
+            "by_category": {category: a / s for category, (a, s) in by_category.items()}}
+
+
+class PolicyChoice:
+    """Draft as the engine does: the policy's k, the draft stopping once its odds fall below the policy's cut."""
+
+    def __init__(self, make):
+        self.policy = make
+
+    def __call__(self, sequence: dict, position: int, policy) -> int:
+        k = min(policy.next_k(), len(sequence["output"]) - position)
+        cut = policy.rule.min_survival if policy.rule is not None else 0.0
+        drafted, survival = 0, 1.0
+        while drafted < k:
+            survival *= sequence["draft_p"][position + drafted]
+            drafted += 1
+            if survival < cut:
+                break
+        return drafted
+
+
+class FixedCut(PolicyChoice):
+    def __init__(self, cut: float):
+        super().__init__(lambda: None)
+        self.cut = cut
+
+    def __call__(self, sequence: dict, position: int, policy) -> int:
+        drafted, survival = 0, 1.0
+        while drafted < AUTO_MAX_K and position + drafted < len(sequence["output"]):
+            survival *= sequence["draft_p"][position + drafted]
+            drafted += 1
+            if survival < self.cut:
+                break
+        return drafted
+
+
+class Oracle(PolicyChoice):
+    def __init__(self):
+        super().__init__(lambda: None)
+
+    def __call__(self, sequence: dict, position: int, policy) -> int:
+        right = 0
+        while position + right < len(sequence["output"]) and \
+                sequence["draft_top"][position + right] == sequence["output"][position + right]:
+            right += 1
+        return min(right + 1, len(sequence["output"]) - position, AUTO_MAX_K)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target-quant", default="q4")
+    parser.add_argument("--draft-quant", default="q4")
+    parser.add_argument("--per-category", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    target = load_model("demo:qwen2.5-coder-1.5b", quantization=args.target_quant, progress=False)
+    draft = load_model("demo:qwen2.5-coder-0.5b", quantization=args.draft_quant, progress=False, role="draft")
+    target_curve = forward_curve(target)
+    if not target_curve:
+        raise SystemExit("no calibration for the target's format on this machine: run `specdec calibrate` first")
+    sequences = record(target, draft, spec_bench(args.per_category), args.max_new_tokens)
+    verify = VerifyCost(target_curve)
+    draft_seconds = draft_token_seconds(draft)
+    auto = lambda policy=DraftOrNot: policy(max_k=AUTO_MAX_K, rule=draft_rule("auto"), verify_curve=target_curve)  # noqa: E731
+    choices = {"shipped (make_policy auto)": PolicyChoice(lambda: make_policy("auto", verify_curve=target_curve)),
+               "odds cut before (no next-token acceptance)": PolicyChoice(lambda: auto(CutOnOdds)),
+               **{f"fixed odds cut {cut}": FixedCut(cut) for cut in (0.3, 0.5, 0.6, 0.7, 0.8, 0.9)},
+               "oracle (drafts to the first rejection)": Oracle()}
+    rows = {}
+    print(f"\ndraft token {1000 * draft_seconds:.1f} ms, target forward {1000 * verify.at(1):.1f} ms "
+          f"(c = {draft_seconds / verify.at(1):.2f}); decoding speedup over the target alone, prefill left out")
+    for name, choose in choices.items():
+        rows[name] = result = replay(sequences, choose, verify, draft_seconds)
+        worst = min(result["by_category"], key=result["by_category"].get)
+        print(f"{name:44} x{result['speedup']:.3f}  {result['tokens_per_step']:.2f} tok/step  "
+              f"worst {worst} x{result['by_category'][worst]:.2f}")
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump({"machine": machine(), "target": target.precision, "draft": draft.precision,
+                       "target_curve": target_curve, "draft_token_seconds": draft_seconds,
+                       "per_category": args.per_category,
+                       "max_new_tokens": args.max_new_tokens, "step_overhead": STEP_OVERHEAD, "rows": rows},
+                      file, indent=1)
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    main()
