@@ -6,7 +6,10 @@ batch size in one process; every row says its tokens per second, its ratio to th
 size, the draft tokens it verified per row and step, its acceptance, and whether its outputs equal the target
 alone's.
 
-    python scripts/batch_crossover.py [--per-category 1] [--max-new-tokens 64] [--sizes 1,2,4,8] [--json PATH]
+    python scripts/batch_crossover.py [--per-category 1] [--max-new-tokens 64] [--sizes 1,2,4,8] [--whole-draft] [--json PATH]
+
+--whole-draft adds the cascade as the batched engine drafted before it read a window and scored a subset of the
+vocabulary (the draft model reading every prompt token, scoring all its ids), against the default.
 
 Run on an idle machine (no other process on the cores)."""
 
@@ -18,11 +21,12 @@ import time
 
 import torch
 
+from specdec_cli.drafters import NgramDrafter
 from specdec_cli.engine import SamplingParams
-from specdec_cli.engine.batched import RowRequest
+from specdec_cli.engine.batched import BatchedDecoder, RowRequest
 from specdec_cli.models import load_model
 from specdec_cli.models.calibrate import machine
-from specdec_cli.session import build_batched_decoder, encode_chat, forward_curve
+from specdec_cli.session import build_batched_decoder, encode_chat, eos_token_ids, forward_curve
 
 SPEC_BENCH = "../shared/prompts/spec_bench_questions.jsonl"
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
@@ -40,8 +44,21 @@ def held_prompts(path: str, per_category: int) -> list[str]:
     return [question for category in MT_BENCH for question in taken[category]]
 
 
-def one_pass(target, draft, drafter, k, size, prompts, max_new_tokens, curves) -> dict:
-    decoder = build_batched_decoder(target, draft, drafter, k, size, *curves)
+WHOLE_DRAFT = ("cascade k=auto, whole prompt and vocabulary", "cascade", "auto")
+
+
+def whole_draft_decoder(target, draft, size, curves) -> BatchedDecoder:
+    """The cascade's batched engine without the draft's window and subset head."""
+    return BatchedDecoder(target.model, draft.model, "cascade", size, "auto", eos_token_ids(target),
+                          verify_curve=curves[0], draft_curve=curves[1],
+                          lookup_factory=lambda: NgramDrafter(max_n=4, min_n=2))
+
+
+def one_pass(target, draft, name, drafter, k, size, prompts, max_new_tokens, curves) -> dict:
+    if name == WHOLE_DRAFT[0]:
+        decoder = whole_draft_decoder(target, draft, size, curves)
+    else:
+        decoder = build_batched_decoder(target, draft, drafter, k, size, *curves)
     started = time.perf_counter()
     results = decoder.generate_many([RowRequest(ids, SamplingParams(), max_new_tokens) for ids in prompts])
     seconds = time.perf_counter() - started
@@ -61,8 +78,10 @@ def main() -> None:
     parser.add_argument("--sizes", default="1,2,4,8")
     parser.add_argument("--target-quant", default="int8")
     parser.add_argument("--draft-quant", default="int4")
+    parser.add_argument("--whole-draft", action="store_true")
     parser.add_argument("--json")
     args = parser.parse_args()
+    configurations = CONFIGURATIONS + ((WHOLE_DRAFT,) if args.whole_draft else ())
     torch.set_num_threads(2)
     target = load_model("demo:qwen2.5-coder-1.5b", dtype="bfloat16", quantization=args.target_quant, role="target", progress=False)
     draft = load_model("demo:qwen2.5-coder-0.5b", dtype="bfloat16", quantization=args.draft_quant, role="draft", progress=False)
@@ -72,10 +91,13 @@ def main() -> None:
         [RowRequest(prompts[0], SamplingParams(), 8)])
     rows = []
     for size in map(int, args.sizes.split(",")):
-        baseline = None
-        for name, drafter, k in CONFIGURATIONS:
-            measured = one_pass(target, draft, drafter, k, size, prompts, args.max_new_tokens, curves)
-            baseline = baseline or measured
+        measured_by_name = {}
+        shift = len(rows) // len(configurations)  # each batch size starts with another configuration (drift)
+        for name, drafter, k in configurations[shift % len(configurations):] + configurations[:shift % len(configurations)]:
+            measured_by_name[name] = one_pass(target, draft, name, drafter, k, size, prompts, args.max_new_tokens, curves)
+        baseline = measured_by_name[configurations[0][0]]
+        for name, _, _ in configurations:
+            measured = measured_by_name[name]
             row = {"batch_size": size, "configuration": name, **{key: measured[key] for key in measured if key != "tokens"},
                    "tok_per_s": measured["new_tokens"] / measured["seconds"],
                    "vs_target_alone": baseline["seconds"] / measured["seconds"] * measured["new_tokens"] / baseline["new_tokens"],

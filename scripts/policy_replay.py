@@ -20,6 +20,7 @@ import json
 import statistics
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
@@ -155,15 +156,26 @@ def main() -> None:
     parser.add_argument("--per-category", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--json", default="")
+    parser.add_argument("--recorded", default="", help="keep the recording in this file, and replay it if it exists")
+    parser.add_argument("--draft-ms", type=float, default=0.0, help="what-if: a draft token's cost (default: measured)")
+    parser.add_argument("--verify-scale", type=float, default=1.0,
+                        help="what-if: a verify of n tokens costs 1 + scale x (its calibrated cost / a one-token forward's - 1)")
     args = parser.parse_args()
     target = load_model("demo:qwen2.5-coder-1.5b", quantization=args.target_quant, progress=False)
     draft = load_model("demo:qwen2.5-coder-0.5b", quantization=args.draft_quant, progress=False, role="draft")
     target_curve = forward_curve(target)
     if not target_curve:
         raise SystemExit("no calibration for the target's format on this machine: run `specdec calibrate` first")
-    sequences = record(target, draft, spec_bench(args.per_category), args.max_new_tokens)
+    if args.recorded and Path(args.recorded).exists():
+        sequences = json.loads(Path(args.recorded).read_text())
+    else:
+        sequences = record(target, draft, spec_bench(args.per_category), args.max_new_tokens)
+        if args.recorded:
+            Path(args.recorded).write_text(json.dumps(sequences))
+    one = min(target_curve.values())
+    target_curve = {n: one * (1 + args.verify_scale * (seconds / one - 1)) for n, seconds in target_curve.items()}
     verify = VerifyCost(target_curve)
-    draft_seconds = draft_token_seconds(draft)
+    draft_seconds = args.draft_ms / 1000 if args.draft_ms else draft_token_seconds(draft)
     auto = lambda policy=DraftOrNot: policy(max_k=AUTO_MAX_K, rule=draft_rule("auto"), verify_curve=target_curve)  # noqa: E731
     choices = {"shipped (make_policy auto)": PolicyChoice(lambda: make_policy("auto", verify_curve=target_curve)),
                "odds cut before (no next-token acceptance)": PolicyChoice(lambda: auto(CutOnOdds)),

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specdec_cli.drafters import CascadeDrafter, DraftModelDrafter, NgramDrafter
-from specdec_cli.drafters.subset_head import draft_vocabulary
+from specdec_cli.drafters.subset_head import draft_vocabulary, shared_subset_head
 from specdec_cli.drafters.tree import DEFAULT_BUDGET, TreeDrafter, budget_from_costs
 from specdec_cli.engine import DraftLengthPolicy, DraftOrNot, FixedK, SpeculativeDecoder
 from specdec_cli.engine.batched import BatchedDecoder
@@ -178,17 +178,23 @@ def build_batched_decoder(target: LoadedModel, draft: LoadedModel | None, drafte
                           batch_size: int, target_curve: dict[int, float] | None = None,
                           draft_curve: dict[int, float] | None = None) -> BatchedDecoder:
     """The batched engine for `run` and `compare --batch-size`: drafter as for `build_decoder` (a tree drafts
-    chains in a batch: one path per row), k = auto priced by the models' forward-cost curves (given, else
-    `forward_curve`; assumed shapes where not calibrated), never by the clock."""
+    chains in a batch: one path per row; the draft model scores its most frequent ids, `draft_vocabulary`, and
+    reads DRAFT_WINDOW tokens of each prompt, as the one-sequence drafters do), k = auto priced by the models'
+    forward-cost curves (given, else `forward_curve`; assumed shapes where not calibrated), never by the clock."""
     batched_drafter = "model" if drafter == "tree" else drafter
     uses_draft = batched_drafter in ("model", "cascade") and k != 0
     if uses_draft and draft is None:
         raise InputError(f"the {drafter} drafter needs a draft model", "pass --draft NAME, or --drafter ngram")
+    vocabulary = draft_vocabulary(draft.tokenizer, draft.vocab_size) if uses_draft else None
+    draft_model = None
+    if uses_draft:
+        draft_model = shared_subset_head(draft.model, vocabulary) if vocabulary is not None else draft.model
     return BatchedDecoder(
-        target.model, draft.model if uses_draft else None, batched_drafter, batch_size, k, eos_token_ids(target),
+        target.model, draft_model, batched_drafter, batch_size, k, eos_token_ids(target),
         verify_curve=(target_curve or forward_curve(target)) if k == "auto" else None,
         draft_curve=(draft_curve or forward_curve(draft)) if uses_draft and k == "auto" else None,
-        lookup_factory=_lookup_factory(batched_drafter),
+        lookup_factory=_lookup_factory(batched_drafter), draft_ids=vocabulary,
+        draft_window=DRAFT_WINDOW if uses_draft else None,
     )
 
 

@@ -59,9 +59,15 @@ class SubsetHeadLM(torch.nn.Module):
         self.config = causal_lm.config
         self.head, self.full_vocab_size = _subset_layer(causal_lm.get_output_embeddings(), token_ids)
 
-    def forward(self, input_ids, cache=None, use_cache=True, logits_to_keep=0, **kwargs):
-        hidden = self.body(input_ids=input_ids, cache=cache, use_cache=use_cache).last_hidden_state
-        if logits_to_keep:
+    def forward(self, input_ids, cache=None, use_cache=True, logits_to_keep=0, attention_mask=None,
+                position_ids=None, **kwargs):
+        """As the causal LM's forward (a mask and position ids too, as a packed batch gives them); logits_to_keep:
+        the last n positions, or the positions a 1-D tensor names."""
+        hidden = self.body(input_ids=input_ids, cache=cache, use_cache=use_cache, attention_mask=attention_mask,
+                           position_ids=position_ids).last_hidden_state
+        if isinstance(logits_to_keep, torch.Tensor):
+            hidden = hidden[:, logits_to_keep]
+        elif logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         return SimpleNamespace(logits=self.head(hidden))  # (1, n, |subset|)
 

@@ -11,7 +11,9 @@ stats). Each step, for all live rows together:
   5. learn   — the policy sees each row's outcome; a finished row leaves both caches and the next
                request takes its place before the next step (continuous batching).
 Both models keep all rows in one packed cache each (packed.py): rollback and catch-up follow from the
-shared-prefix rule, and a row's prompt is prefilled alone when it is admitted.
+shared-prefix rule, and a row's prompt is prefilled alone when it is admitted. As the one-sequence drafters
+do, the draft model may score a subset of the vocabulary (`draft_ids`) and read a window of each row
+(`draft_window`: the last tokens of its prompt and all after them); both are lossless.
 
 A row's output does not depend on the other rows: greedy output equals batch size 1 (bit for bit with
 the row-wise attention of int8/int4 targets, up to float rounding otherwise), and a row draws from its
@@ -68,6 +70,7 @@ class _Row:
     started: float
     ids: list[int]
     lookup: Lookup | None = None  # the row's own lookup index (ngram, cascade)
+    draft_start: int = 0  # the first of the row's ids the draft model reads (its window's start)
     tokens: list[int] = field(default_factory=list)
     provenance: list[Provenance] = field(default_factory=list)
     stats: GenerationStats = field(default_factory=GenerationStats)
@@ -85,12 +88,15 @@ class BatchedDecoder:
     when it matches, else the draft model); k: an int (every row, every step) or "auto" (`CostBatchK`
     on the forward-cost curves: `verify_curve` the target's, `draft_curve` the draft's). lookup_factory:
     a new lookup index for each row (an `NgramDrafter`, which the engine cannot import: drafters sit
-    above it), for the ngram and cascade drafters."""
+    above it), for the ngram and cascade drafters. draft_ids: the ids `draft`'s logits score, in order
+    (a subset head, drafters/subset_head.py; None: the whole vocabulary). draft_window: the draft model
+    reads only the last `draft_window` tokens of a row's prompt, and everything after them (None: all)."""
 
     def __init__(self, target: torch.nn.Module, draft: torch.nn.Module | None = None, drafter: str = "none",
                  batch_size: int = 8, k: int | str = "auto", eos_token_ids: Sequence[int] = (),
                  verify_curve: dict[int, float] | None = None, draft_curve: dict[int, float] | None = None,
-                 lookup_factory: Callable[[], Lookup] | None = None) -> None:
+                 lookup_factory: Callable[[], Lookup] | None = None, draft_ids: torch.Tensor | None = None,
+                 draft_window: int | None = None) -> None:
         if drafter not in DRAFTERS:
             raise ValueError(f"unknown batched drafter {drafter!r} (one of {', '.join(DRAFTERS)})")
         if drafter in ("model", "cascade") and draft is None:
@@ -106,6 +112,9 @@ class BatchedDecoder:
         self.target = PackedCache(target)
         uses_model = self.drafter in ("model", "cascade")
         self.draft = PackedCache(draft) if uses_model else None
+        self.draft_ids = None if draft_ids is None else draft_ids.cpu()
+        self.draft_width = None if draft_ids is None else int(self.draft_ids.max()) + 1
+        self.draft_window = draft_window
         self.min_survival = AUTO_SURVIVAL if k == "auto" else 0.0
         self.context = smallest_context(context_length(target), context_length(draft) if uses_model else None)
         self.policy = (CostBatchK(batch_size, verify_curve, draft_curve) if k == "auto" else FixedBatchK(int(k)))
@@ -155,10 +164,11 @@ class BatchedDecoder:
         # The draft model sees the prompt now if rows draft from the start at this batch size, else when the
         # row first drafts (a large batch may never draft: it pays no draft prefill).
         self.target.admit(index, prompt[:-1])
+        draft_start = max(len(prompt) - self.draft_window, 0) if self.draft_window else 0
         if self.draft is not None:
-            self.draft.admit(index, prompt[:-1] if self.draft_from_the_start else [])
+            self.draft.admit(index, prompt[draft_start:-1] if self.draft_from_the_start else [])
         lookup = self.lookup_factory() if self.drafter in ("ngram", "cascade") else None
-        return _Row(index, request, budget, make_generator(request.params.seed), started, prompt, lookup)
+        return _Row(index, request, budget, make_generator(request.params.seed), started, prompt, lookup, draft_start)
 
     def _release(self, row: _Row) -> None:
         self.target.release(row.index)
@@ -193,7 +203,10 @@ class BatchedDecoder:
 
     def _unseen(self, row: _Row) -> int:
         """Tokens of the row the draft model has not seen: what its next draft forward feeds first."""
-        return len(row.ids) - self.draft.shared_prefix(row.index, row.ids) if self.draft is not None else 0
+        if self.draft is None:
+            return 0
+        read = row.ids[row.draft_start:]
+        return len(read) - self.draft.shared_prefix(row.index, read)
 
     def _draft_with_model(self, ks: dict[int, int], live: dict[int, _Row]) -> dict[int, Draft]:
         """Each row in `ks` drafts up to its k with the draft model: one packed forward per position over
@@ -203,23 +216,25 @@ class BatchedDecoder:
         rows_of_probs: dict[int, list[torch.Tensor]] = {index: [] for index in ks}
         survival = dict.fromkeys(ks, 1.0)
         active = list(ks)
+        read = {index: live[index].ids[live[index].draft_start:] for index in ks}  # what the draft model reads
         for index in active:
             if self._unseen(live[index]) > PREFILL_ALONE:  # a long catch-up (the prompt) in chunks, on its own
-                self.draft.admit(index, live[index].ids[:-1])
+                self.draft.admit(index, read[index][:-1])
         while active:
-            logits = self.draft.extend({index: live[index].ids + drafted[index] for index in active},
+            logits = self.draft.extend({index: read[index] + drafted[index] for index in active},
                                        dict.fromkeys(active, 1))
             still = []
             for index in active:
                 params, row_logits = live[index].request.params, logits[index][-1]
                 if params.greedy:
-                    token = int(row_logits.argmax())
-                    confidence = float(torch.softmax(row_logits.float(), -1)[token]) if self.min_survival else 1.0
+                    choice = int(row_logits.argmax())
+                    confidence = float(torch.softmax(row_logits.float(), -1)[choice]) if self.min_survival else 1.0
                 else:
                     probs = logits_to_probs(row_logits, params)
-                    token = sample(probs, live[index].generator)
-                    confidence = float(probs[token])
-                    rows_of_probs[index].append(probs)
+                    choice = sample(probs, live[index].generator)
+                    confidence = float(probs[choice])
+                    rows_of_probs[index].append(self._on_draft_vocabulary(probs))
+                token = choice if self.draft_ids is None else int(self.draft_ids[choice])
                 drafted[index].append(token)
                 survival[index] *= confidence
                 if len(drafted[index]) < ks[index] and survival[index] >= self.min_survival:
@@ -227,6 +242,13 @@ class BatchedDecoder:
             active = still
         return {index: Draft(drafted[index], torch.stack(rows_of_probs[index]) if rows_of_probs[index] else None)
                 for index in ks}
+
+    def _on_draft_vocabulary(self, probs: torch.Tensor) -> torch.Tensor:
+        """(V,) probabilities over the draft's own ids: a subset head's scattered back (0 off the subset)."""
+        if self.draft_ids is None:
+            return probs
+        whole = torch.zeros(self.draft_width, dtype=probs.dtype)
+        return whole.index_copy_(0, self.draft_ids, probs.cpu())
 
     def _advance(self, row: _Row, draft: Draft, verdict: Verdict, draft_seconds: float, verify_seconds: float) -> None:
         """The row takes the step's tokens, cut at EOS, the budget or its stop callback."""

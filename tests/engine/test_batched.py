@@ -212,3 +212,24 @@ def test_with_k_auto_a_sampled_row_draws_the_same_in_any_batch(target, near_draf
     reordered = BatchedDecoder(target, near_draft, "model", batch_size=4, k="auto").generate_many(sampled[::-1])[::-1]
     assert [r.tokens for r in batched] == [r.tokens for r in one_by_one] == [r.tokens for r in reordered]
     assert sum(r.stats.drafted for r in batched) > 0
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0, seed=5)], ids=["greedy", "sampled"])
+def test_a_subset_head_and_a_window_draft_in_a_batch_as_the_drafter_alone(target, near_draft, params):
+    """The draft scoring a subset of the vocabulary and reading the last tokens of the prompt (run's defaults,
+    as the one-sequence drafter's): each row drafts, accepts and draws what `DraftModelDrafter` with the same
+    subset and window does for it alone — the subset's indices mapped back to ids, its probabilities scattered
+    back onto the vocabulary, the window kept as the row grows."""
+    from specdec_cli.drafters.subset_head import SubsetHeadLM
+
+    subset = torch.cat([torch.arange(0, 60), torch.tensor([70, 95])])  # ids 60-94 but 70 are never drafted
+    head = SubsetHeadLM(near_draft, subset)
+    long, short = prompts(1, seed=4)[0] + list(range(3, 30)), [5, 6, 7]
+    decoder = BatchedDecoder(target, head, "model", batch_size=2, k=3, draft_ids=subset, draft_window=12)
+    results = decoder.generate_many([RowRequest(long, params, 30), RowRequest(short, params, 30)])
+    for prompt, result in zip((long, short), results):
+        drafter = DraftModelDrafter(near_draft, token_ids=subset, window=12)
+        single = SpeculativeDecoder(target, drafter, FixedK(3)).generate(prompt, params, 30)
+        assert (result.tokens, result.stats.drafted, result.stats.accepted) == (
+            single.tokens, single.stats.drafted, single.stats.accepted)
+        assert result.stats.accepted > 0

@@ -176,12 +176,17 @@ def test_the_odds_cut_rises_with_what_a_draft_token_costs_and_never_falls_below_
 def test_auto_is_draft_or_not_with_the_survival_cut_and_a_fixed_k_drafts_exactly_k(llama_target, llama_near_draft):
     from types import SimpleNamespace
 
-    from specdec_cli.session import AUTO_MAX_K, AUTO_SURVIVAL, DRAFT_WINDOW, make_drafter, make_policy
+    from specdec_cli.session import AUTO_MAX_K, AUTO_SURVIVAL, DRAFT_WINDOW, build_batched_decoder, make_drafter, make_policy
 
-    draft = SimpleNamespace(model=llama_near_draft, tokenizer=None, vocab_size=llama_near_draft.config.vocab_size)
+    draft = SimpleNamespace(model=llama_near_draft, tokenizer=None, vocab_size=llama_near_draft.config.vocab_size,
+                            name="tiny draft", quantization=None, dtype=torch.float32)
     auto, fixed = make_drafter("cascade", draft, "auto"), make_drafter("cascade", draft, 4)
     assert auto.model_drafter.min_survival == AUTO_SURVIVAL and fixed.model_drafter.min_survival == 0.0
     assert auto.model_drafter.window.size == make_drafter("model", draft, "auto").window.size == DRAFT_WINDOW
+    target = SimpleNamespace(model=llama_target, tokenizer=SimpleNamespace(get_vocab=dict), eos_token_ids=(),
+                             name="tiny", quantization=None, dtype=torch.float32)
+    batched = build_batched_decoder(target, draft, "cascade", "auto", 4)
+    assert batched.draft_window == DRAFT_WINDOW  # run's batches read the window as chat's drafter does
     assert isinstance(make_policy("auto"), DraftOrNot) and make_policy("auto").next_k() > 0
     assert make_policy("auto").max_k == AUTO_MAX_K and make_policy(4).next_k() == 4
     clock_free = make_policy("auto", clock_free=True)  # run's: never reads the clock

@@ -8,7 +8,7 @@ import pytest
 from specdec_cli.engine import FixedK, SamplingParams, SpeculativeDecoder
 from specdec_cli.engine.batched import RowRequest
 from specdec_cli.models import load_pair
-from specdec_cli.session import build_batched_decoder, encode_chat, eos_token_ids
+from specdec_cli.session import DRAFT_WINDOW, build_batched_decoder, encode_chat, eos_token_ids
 
 from tests.models.test_demo_real import requires_demo
 
@@ -46,3 +46,5 @@ def test_batched_greedy_equals_batch_one_on_the_real_pair(pair, drafter, k):
     assert [result.tokens for result in results] == alone
     if drafter != "none":
         assert sum(result.stats.drafted for result in results) > 0
+        # the draft scores its 65,536 most frequent ids (Qwen2.5's vocabulary is 151,936) and reads a window
+        assert len(decoder.draft_ids) < draft.vocab_size // 2 and decoder.draft_window == DRAFT_WINDOW
