@@ -70,12 +70,15 @@ class GrowingLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         self.keys, self._key_buffer = _appended(self.keys, getattr(self, "_key_buffer", None), key_states)
         self.values, self._value_buffer = _appended(self.values, getattr(self, "_value_buffer", None), value_states)
+        self._own_views = None  # (which would keep a buffer this update replaced alive)
         return self.keys, self.values
 
     def reserve(self, new_shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(key buffer, value buffer), each (B, heads, capacity, dim) holding this layer's entries at its start
         with room for `new_shape` (B, heads, T, dim) more: for a forward that writes them itself (models/
         lean_layers.py's decoder stack) and then calls `written(T)`."""
+        if self._views_own_buffers(new_shape[-2], dtype):
+            return self._key_buffer, self._value_buffer
         if not self.is_initialized:
             empty = torch.empty(0, dtype=dtype, device=device)
             self.lazy_initialization(empty, empty)
@@ -89,9 +92,26 @@ class GrowingLayer(DynamicLayer):
         """`reserve`'s caller wrote `entries` new ones after the held ones: they are held now."""
         length = _held_length(self.keys) + entries
         self.keys, self.values = self._key_buffer.narrow(-2, 0, length), self._value_buffer.narrow(-2, 0, length)
+        self._own_views = (self.keys, self.values)
+
+    def _views_own_buffers(self, entries: int, dtype: torch.dtype) -> bool:
+        """Whether keys / values are still the prefix views `written` set (nothing replaced them: a crop, a
+        `keep`, an update) and their buffers have room for `entries` more: then `reserve` has nothing to check.
+        A decode step's forwards take this path (24-28 layers: the full check is ~0.1 ms of Python a forward,
+        several times that with the caches cold after the weights streamed through them)."""
+        views = getattr(self, "_own_views", None)
+        return (views is not None and views[0] is self.keys and views[1] is self.values
+                and self.keys.shape[-2] + entries <= self._key_buffer.shape[-2] and self._key_buffer.dtype == dtype)
+
+    def keep_first(self, length: int) -> None:
+        """Keep the first `length` entries; views `written` set stay such views (of the same buffers)."""
+        own = self._views_own_buffers(0, self.keys.dtype)
+        self.keys, self.values = self.keys[..., :length, :], self.values[..., :length, :]
+        if own:
+            self._own_views = (self.keys, self.values)
 
     def reset(self) -> None:
-        self._key_buffer = self._value_buffer = None
+        self._key_buffer = self._value_buffer = self._own_views = None
         super().reset()
 
 
@@ -321,8 +341,11 @@ def filled_layers(cache: DynamicCache) -> list:
 def truncate_layers(cache: DynamicCache, length: int) -> None:
     """Keep the first `length` entries of every filled layer."""
     for layer in filled_layers(cache):
-        layer.keys = layer.keys[..., :length, :]
-        layer.values = layer.values[..., :length, :]
+        if isinstance(layer, GrowingLayer):
+            layer.keep_first(length)
+        else:
+            layer.keys = layer.keys[..., :length, :]
+            layer.values = layer.values[..., :length, :]
 
 
 def _path_tokens(node: int, tree_ids: Sequence[int], parents: list[int]) -> tuple[int, ...]:
