@@ -192,7 +192,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as file:
             json.dump({"machine": machine(), "target": target.precision, "draft": draft.precision,
-                       "target_curve": target_curve, "draft_token_seconds": draft_seconds,
+                       "target_curve": target_curve, "verify_scale": args.verify_scale,
+                       "draft_token_seconds": draft_seconds, "draft_token_seconds_given": bool(args.draft_ms),
                        "per_category": args.per_category,
                        "max_new_tokens": args.max_new_tokens, "step_overhead": STEP_OVERHEAD, "rows": rows},
                       file, indent=1)
