@@ -328,7 +328,8 @@ def stack_forward(self, input_ids: torch.Tensor | None = None, attention_mask: t
     if layers is not None:
         hidden = self.embed_tokens(input_ids)  # (1, T, H)
         cached, tokens = cache.get_seq_length(), hidden.shape[1]
-        if position_ids is None:
+        in_order = position_ids is None  # the new tokens at cached, cached + 1, ... (not a tree's or a batch's)
+        if in_order:
             position_ids = torch.arange(cached, cached + tokens).unsqueeze(0)
         # No mask given: the causal mask transformers would build, which the C attention applies itself (NULL)
         # on the same keys in the same order (one forward's mask building and copy fewer; tested bit for bit).
@@ -336,16 +337,41 @@ def stack_forward(self, input_ids: torch.Tensor | None = None, attention_mask: t
             config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=cache,
             position_ids=position_ids)
         if _runs_in_c(self.layers[0], hidden, mask):  # the other layers' part of it: _stack_layers
-            hidden = _stack_in_c(self, layers, cache, hidden, cached, position_ids, mask)
+            rotary = _rotary_rows(self, hidden, position_ids, cached if in_order else None)
+            hidden = _stack_in_c(self, layers, cache, hidden, cached, rotary, mask)
             return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden),
                                            cache=cache if use_cache is not False else None)
     return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                               cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
 
 
+ROTARY_ROWS = 1024  # positions a decoder's rotary table holds at first (it doubles as positions grow)
+
+
+def _rotary_rows(decoder: torch.nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor,
+                 first: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (1, T, D) float32 for the rotary embedding at `position_ids`. For positions first, first + 1, ...
+    (`first` given) and the default rope, rows of a table the decoder keeps: the rotary module's own numbers for
+    those positions, bit for bit (each element is one product and a cos or sin: it does not depend on the other
+    positions computed with it; tested), without its ~10 torch operations a forward — ~0.1 ms warm, several times
+    that with the caches cold after a forward's weights streamed through them."""
+    rotary = decoder.rotary_emb
+    if first is None or getattr(rotary, "rope_type", None) != "default":
+        return tuple(part.float().contiguous() for part in rotary(hidden, position_ids))
+    tokens, held = hidden.shape[1], decoder.__dict__.get("_rotary_table")
+    source = rotary.inv_freq.data_ptr()
+    if held is None or held[0] != source or held[1][0].shape[1] < first + tokens:
+        size = max(ROTARY_ROWS, 1 << (first + tokens - 1).bit_length())
+        table = tuple(part.float().contiguous() for part in rotary(hidden, torch.arange(size).unsqueeze(0)))
+        decoder._rotary_table = held = _Held((source, table))
+    cos, sin = held[1]
+    return cos[:, first:first + tokens], sin[:, first:first + tokens]
+
+
 def _stack_in_c(decoder: torch.nn.Module, layers, cache, hidden: torch.Tensor, cached: int,
-                position_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """hidden (1, T, H) after every layer, in one call into C; each cache layer then holds its T new entries."""
+                rotary: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None) -> torch.Tensor:
+    """hidden (1, T, H) after every layer, in one call into C; each cache layer then holds its T new entries;
+    rotary: cos, sin (1, T, D) float32, contiguous rows."""
     tokens = hidden.shape[1]
     attention = decoder.layers[0].self_attn
     head_dim, (q_size, k_size) = attention.head_dim, attention.qk_sizes
@@ -355,7 +381,7 @@ def _stack_in_c(decoder: torch.nn.Module, layers, cache, hidden: torch.Tensor, c
     values = (ctypes.c_void_p * len(buffers))(*(value.data_ptr() for _, value in buffers))
     capacity = (ctypes.c_int64 * len(buffers))(*(key.shape[-2] for key, _ in buffers))
     visible = None if mask is None else mask[0, 0, :, -(cached + tokens):].to(torch.uint8).contiguous()
-    cos, sin = (part.float().contiguous() for part in decoder.rotary_emb(hidden, position_ids))  # (1, T, D)
+    cos, sin = rotary  # (1, T, D)
     hidden = hidden.contiguous()  # the C writes the last layer's output over it
     library, isa, _ = int8_kernel._library()
     failed = library.specdec_decoder_stack(

@@ -113,3 +113,20 @@ def test_the_stack_follows_weights_that_moved_and_an_attention_that_changed(laye
         eager = CachedModel(stacked).extend(IDS[:40], 2)
     assert layer_calls[0] == calls  # neither the stack nor the layers in C: transformers' eager attention
     assert torch.allclose(eager, ours, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch, seed", MODELS)
+def test_the_rotary_table_holds_the_rotary_modules_own_numbers(arch, seed):
+    """Rows of the decoder's rotary table (positions in order) equal what the rotary module computes for those
+    positions in a call of their own, bit for bit, past the table's first size (it grows)."""
+    decoder = tiny_causal_lm(arch, seed=seed, layers=1).model
+    hidden = torch.zeros(1, 1, decoder.config.hidden_size)
+    first = 0
+    for tokens in [1, 2, 3, 7, 16, 1] * 60 + [700, 5]:
+        states = hidden.expand(1, tokens, -1)
+        positions = torch.arange(first, first + tokens).unsqueeze(0)
+        table = lean_layers._rotary_rows(decoder, states, positions, first)
+        own = decoder.rotary_emb(states, positions)
+        assert all(torch.equal(row, part) for row, part in zip(table, own)), (first, tokens)
+        first += tokens
+    assert first > lean_layers.ROTARY_ROWS and decoder._rotary_table[1][0].shape[1] >= first
