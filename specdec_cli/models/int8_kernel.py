@@ -105,6 +105,11 @@ def _declare(library: ctypes.CDLL) -> None:
     library.specdec_decoder_stack.argtypes = [integer, integer, pointer, size, pointer, pointer, pointer, size,
                                               pointer, size, size, pointer, pointer, pointer, size, size, size,
                                               ctypes.c_float]
+    library.specdec_decoder_forward.restype = integer
+    library.specdec_decoder_forward.argtypes = [integer, integer, pointer, size, pointer, pointer, size, pointer,
+                                                pointer, pointer, size, pointer, size, size, pointer, pointer,
+                                                pointer, size, size, size, ctypes.c_float, pointer, ctypes.c_float,
+                                                pointer]
     library.specdec_lean_mlp.restype = integer
     library.specdec_lean_mlp.argtypes = [integer, integer, pointer, pointer, size, size, pointer, pointer,
                                          ctypes.c_float, pointer, pointer, pointer]

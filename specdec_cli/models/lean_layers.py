@@ -26,6 +26,8 @@ the engine's growing cache (engine/kv.py): `stack_forward` runs every layer in o
 calls per layer in the same order, so the same numbers bit for bit (tested); the Python between the layers
 (~0.1-0.3 ms a layer) goes. Measured in one interleaved run (scripts/layers_ab.py, benchmarks/2026-12-02-layers-ab-
 q4-avx512-stack.json): 0.5B q4 draft 21.9 → 18.6 ms a token, 1.5B q4 target 60.0 → 50.9 ms; 8 tokens 94.2 → 85.3 ms.
+The same call gathers the embedding rows and applies the final norm (the decoder's norm module gets the same C
+norm for the layered way, `_lean_norm`): ~0.4 ms less a draft forward (alternating in one process).
 
 Only the exact classes named in LEAN_CLASSES with SiLU MLPs are changed; other models keep transformers'
 layers."""
@@ -95,6 +97,7 @@ def use_lean_layers(model: torch.nn.Module) -> torch.nn.Module:
     for decoder in model.modules():
         if type(decoder).__name__ in STACK_CLASSES and _all_lean(decoder):
             decoder.forward = types.MethodType(stack_forward, decoder)
+            decoder.norm.forward = types.MethodType(_lean_norm, decoder.norm)
     return model
 
 
@@ -108,7 +111,7 @@ def _rms_norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     kernels run and the model computes in float32; else transformers' own module."""
     library, _, problem = int8_kernel._library()
     if problem or hidden.dtype != torch.float32 or norm.weight.dtype != torch.float32:
-        return norm(hidden)
+        return type(norm).forward(norm, hidden)  # the module's own (a decoder's norm calls this: `_lean_norm`)
     hidden = hidden.contiguous()
     out = torch.empty_like(hidden)
     library.specdec_rms_norm(hidden.data_ptr(), norm.weight.data_ptr(), norm.variance_epsilon,
@@ -309,25 +312,26 @@ def _stack_declines(decoder: torch.nn.Module, input_ids, inputs_embeds, cache, k
     if not layers or len(layers) != len(decoder.layers) or not all(hasattr(layer, "reserve") for layer in layers):
         return True
     held = {layer.get_seq_length() for layer in layers}
-    return len(held) != 1 or decoder.embed_tokens.weight.dtype != torch.float32
+    return (len(held) != 1 or decoder.embed_tokens.weight.dtype != torch.float32
+            or decoder.norm.weight.dtype != torch.float32 or not decoder.embed_tokens.weight.is_contiguous())
 
 
 def stack_forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                   position_ids: torch.Tensor | None = None, cache=None, inputs_embeds: torch.Tensor | None = None,
                   use_cache: bool | None = None, past_key_values=None, **kwargs):
-    """A Llama/Qwen2 decoder's forward (transformers' signature and result) whose layers all run in one call into
-    C (layer_kernels.c: specdec_decoder_stack) for a batch of one over specdec's growing cache (engine/kv.py):
-    the same steps as the lean layers one by one, so the same numbers bit for bit (tested), less ~0.1-0.3 ms of
-    Python per layer. Anything else (another cache, a batch, an additive mask, hidden states asked for) goes
-    through transformers' forward."""
+    """A Llama/Qwen2 decoder's forward (transformers' signature and result) in one call into C (layer_kernels.c:
+    specdec_decoder_forward: the embedding, every layer, the final norm) for a batch of one over specdec's growing
+    cache (engine/kv.py): the same steps as the embedding, the lean layers one by one and the decoder's norm
+    (`_lean_norm`), so the same numbers bit for bit (tested), less ~0.1-0.3 ms of Python per layer. Anything else
+    (another cache, a batch, an additive mask, hidden states asked for) goes through transformers' forward."""
     from transformers.masking_utils import create_causal_mask
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
     cache = cache if cache is not None else past_key_values
     layers = None if _stack_declines(self, input_ids, inputs_embeds, cache, kwargs) else _stack_layers(self)
     if layers is not None:
-        hidden = self.embed_tokens(input_ids)  # (1, T, H)
-        cached, tokens = cache.get_seq_length(), hidden.shape[1]
+        cached, tokens = cache.get_seq_length(), input_ids.shape[1]
+        hidden = torch.empty(1, tokens, self.config.hidden_size)  # the C's scratch; its shape tells the mask builder T
         in_order = position_ids is None  # the new tokens at cached, cached + 1, ... (not a tree's or a batch's)
         if in_order:
             position_ids = torch.arange(cached, cached + tokens).unsqueeze(0)
@@ -336,13 +340,19 @@ def stack_forward(self, input_ids: torch.Tensor | None = None, attention_mask: t
         mask = None if attention_mask is None else create_causal_mask(
             config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=cache,
             position_ids=position_ids)
-        if _runs_in_c(self.layers[0], hidden, mask):  # the other layers' part of it: _stack_layers
+        if mask is None or mask.dtype == torch.bool:  # what _runs_in_c asks besides the layers (_stack_layers did)
             rotary = _rotary_rows(self, hidden, position_ids, cached if in_order else None)
-            hidden = _stack_in_c(self, layers, cache, hidden, cached, rotary, mask)
-            return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden),
-                                           cache=cache if use_cache is not False else None)
+            normed = _stack_in_c(self, layers, cache, input_ids, hidden, cached, rotary, mask)
+            return BaseModelOutputWithPast(last_hidden_state=normed, cache=cache if use_cache is not False else None)
     return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                               cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+
+
+def _lean_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The forward a lean decoder's final RMSNorm gets (`use_lean_layers`): the C norm the layers use (`_rms_norm`),
+    which the decoder stack applies in its own call, so a forward that goes the layered way (a batch, transformers'
+    cache) normalises as the stack does, bit for bit; the module's own forward where that does not run."""
+    return _rms_norm(self, hidden_states)
 
 
 ROTARY_ROWS = 1024  # positions a decoder's rotary table holds at first (it doubles as positions grow)
@@ -368,10 +378,10 @@ def _rotary_rows(decoder: torch.nn.Module, hidden: torch.Tensor, position_ids: t
     return cos[:, first:first + tokens], sin[:, first:first + tokens]
 
 
-def _stack_in_c(decoder: torch.nn.Module, layers, cache, hidden: torch.Tensor, cached: int,
-                rotary: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None) -> torch.Tensor:
-    """hidden (1, T, H) after every layer, in one call into C; each cache layer then holds its T new entries;
-    rotary: cos, sin (1, T, D) float32, contiguous rows."""
+def _stack_in_c(decoder: torch.nn.Module, layers, cache, input_ids: torch.Tensor, hidden: torch.Tensor,
+                cached: int, rotary: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None) -> torch.Tensor:
+    """The decoder's output (1, T, H) for input_ids (1, T), normalised, in one call into C; each cache layer then
+    holds its T new entries. hidden (1, T, H): scratch; rotary: cos, sin (1, T, D) float32, contiguous rows."""
     tokens = hidden.shape[1]
     attention = decoder.layers[0].self_attn
     head_dim, (q_size, k_size) = attention.head_dim, attention.qk_sizes
@@ -382,14 +392,18 @@ def _stack_in_c(decoder: torch.nn.Module, layers, cache, hidden: torch.Tensor, c
     capacity = (ctypes.c_int64 * len(buffers))(*(key.shape[-2] for key, _ in buffers))
     visible = None if mask is None else mask[0, 0, :, -(cached + tokens):].to(torch.uint8).contiguous()
     cos, sin = rotary  # (1, T, D)
-    hidden = hidden.contiguous()  # the C writes the last layer's output over it
+    ids, embed, norm = input_ids.contiguous(), decoder.embed_tokens.weight, decoder.norm
+    normed = torch.empty_like(hidden)
     library, isa, _ = int8_kernel._library()
-    failed = library.specdec_decoder_stack(
-        isa, torch.get_num_threads(), layers, len(buffers), keys, values, capacity, cached, hidden.data_ptr(),
-        tokens, hidden.shape[-1], cos.data_ptr(), sin.data_ptr(), None if visible is None else visible.data_ptr(),
-        q_size // head_dim, kv_heads, head_dim, attention.scaling)
+    failed = library.specdec_decoder_forward(
+        isa, torch.get_num_threads(), embed.data_ptr(), embed.shape[0], ids.data_ptr(), layers, len(buffers), keys,
+        values, capacity, cached, hidden.data_ptr(), tokens, hidden.shape[-1], cos.data_ptr(), sin.data_ptr(),
+        None if visible is None else visible.data_ptr(), q_size // head_dim, kv_heads, head_dim, attention.scaling,
+        norm.weight.data_ptr(), norm.variance_epsilon, normed.data_ptr())
+    if failed == 2:
+        raise IndexError(f"token ids must lie in 0..{embed.shape[0] - 1} (the embedding's rows); got {ids.tolist()}")
     if failed:
         raise MemoryError(f"specdec's layer kernels could not allocate their buffers for {tokens} tokens")
     for layer in cache.layers:
         layer.written(tokens)
-    return hidden
+    return normed

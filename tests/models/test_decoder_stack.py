@@ -130,3 +130,20 @@ def test_the_rotary_table_holds_the_rotary_modules_own_numbers(arch, seed):
         assert all(torch.equal(row, part) for row, part in zip(table, own)), (first, tokens)
         first += tokens
     assert first > lean_layers.ROTARY_ROWS and decoder._rotary_table[1][0].shape[1] >= first
+
+
+def test_an_id_outside_the_embedding_is_an_index_error_on_both_ways():
+    """The C gathers the embedding rows itself: an id past the vocabulary (or negative) raises IndexError before
+    anything is computed, as torch's embedding does on the layered way, and leaves the cache as it was."""
+    stacked, layered = _pair("qwen2", 2, "q4")
+    rows = stacked.model.embed_tokens.weight.shape[0]
+    runner = CachedModel(stacked)
+    first = runner.extend(IDS[:20], 1)
+    for bad in (rows, rows + 1000, -1):
+        with pytest.raises(IndexError, match="embedding"):
+            runner.extend(IDS[:20] + [bad], 1)
+        with pytest.raises(IndexError):
+            CachedModel(layered).extend(IDS[:20] + [bad], 1)
+    assert runner.cache.get_seq_length() == 20 and torch.equal(runner.extend(IDS[:20] + [5], 1),
+                                                                CachedModel(stacked).extend(IDS[:20] + [5], 1))
+    assert torch.equal(first, CachedModel(stacked).extend(IDS[:20], 1))
