@@ -1,5 +1,5 @@
 """Forward costs of the demo pair three ways, interleaved in one process: the torch lean path, the decoder layers
-in C one call per layer half (layer_kernels.c), and the whole decoder stack in one C call (lean_layers.stack_forward).
+in C one call per layer half (layer_kernels.c), and the whole decoder stack in one C call (decoder_stack.stack_forward).
 For each repeat and token count, one forward each way over its own cache. The paths compute the same layers (the
 C ones up to rounding against torch, and the two C ones bit for bit), so only the time differs.
 

@@ -1,4 +1,4 @@
-"""The decoder stack in one C call (lean_layers.stack_forward, layer_kernels.c's specdec_decoder_stack) computes
+"""The decoder stack in one C call (decoder_stack.stack_forward, layer_kernels.c's specdec_decoder_forward) computes
 what the lean layers compute one call at a time, bit for bit, through everything the engine's cache does:
 prefill in chunks, a cache that outgrows its buffer, verification, rollback, kept positions, token trees and
 their commit. Forwards it does not take (transformers' own cache, a batch of two) go the old way."""
@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from specdec_cli.engine.kv import CachedModel
-from specdec_cli.models import lean_layers
+from specdec_cli.models import decoder_stack, lean_layers
 from specdec_cli.models.quant import quantize
 
 from tests.conftest import tiny_causal_lm
@@ -23,7 +23,7 @@ def _pair(arch: str, seed: int, quantization: str):
     """(the model with the stack, the same model whose decoder runs its layers one by one)."""
     stacked = quantize(tiny_causal_lm(arch, seed=seed, logit_scale=8.0, layers=4), quantization)
     layered = quantize(tiny_causal_lm(arch, seed=seed, logit_scale=8.0, layers=4), quantization)
-    assert stacked.model.forward.__func__ is lean_layers.stack_forward
+    assert stacked.model.forward.__func__ is decoder_stack.stack_forward
     del layered.model.forward  # back to transformers' forward, the lean layers one by one
     return stacked, layered
 
@@ -125,11 +125,11 @@ def test_the_rotary_table_holds_the_rotary_modules_own_numbers(arch, seed):
     for tokens in [1, 2, 3, 7, 16, 1] * 60 + [700, 5]:
         states = hidden.expand(1, tokens, -1)
         positions = torch.arange(first, first + tokens).unsqueeze(0)
-        table = lean_layers._rotary_rows(decoder, states, positions, first)
+        table = decoder_stack._rotary_rows(decoder, states, positions, first)
         own = decoder.rotary_emb(states, positions)
         assert all(torch.equal(row, part) for row, part in zip(table, own)), (first, tokens)
         first += tokens
-    assert first > lean_layers.ROTARY_ROWS and decoder._rotary_table[1][0].shape[1] >= first
+    assert first > decoder_stack.ROTARY_ROWS and decoder._rotary_table[1][0].shape[1] >= first
 
 
 def test_an_id_outside_the_embedding_is_an_index_error_on_both_ways():

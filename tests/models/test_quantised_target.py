@@ -84,13 +84,13 @@ def test_an_int8_model_on_onednn_runs_over_the_engines_cache(monkeypatch):
     prepacked weights have no address: the lean layers and the decoder stack must not ask for one (every forward
     raised RuntimeError) and give transformers' layers' logits, with speculation still the target alone."""
     from specdec_cli.engine.kv import CachedModel
-    from specdec_cli.models import int8_kernel, lean_layers
+    from specdec_cli.models import decoder_stack, int8_kernel, lean_layers
 
     monkeypatch.setattr(int8_kernel, "_library", lambda: (None, 0, "SPECDEC_INT8_KERNEL=onednn"))
     model = tiny_causal_lm("qwen2", seed=2, logit_scale=8.0, layers=4)
     lean = quantize(copy.deepcopy(model), "int8")
     assert not lean.model.layers[0].mlp.down_proj.own_kernel
-    assert lean.model.forward.__func__ is lean_layers.stack_forward
+    assert lean.model.forward.__func__ is decoder_stack.stack_forward
     monkeypatch.setattr(lean_layers, "use_lean_layers", lambda model: model)
     plain = quantize(copy.deepcopy(model), "int8")
     ids = IDS[0].tolist()

@@ -1,0 +1,168 @@
+"""A Llama/Qwen2 decoder's whole forward in one call into C, for a batch of one over the engine's growing cache
+(engine/kv.py), where all of its layers are lean (lean_layers.py) and the C kernels run.
+
+layer_kernels.c's specdec_decoder_forward gathers the embedding rows, runs every layer (specdec_decoder_stack:
+per layer the same three calls the lean layers make one by one, in the same order) and applies the final RMSNorm,
+the same C norm the decoder's norm module runs on the layered way (`lean_norm`). So the numbers are the layered
+way's bit for bit (tested through prefill, growth, verify, rollback, trees), and what goes is the Python between
+the layers (~0.1-0.3 ms a layer) and the embedding's and the norm's torch calls, which ran with cold caches after
+the weights streamed through them. Measured in one interleaved run (scripts/layers_ab.py, benchmarks/2026-12-02-
+layers-ab-q4-avx512-stack.json): 0.5B q4 draft 21.9 → 18.6 ms a token, 1.5B q4 target 60.0 → 50.9 ms; 8 tokens
+94.2 → 85.3 ms; the embedding and the norm in the same call, later: ~0.4 ms less a draft forward (alternating in
+one process). Anything else (another cache, a batch, an additive mask, hidden states asked for) goes through
+transformers' forward and the lean layers."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from specdec_cli.models import int8_kernel, lean_layers
+from specdec_cli.models.lean_layers import CLinear, Held, address, c_projections, layer_in_c, layer_projections
+
+
+class _Layer(ctypes.Structure):
+    """One decoder layer for layer_kernels.c (its `specdec_layer`)."""
+
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("input_eps", ctypes.c_float),
+                ("post_eps", ctypes.c_float), ("qkv", CLinear), ("o", CLinear), ("gate_up", CLinear),
+                ("down", CLinear)]
+
+
+def _stack_layers(decoder: torch.nn.Module):
+    """The decoder's layers as one ctypes array for specdec_decoder_stack, made again whenever a layer's weights
+    moved or the attention changed; None where a layer does not run in C (`layer_in_c`, asked when it is made:
+    what it asks changes only with the weights or the attention). Checked each forward through the modules' own
+    dicts (`_stack_where`): per layer `c_projections` and `layer_in_c` made ~15 of nn.Module's attribute
+    lookups (~1 µs each), 0.6-0.9 ms of a 12 ms forward of the 24-layer demo draft."""
+    where = (decoder.config._attn_implementation, _stack_where(decoder))
+    held = getattr(decoder, "_c_stack", None)
+    if held is None or held[0] != where:
+        layers = list(decoder.layers)
+        described = [c_projections(layer) for layer in layers]
+        array = None
+        if None not in described and all(layer_in_c(layer) for layer in layers):
+            array = (_Layer * len(described))(*(
+                _Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                       layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon,
+                       *projections)
+                for layer, projections in zip(layers, described)))
+        decoder._c_stack = held = Held((where, array))
+    return held[1]
+
+
+def _stack_where(decoder: torch.nn.Module) -> tuple[int, ...]:
+    """The address of every weight tensor the C stack reads (each layer's four projections and two norms)."""
+    where = []
+    for layer in decoder._modules["layers"]._modules.values():
+        parts = layer._modules
+        where.extend(address(projection) for projection in layer_projections(layer))
+        where.append(parts["input_layernorm"]._parameters["weight"].data_ptr())
+        where.append(parts["post_attention_layernorm"]._parameters["weight"].data_ptr())
+    return tuple(where)
+
+
+def _stack_declines(decoder: torch.nn.Module, input_ids, inputs_embeds, cache, kwargs) -> bool:
+    """Whether this forward must take transformers' own path (the layers then still run lean, one by one)."""
+    if input_ids is None or inputs_embeds is not None or input_ids.shape[0] != 1 or cache is None:
+        return True
+    if any(kwargs.get(name) for name in ("output_hidden_states", "output_attentions")):
+        return True
+    layers = getattr(cache, "layers", None)
+    if not layers or len(layers) != len(decoder.layers) or not all(hasattr(layer, "reserve") for layer in layers):
+        return True
+    held = {layer.get_seq_length() for layer in layers}
+    return (len(held) != 1 or decoder.embed_tokens.weight.dtype != torch.float32
+            or decoder.norm.weight.dtype != torch.float32 or not decoder.embed_tokens.weight.is_contiguous())
+
+
+def stack_forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                  position_ids: torch.Tensor | None = None, cache=None, inputs_embeds: torch.Tensor | None = None,
+                  use_cache: bool | None = None, past_key_values=None, **kwargs):
+    """A Llama/Qwen2 decoder's forward (transformers' signature and result) in one call into C (see the module)
+    where it can; else transformers' forward."""
+    from transformers.masking_utils import create_causal_mask
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    cache = cache if cache is not None else past_key_values
+    layers = None if _stack_declines(self, input_ids, inputs_embeds, cache, kwargs) else _stack_layers(self)
+    if layers is not None:
+        cached, tokens = cache.get_seq_length(), input_ids.shape[1]
+        hidden = torch.empty(1, tokens, self.config.hidden_size)  # the C's scratch; its shape tells the mask builder T
+        in_order = position_ids is None  # the new tokens at cached, cached + 1, ... (not a tree's or a batch's)
+        if in_order:
+            position_ids = torch.arange(cached, cached + tokens).unsqueeze(0)
+        # No mask given: the causal mask transformers would build, which the C attention applies itself (NULL)
+        # on the same keys in the same order (one forward's mask building and copy fewer; tested bit for bit).
+        mask = None if attention_mask is None else create_causal_mask(
+            config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=cache,
+            position_ids=position_ids)
+        if mask is None or mask.dtype == torch.bool:  # what _runs_in_c asks besides the layers (_stack_layers did)
+            rotary = _rotary_rows(self, hidden, position_ids, cached if in_order else None)
+            normed = _stack_in_c(self, layers, cache, input_ids, hidden, cached, rotary, mask)
+            return BaseModelOutputWithPast(last_hidden_state=normed, cache=cache if use_cache is not False else None)
+    return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+
+
+def lean_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The forward a lean decoder's final RMSNorm gets (`use_lean_layers`): the C norm the layers use, which the
+    decoder stack applies in its own call, so a forward that goes the layered way (a batch, transformers' cache)
+    normalises as the stack does, bit for bit; the module's own forward where that does not run. (Read through
+    lean_layers, where a test swaps it for transformers' norm.)"""
+    return lean_layers._rms_norm(self, hidden_states)
+
+
+ROTARY_ROWS = 1024  # positions a decoder's rotary table holds at first (it doubles as positions grow)
+
+
+def _rotary_rows(decoder: torch.nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor,
+                 first: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (1, T, D) float32 for the rotary embedding at `position_ids`. For positions first, first + 1, ...
+    (`first` given) and the default rope, rows of a table the decoder keeps: the rotary module's own numbers for
+    those positions, bit for bit (each element is one product and a cos or sin: it does not depend on the other
+    positions computed with it; tested), without its ~10 torch operations a forward — ~0.1 ms warm, several times
+    that with the caches cold after a forward's weights streamed through them."""
+    rotary = decoder.rotary_emb
+    if first is None or getattr(rotary, "rope_type", None) != "default":
+        return tuple(part.float().contiguous() for part in rotary(hidden, position_ids))
+    tokens, held = hidden.shape[1], decoder.__dict__.get("_rotary_table")
+    source = rotary.inv_freq.data_ptr()
+    if held is None or held[0] != source or held[1][0].shape[1] < first + tokens:
+        size = max(ROTARY_ROWS, 1 << (first + tokens - 1).bit_length())
+        table = tuple(part.float().contiguous() for part in rotary(hidden, torch.arange(size).unsqueeze(0)))
+        decoder._rotary_table = held = Held((source, table))
+    cos, sin = held[1]
+    return cos[:, first:first + tokens], sin[:, first:first + tokens]
+
+
+def _stack_in_c(decoder: torch.nn.Module, layers, cache, input_ids: torch.Tensor, hidden: torch.Tensor,
+                cached: int, rotary: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None) -> torch.Tensor:
+    """The decoder's output (1, T, H) for input_ids (1, T), normalised, in one call into C; each cache layer then
+    holds its T new entries. hidden (1, T, H): scratch; rotary: cos, sin (1, T, D) float32, contiguous rows."""
+    tokens = hidden.shape[1]
+    attention = decoder.layers[0].self_attn
+    head_dim, (q_size, k_size) = attention.head_dim, attention.qk_sizes
+    kv_heads = k_size // head_dim
+    buffers = [layer.reserve((1, kv_heads, tokens, head_dim), torch.float32, hidden.device) for layer in cache.layers]
+    keys = (ctypes.c_void_p * len(buffers))(*(key.data_ptr() for key, _ in buffers))
+    values = (ctypes.c_void_p * len(buffers))(*(value.data_ptr() for _, value in buffers))
+    capacity = (ctypes.c_int64 * len(buffers))(*(key.shape[-2] for key, _ in buffers))
+    visible = None if mask is None else mask[0, 0, :, -(cached + tokens):].to(torch.uint8).contiguous()
+    cos, sin = rotary  # (1, T, D)
+    ids, embed, norm = input_ids.contiguous(), decoder.embed_tokens.weight, decoder.norm
+    normed = torch.empty_like(hidden)
+    library, isa, _ = int8_kernel._library()
+    failed = library.specdec_decoder_forward(
+        isa, torch.get_num_threads(), embed.data_ptr(), embed.shape[0], ids.data_ptr(), layers, len(buffers), keys,
+        values, capacity, cached, hidden.data_ptr(), tokens, hidden.shape[-1], cos.data_ptr(), sin.data_ptr(),
+        None if visible is None else visible.data_ptr(), q_size // head_dim, kv_heads, head_dim, attention.scaling,
+        norm.weight.data_ptr(), norm.variance_epsilon, normed.data_ptr())
+    if failed == 2:
+        raise IndexError(f"token ids must lie in 0..{embed.shape[0] - 1} (the embedding's rows); got {ids.tolist()}")
+    if failed:
+        raise MemoryError(f"specdec's layer kernels could not allocate their buffers for {tokens} tokens")
+    for layer in cache.layers:
+        layer.written(tokens)
+    return normed
