@@ -3,7 +3,7 @@
 
 layer_kernels.c's specdec_decoder_forward gathers the embedding rows, runs every layer (specdec_decoder_stack:
 per layer the same three calls the lean layers make one by one, in the same order) and applies the final RMSNorm,
-the same C norm the decoder's norm module runs on the layered way (`lean_norm`). So the numbers are the layered
+the same C norm the decoder's norm module runs on the layered way (lean_layers.lean_norm). So the numbers are the layered
 way's bit for bit (tested through prefill, growth, verify, rollback, trees), and what goes is the Python between
 the layers (~0.1-0.3 ms a layer) and the embedding's and the norm's torch calls, which ran with cold caches after
 the weights streamed through them. Measured in one interleaved run (scripts/layers_ab.py, benchmarks/2026-12-02-
@@ -18,7 +18,7 @@ import ctypes
 
 import torch
 
-from specdec_cli.models import int8_kernel, lean_layers
+from specdec_cli.models import int8_kernel
 from specdec_cli.models.lean_layers import CLinear, Held, address, c_projections, layer_in_c, layer_projections
 
 
@@ -31,7 +31,7 @@ class _Layer(ctypes.Structure):
 
 
 def _stack_layers(decoder: torch.nn.Module):
-    """The decoder's layers as one ctypes array for specdec_decoder_stack, made again whenever a layer's weights
+    """The decoder's layers as one ctypes array for specdec_decoder_forward, made again whenever a layer's weights
     moved or the attention changed; None where a layer does not run in C (`layer_in_c`, asked when it is made:
     what it asks changes only with the weights or the attention). Checked each forward through the modules' own
     dicts (`_stack_where`): per layer `c_projections` and `layer_in_c` made ~15 of nn.Module's attribute
@@ -104,14 +104,6 @@ def stack_forward(self, input_ids: torch.Tensor | None = None, attention_mask: t
             return BaseModelOutputWithPast(last_hidden_state=normed, cache=cache if use_cache is not False else None)
     return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                               cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
-
-
-def lean_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    """The forward a lean decoder's final RMSNorm gets (`use_lean_layers`): the C norm the layers use, which the
-    decoder stack applies in its own call, so a forward that goes the layered way (a batch, transformers' cache)
-    normalises as the stack does, bit for bit; the module's own forward where that does not run. (Read through
-    lean_layers, where a test swaps it for transformers' norm.)"""
-    return lean_layers._rms_norm(self, hidden_states)
 
 
 ROTARY_ROWS = 1024  # positions a decoder's rotary table holds at first (it doubles as positions grow)

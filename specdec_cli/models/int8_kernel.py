@@ -101,10 +101,6 @@ def _declare(library: ctypes.CDLL) -> None:
     library.specdec_lean_qkv.restype = integer
     library.specdec_lean_qkv.argtypes = [integer, integer, pointer, size, size, pointer, ctypes.c_float, pointer,
                                          pointer, pointer, size, size, size, pointer, pointer, pointer]
-    library.specdec_decoder_stack.restype = integer
-    library.specdec_decoder_stack.argtypes = [integer, integer, pointer, size, pointer, pointer, pointer, size,
-                                              pointer, size, size, pointer, pointer, pointer, size, size, size,
-                                              ctypes.c_float]
     library.specdec_decoder_forward.restype = integer
     library.specdec_decoder_forward.argtypes = [integer, integer, pointer, size, pointer, pointer, size, pointer,
                                                 pointer, pointer, size, pointer, size, size, pointer, pointer,

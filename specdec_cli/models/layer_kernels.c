@@ -266,7 +266,7 @@ int specdec_lean_mlp(int isa, int threads, const float *attention, const float *
     return failed;
 }
 
-/* One decoder layer as specdec_decoder_stack takes it (lean_layers.py's `_Layer`, the same fields). */
+/* One decoder layer as specdec_decoder_stack takes it (decoder_stack.py's `_Layer`, the same fields). */
 typedef struct {
     const float *input_norm, *post_norm; /* RMSNorm weights (H,) */
     float input_eps, post_eps;
@@ -313,9 +313,9 @@ int specdec_decoder_stack(int isa, int threads, const specdec_layer *layers, int
     return failed;
 }
 
-/* A Llama/Qwen2 decoder's whole forward for a batch of one (lean_layers.stack_forward): the embedding rows of
+/* A Llama/Qwen2 decoder's whole forward for a batch of one (decoder_stack.stack_forward): the embedding rows of
    `ids`, every layer (specdec_decoder_stack, the same arguments), the final RMSNorm (specdec_rms_norm, as the
-   decoder's norm module calls it on the layered path: lean_layers._lean_norm), into `normed` (T, H). One call
+   decoder's norm module calls it on the layered path: lean_layers.lean_norm), into `normed` (T, H). One call
    instead of three: the embedding's and the norm's torch calls ran with cold caches after the layers' weights
    streamed through them (~0.25 and ~0.35 ms a forward). embed (rows, H) float32. Returns 0; 1 when a buffer could
    not be allocated; 2 when an id is outside 0..rows-1 (nothing computed). `hidden` (T, H) is scratch. */

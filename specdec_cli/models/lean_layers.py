@@ -89,7 +89,7 @@ def use_lean_layers(model: torch.nn.Module) -> torch.nn.Module:
         mlp.gate_up_proj = _fused([mlp.gate_proj, mlp.up_proj])
         del mlp.gate_proj, mlp.up_proj
         layer.forward = types.MethodType(lean_forward, layer)
-    from specdec_cli.models.decoder_stack import lean_norm, stack_forward  # it builds on this module
+    from specdec_cli.models.decoder_stack import stack_forward  # it builds on this module
 
     for decoder in model.modules():
         if type(decoder).__name__ in STACK_CLASSES and _all_lean(decoder):
@@ -108,12 +108,20 @@ def _rms_norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     kernels run and the model computes in float32; else transformers' own module's forward."""
     library, _, problem = int8_kernel._library()
     if problem or hidden.dtype != torch.float32 or norm.weight.dtype != torch.float32:
-        return type(norm).forward(norm, hidden)  # the module's own (a decoder's norm calls this: `_lean_norm`)
+        return type(norm).forward(norm, hidden)  # the module's own (a decoder's norm calls this: `lean_norm`)
     hidden = hidden.contiguous()
     out = torch.empty_like(hidden)
     library.specdec_rms_norm(hidden.data_ptr(), norm.weight.data_ptr(), norm.variance_epsilon,
                              hidden.numel() // hidden.shape[-1], hidden.shape[-1], out.data_ptr())
     return out
+
+
+def lean_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The forward a lean decoder's final RMSNorm gets (`use_lean_layers`): the C norm the layers use, which the
+    decoder stack (decoder_stack.py) applies in its own call, so a forward that goes the layered way (a batch,
+    transformers' cache) normalises as the stack does, bit for bit; the module's own forward where that does not
+    run."""
+    return _rms_norm(self, hidden_states)
 
 
 def _rotate(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -69,7 +69,7 @@ def test_the_lean_layers_give_transformers_layers_logits(quantization, monkeypat
     from specdec_cli.models import lean_layers
 
     model = tiny_causal_lm("qwen2", seed=2, logit_scale=8.0, layers=4)  # qwen2: q/k/v with biases
-    # transformers' RMSNorm for the layers' norms and the decoder's (whose forward `_lean_norm` calls _rms_norm)
+    # transformers' RMSNorm for the layers' norms and the decoder's (whose forward `lean_norm` calls _rms_norm)
     monkeypatch.setattr(lean_layers, "_rms_norm", lambda norm, hidden: type(norm).forward(norm, hidden))
     monkeypatch.setattr(lean_layers, "_runs_in_c", lambda *args: False)
     lean = quantize(copy.deepcopy(model), quantization)
