@@ -20,6 +20,7 @@ from specdec_cli.errors import InputError
 from specdec_cli.models import LoadedModel
 from specdec_cli.models.calibrate import calibrated_seconds
 from specdec_cli.models.device import dtype_name
+from specdec_cli.models.quant import computes_rows_alone
 from specdec_cli.profiles import DRAFTERS, MAX_K
 
 # End-of-turn tokens that chat templates close an assistant turn with. Some checkpoints (GGUF
@@ -123,7 +124,8 @@ def build_decoder(
     policy's rule binds the drafter (`SpeculativeDecoder.set_drafting`)."""
     chosen = make_drafter(drafter, draft, k, target, tree_budget) if k != 0 else None
     policy = make_policy(k, clock_free, verify_curve(target)) if chosen else FixedK(0)
-    return SpeculativeDecoder(target.model, chosen, policy, eos_token_ids(target))
+    return SpeculativeDecoder(target.model, chosen, policy, eos_token_ids(target),
+                              reuse_prompts=computes_rows_alone(target.model))
 
 
 def verify_curve(target: LoadedModel) -> dict[int, float] | None:
@@ -195,6 +197,8 @@ def build_batched_decoder(target: LoadedModel, draft: LoadedModel | None, drafte
         draft_curve=(draft_curve or forward_curve(draft)) if uses_draft and k == "auto" else None,
         lookup_factory=_lookup_factory(batched_drafter), draft_ids=vocabulary,
         draft_window=DRAFT_WINDOW if uses_draft else None,
+        reuse_prompts=[role for role, model in (("target", target), ("draft", draft if uses_draft else None))
+                       if model is not None and computes_rows_alone(model.model)],
     )
 
 

@@ -45,8 +45,9 @@ class ModelGeneration:
 
     def __call__(self, request: Request) -> Completion:
         prompt_ids, params, stops, max_new_tokens = prepare(self.tokenizer, request, self.settings)
-        # Each request starts from nothing (no cache, no learned draft length), so its output
-        # depends on it alone: resuming, --limit or reordering the file never changes a record.
+        # Each request starts from nothing (no learned draft length, no cache but a row-wise target's entries,
+        # which give a shared prefix bit for bit as computing it would), so its output depends on it alone:
+        # resuming, --limit or reordering the file never changes a record.
         self.decoder.reset()
         try:
             result = self.decoder.generate(prompt_ids, params, max_new_tokens, stop=stops if stops.stops else None)

@@ -90,13 +90,15 @@ class BatchedDecoder:
     a new lookup index for each row (an `NgramDrafter`, which the engine cannot import: drafters sit
     above it), for the ngram and cascade drafters. draft_ids: the ids `draft`'s logits score, in order
     (a subset head, drafters/subset_head.py; None: the whole vocabulary). draft_window: the draft model
-    reads only the last `draft_window` tokens of a row's prompt, and everything after them (None: all)."""
+    reads only the last `draft_window` tokens of a row's prompt, and everything after them (None: all).
+    reuse_prompts: the roles ("target", "draft") whose model computes each row alone (row-wise attention),
+    so a prompt's prefix shared with the prompt admitted before it is not computed again (packed.py)."""
 
     def __init__(self, target: torch.nn.Module, draft: torch.nn.Module | None = None, drafter: str = "none",
                  batch_size: int = 8, k: int | str = "auto", eos_token_ids: Sequence[int] = (),
                  verify_curve: dict[int, float] | None = None, draft_curve: dict[int, float] | None = None,
                  lookup_factory: Callable[[], Lookup] | None = None, draft_ids: torch.Tensor | None = None,
-                 draft_window: int | None = None) -> None:
+                 draft_window: int | None = None, reuse_prompts: Sequence[str] = ()) -> None:
         if drafter not in DRAFTERS:
             raise ValueError(f"unknown batched drafter {drafter!r} (one of {', '.join(DRAFTERS)})")
         if drafter in ("model", "cascade") and draft is None:
@@ -109,9 +111,9 @@ class BatchedDecoder:
         self.batch_size = batch_size
         self.lookup_factory = lookup_factory
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.target = PackedCache(target)
+        self.target = PackedCache(target, reuse_prompts="target" in reuse_prompts)
         uses_model = self.drafter in ("model", "cascade")
-        self.draft = PackedCache(draft) if uses_model else None
+        self.draft = PackedCache(draft, reuse_prompts="draft" in reuse_prompts) if uses_model else None
         self.draft_ids = None if draft_ids is None else draft_ids.cpu()
         self.draft_width = None if draft_ids is None else int(self.draft_ids.max()) + 1
         self.draft_window = draft_window

@@ -76,7 +76,9 @@ StopCallback = Callable[[list[int]], bool]  # sees all generated ids so far; Tru
 
 class SpeculativeDecoder:
     """Owns the target's cache, the drafter (None: target alone) and the draft-length policy. Keep one
-    per conversation: caches are re-used across calls for whatever prefix the new prompt shares."""
+    per conversation: caches are re-used across calls for whatever prefix the new prompt shares.
+    reuse_prompts: the target computes each row alone (row-wise attention), so `reset` keeps its cache
+    for the next prompt's shared prefix (see `reset`)."""
 
     def __init__(
         self,
@@ -84,8 +86,10 @@ class SpeculativeDecoder:
         drafter: Drafter | None = None,
         policy: DraftLengthPolicy | None = None,
         eos_token_ids: Sequence[int] = (),
+        reuse_prompts: bool = False,
     ) -> None:
         self.target = target if isinstance(target, CachedModel) else CachedModel(target)
+        self.reuse_prompts = reuse_prompts
         self.verifies_trees = tree_capable(self.target.model)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.set_drafting(drafter, policy if policy is not None else FixedK(4 if drafter else 0))
@@ -116,8 +120,14 @@ class SpeculativeDecoder:
         return fit_budget(prompt_tokens, max_new_tokens, self.context)
 
     def reset(self) -> None:
-        """Forget all cached state (a new conversation)."""
-        self.target.reset()
+        """Forget all state a conversation built: learned draft lengths, the drafter's caches, and the target's
+        cache, but where the target computes each row alone (`reuse_prompts`): there its entries stay, and a
+        next prompt that shares a prefix with them (a system prompt) computes only the rest, which is bit for
+        bit what computing all of it gives, so the next output still depends on its prompt alone."""
+        if self.reuse_prompts:
+            self.target.crop(len(self.target))  # an uncommitted tree's entries go
+        else:
+            self.target.reset()
         if self.drafter is not None:
             self.drafter.reset()
         self.policy.reset()

@@ -15,7 +15,12 @@ alone (`admit`: in chunks, as `CachedModel` does) and its entries appended.
 With the row-wise attention of int8/int4 targets (models/rowwise_attention.py) each query attends to its
 row's slots in order, gathered: exactly the keys, in the same order, of a one-token forward over that
 row's own cache, so a packed forward's logits equal a lone sequence's bit for bit. Under transformers'
-SDPA the masked-out keys add exact zeros, but in another summation order: equal up to rounding."""
+SDPA the masked-out keys add exact zeros, but in another summation order: equal up to rounding.
+
+`reuse_prompts` (for such a row-wise model only): the prompt prefill keeps the last prompt it computed, so
+a prompt that shares a prefix with it (a system prompt, few-shot examples) computes only the rest. The
+entries are the ones computing it would give, bit for bit, so a row's output still depends on its
+request alone; under SDPA a prefill split at another place could round otherwise, so it starts over."""
 
 from __future__ import annotations
 
@@ -37,10 +42,11 @@ class _RowSlots:
 
 
 class PackedCache:
-    def __init__(self, model: torch.nn.Module, prefill_chunk: int | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, prefill_chunk: int | None = None, reuse_prompts: bool = False) -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.single = CachedModel(model, prefill_chunk)  # prefills one row's prompt alone
+        self.reuse_prompts = reuse_prompts
         self.forwards = 0
         self.reset()
 
@@ -66,12 +72,14 @@ class PackedCache:
         state = self.rows[row] = _RowSlots()
         if not ids:
             return
-        self.single.reset()
-        self.single.extend(ids, 1)
+        if not self.reuse_prompts:
+            self.single.reset()
+        self.single.extend(ids, 1)  # only what it does not share with the prompt it holds
         start = len(self.owner)
         for layer, source in zip(self.cache.layers, self.single.cache.layers):
             layer.update(source.keys, source.values)  # appended after the rows already held
-        self.single.reset()
+        if not self.reuse_prompts:
+            self.single.reset()
         self.owner.extend([row] * len(ids))
         state.ids, state.slots = list(ids), list(range(start, start + len(ids)))
 

@@ -173,6 +173,15 @@ def quantize_int8_dynamic(model: torch.nn.Module, exact_rows: bool = True) -> to
     return _rows(use_lean_layers(quantize_int8(model)), exact_rows)
 
 
+def computes_rows_alone(model: torch.nn.Module) -> bool:
+    """Whether `model` was quantised with `exact_rows` (its attention row by row): each position's logits are
+    then the same bit for bit however its sequence is split into forwards, so entries cached for one
+    sequence are exactly what another that shares them would compute."""
+    from specdec_cli.models.rowwise_attention import NAME
+
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) == NAME
+
+
 def _rows(model: torch.nn.Module, exact_rows: bool) -> torch.nn.Module:
     if not exact_rows:
         return model

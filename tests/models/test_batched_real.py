@@ -1,7 +1,8 @@
 """On the real demo pair: the batched engine's greedy output equals batch size 1's, token for token — in
 float32 (the cached weights upcast; equal up to rounding, which must not flip a token on these prompts) and
 on the int8 target `auto` picks on a CPU (bit for bit by construction: row-wise attention over each row's
-own keys), with rows of different lengths finishing and refilled (batch 3, four prompts)."""
+own keys, and a prompt's chat-template prefix computed once for all of them), with rows of different lengths
+finishing and refilled (batch 3, four prompts)."""
 
 import pytest
 
@@ -44,6 +45,8 @@ def test_batched_greedy_equals_batch_one_on_the_real_pair(pair, drafter, k):
     decoder = build_batched_decoder(target, draft, drafter, k, 3)
     results = decoder.generate_many([RowRequest(prompt, SamplingParams(), budget) for prompt, budget in zip(prompts, BUDGETS)])
     assert [result.tokens for result in results] == alone
+    # the int8 target computes rows alone: a prompt's chat-template prefix is computed once for all four
+    assert decoder.target.reuse_prompts == (target.quantization == "int8")
     if drafter != "none":
         assert sum(result.stats.drafted for result in results) > 0
         # the draft scores its 65,536 most frequent ids (Qwen2.5's vocabulary is 151,936) and reads a window

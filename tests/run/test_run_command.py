@@ -195,6 +195,28 @@ def test_same_input_and_seed_give_the_same_file(run, tmp_path):
     assert one[0]["text"] == one[1]["text"] != one[2]["text"]  # a record's seed alone decides its text
 
 
+@pytest.mark.parametrize("batch_size", ["1", "3"])
+def test_a_row_wise_target_gives_a_record_the_same_text_whatever_came_before_it(run, tmp_path, batch_size):
+    """An int8 target keeps a prompt's cache entries for the next prompt (the shared system prompt is computed
+    once, tests/engine/test_prompt_reuse.py): what it keeps is bit for bit what computing it gives, so a record,
+    greedy or sampled, is the same in the file's order, reversed, or alone."""
+    system = {"role": "system", "content": "You answer in one short line, with no preamble and no apologies."}
+    questions = ["Hello, how are you?", "Name a colour.", "What is two plus two?", "Say something kind."]
+    records = [{"id": f"q{i}", "messages": [system, {"role": "user", "content": question}], "seed": i,
+                **({"temperature": 0.9} if i % 2 else {})} for i, question in enumerate(questions)]
+
+    def texts(file_records, name):
+        (tmp_path / f"{name}.in.jsonl").write_text(jsonl(file_records))
+        result = run(tmp_path / f"{name}.in.jsonl", "-o", tmp_path / f"{name}.jsonl", "--target-quant", "int8",
+                     "--batch-size", batch_size)
+        assert_exited(result, 0)
+        return {record["id"]: (record["text"], record["completion_tokens"]) for record in read(tmp_path / f"{name}.jsonl")}
+
+    in_order = texts(records, "in-order")
+    assert texts(records[::-1], "reversed") == in_order
+    assert texts(records[2:3], "alone") == {"q2": in_order["q2"]}
+
+
 def test_a_stop_string_ends_the_record_and_is_cut(run, tmp_path, reference):
     text, *_ = reference("def add(a, b):", max_new_tokens=8)
     stop = next(char for char in text[2:] if char != "\ufffd" and char.strip())

@@ -1,0 +1,143 @@
+"""A target that computes each row alone (row-wise attention: int8/int4/q4) keeps a prompt's cache entries for
+the next prompt: the prefix they share (a system prompt, few-shot examples) is computed once, and the entries
+after it are bit for bit those of computing the whole prompt — in the one-sequence decoder across `reset`
+(run's records, chat's /reset) and in the batched engine across admissions. A float target (SDPA, whose sums
+round by how a prompt is split) and a draft quantised without exact rows start over, as before."""
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from specdec_cli.drafters import DraftModelDrafter
+from specdec_cli.engine import FixedK, SamplingParams, SpeculativeDecoder
+from specdec_cli.engine.batched import BatchedDecoder, RowRequest
+from specdec_cli.engine.kv import CachedModel, filled_layers
+from specdec_cli.engine.packed import PackedCache
+from specdec_cli.models.quant import computes_rows_alone, quantize
+from specdec_cli.session import build_batched_decoder, build_decoder
+
+from tests.conftest import perturbed_copy, tiny_causal_lm
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+SHARED = list(range(3, 40))  # a system prompt's worth of ids
+PROMPTS = [SHARED + [50, 51, 52], SHARED + [60, 61], SHARED[:20] + [70, 71, 72, 73], SHARED + [50, 51, 52]]
+# Each prompt shares this much with the one before it (and diverges before that one's end).
+SHARED_WITH_PREVIOUS = [0] + [len(os.path.commonprefix([before, after])) for before, after in zip(PROMPTS, PROMPTS[1:])]
+
+
+@pytest.fixture(scope="module")
+def float_target():
+    return tiny_causal_lm("qwen2", seed=2, logit_scale=8.0, layers=3)
+
+
+@pytest.fixture(scope="module")
+def row_wise(float_target):
+    return quantize(perturbed_copy(float_target, noise=0.0), "int8")
+
+
+@pytest.fixture(scope="module")
+def draft(float_target):
+    return perturbed_copy(float_target, noise=0.1, seed=3)
+
+
+class FedTokens:
+    """The positions each forward of `model` computes, in order."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.counts: list[int] = []
+        self._handle = model.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, module, args, kwargs) -> None:
+        self.counts.append(kwargs["input_ids"].shape[1])
+
+    def take(self) -> list[int]:
+        counts, self.counts = self.counts, []
+        return counts
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+@pytest.fixture
+def fed(row_wise):
+    counter = FedTokens(row_wise)
+    yield counter
+    counter.close()
+
+
+def same_entries(one: CachedModel, other: CachedModel) -> bool:
+    pairs = list(zip(filled_layers(one.cache), filled_layers(other.cache), strict=True))
+    return one.ids == other.ids and all(
+        torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) for a, b in pairs)
+
+
+def test_only_a_model_quantised_with_exact_rows_computes_rows_alone(float_target, row_wise):
+    assert computes_rows_alone(row_wise)
+    assert not computes_rows_alone(float_target)
+    assert not computes_rows_alone(quantize(perturbed_copy(float_target, noise=0.0), "int8", exact_rows=False))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, seed=5)], ids=["greedy", "sampled"])
+def test_after_reset_the_next_prompt_computes_only_what_it_does_not_share(row_wise, draft, fed, params):
+    reused = SpeculativeDecoder(row_wise, DraftModelDrafter(draft), FixedK(3), reuse_prompts=True)
+    for prompt, shared in zip(PROMPTS, SHARED_WITH_PREVIOUS):
+        reused.reset()
+        result = reused.generate(prompt, params, 12)
+        reused_counts = fed.take()
+        fresh = SpeculativeDecoder(row_wise, DraftModelDrafter(draft), FixedK(3))
+        expected = fresh.generate(prompt, params, 12)
+        fresh_counts = fed.take()
+        assert result.tokens == expected.tokens and result.provenance == expected.provenance
+        assert same_entries(reused.target, fresh.target)  # bit for bit, not only the same argmax
+        assert reused_counts == [fresh_counts[0] - shared] + fresh_counts[1:]
+
+
+def test_a_float_target_starts_over_after_reset(float_target):
+    decoder = SpeculativeDecoder(float_target, None, FixedK(0))
+    decoder.generate(PROMPTS[0], SamplingParams(), 4)
+    decoder.reset()
+    assert len(decoder.target) == 0
+
+
+def test_packed_admission_computes_a_shared_prefix_once_and_the_rows_get_their_own_logits(row_wise, fed):
+    packed = PackedCache(row_wise, reuse_prompts=True)
+    for row, (prompt, shared) in enumerate(zip(PROMPTS, SHARED_WITH_PREVIOUS)):
+        packed.admit(row, prompt[:-1])
+        assert fed.take() == [len(prompt) - 1 - shared]
+    wanted = {row: 2 for row in range(len(PROMPTS))}
+    sequences = {row: prompt + [80 + row] for row, prompt in enumerate(PROMPTS)}
+    logits = packed.extend(sequences, wanted)
+    for row, ids in sequences.items():
+        lone = CachedModel(row_wise)
+        expected = torch.stack([lone.extend(ids[: len(ids) - 2 + i + 1], 1)[-1] for i in range(2)])
+        assert torch.equal(logits[row], expected)
+
+
+def test_the_batched_engine_reuses_prompts_for_the_roles_given(row_wise, draft, fed):
+    requests = [RowRequest(prompt, SamplingParams(), 10) for prompt in PROMPTS]
+    alone = [SpeculativeDecoder(row_wise, None, FixedK(0)).generate(prompt, SamplingParams(), 10).tokens
+             for prompt in PROMPTS]
+    fed.take()
+    decoder = BatchedDecoder(row_wise, draft, "model", batch_size=2, k=3, reuse_prompts=("target",))
+    assert decoder.target.reuse_prompts and not decoder.draft.reuse_prompts
+    assert [result.tokens for result in decoder.generate_many(requests)] == alone
+    reused = sum(fed.take())
+    starting_over = BatchedDecoder(row_wise, draft, "model", batch_size=2, k=3)
+    assert [result.tokens for result in starting_over.generate_many(requests)] == alone
+    assert reused == sum(fed.take()) - sum(SHARED_WITH_PREVIOUS)
+
+
+def test_run_chat_and_compare_reuse_prompts_exactly_where_the_target_computes_rows_alone(float_target, row_wise, draft):
+    def loaded(model, name):
+        return SimpleNamespace(model=model, name=name, quantization=None, dtype=torch.float32, eos_token_ids=(2,),
+                               tokenizer=SimpleNamespace(get_vocab=dict), vocab_size=model.config.vocab_size)
+
+    small = loaded(draft, "org/small")
+    assert build_decoder(loaded(row_wise, "org/big"), small, "model", 3).reuse_prompts
+    assert not build_decoder(loaded(float_target, "org/big"), small, "model", 3).reuse_prompts
+    batched = build_batched_decoder(loaded(row_wise, "org/big"), small, "model", 3, 2)
+    assert batched.target.reuse_prompts and not batched.draft.reuse_prompts
+    assert not build_batched_decoder(loaded(float_target, "org/big"), small, "model", 3, 2).target.reuse_prompts
