@@ -93,6 +93,8 @@ def _declare(library: ctypes.CDLL) -> None:
     library.specdec_q8_groups.restype = None
     library.specdec_q8_groups.argtypes = [integer, pointer, size, size, size, pointer, pointer, pointer]
     library.specdec_q4_linear.restype = integer
+    library.specdec_q4_quantize.restype = None
+    library.specdec_q4_quantize.argtypes = [integer, pointer, integer, size, size, size, pointer]
     library.specdec_q4_linear.argtypes = [integer, integer, pointer, size, size, size, pointer, pointer, size, pointer]
     library.specdec_attention.restype = integer
     library.specdec_attention.argtypes = [integer, pointer, pointer, pointer, pointer, size, size, size, size, size,

@@ -52,7 +52,7 @@ def _fused(layers: list[torch.nn.Module]) -> torch.nn.Module:
 
         parts = [unpack(layer.packed_weight, layer.out_features) for layer in layers]
         levels, scales, minimums = (torch.cat(tensors) for tensors in zip(*parts))
-        return Q4Linear(levels, scales, minimums, _fused_bias(layers), layers[0].in_features)
+        return Q4Linear.from_parts(levels, scales, minimums, _fused_bias(layers), layers[0].in_features)
     weight = torch.cat([layer.int8_weight() for layer in layers])
     scales = torch.cat([layer.weight_scales for layer in layers])
     return PerTokenInt8Linear(weight, scales, _fused_bias(layers), layers[0].bits)

@@ -294,3 +294,56 @@ int specdec_q4_linear(int isa, int threads, const float *x, int64_t M, int64_t K
     free(scales);
     return failed;
 }
+
+/* q4.py's quantize_weight and pack in one pass, bit for bit (tested): W (N, K), float32 (dtype 0) or bfloat16
+   (dtype 1), rows `stride` elements apart, into `out`: ceil(N/16) blocks × groups × 320 bytes (the layout at the
+   top). Channels past K count as 0.0, as the zero padding of quantize_weight does; rows past N are zero bytes.
+   Per row and group: scale = half((max - min) / 15), minimum = half(min), and each level
+   clamp(round-half-even((w - float(minimum)) / float(scale)), 0, 15), or 0 where float(scale) is not > 0:
+   the same IEEE steps torch takes there, one element at a time (no contraction: FLAGS has -ffp-contract=off). */
+__attribute__((target("f16c")))
+void specdec_q4_quantize(int threads, const void *weight, int dtype, int64_t N, int64_t K, int64_t stride,
+                         uint8_t *out) {
+    int64_t blocks = (N + Q4_ROWS - 1) / Q4_ROWS, groups = (K + Q4_GROUP - 1) / Q4_GROUP;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t g = 0; g < groups; g++) {
+            uint8_t *dst = out + (b * groups + g) * Q4_GROUP_BYTES;
+            memset(dst, 0, Q4_GROUP_BYTES);
+            for (int r = 0; r < Q4_ROWS && b * Q4_ROWS + r < N; r++) {
+                int64_t n = b * Q4_ROWS + r;
+                float v[Q4_GROUP];
+                for (int c = 0; c < Q4_GROUP; c++) {
+                    int64_t k = g * Q4_GROUP + c;
+                    if (k >= K) {
+                        v[c] = 0.0f;
+                    } else if (dtype == 1) {
+                        uint32_t bits = (uint32_t)((const uint16_t *)weight)[n * stride + k] << 16;
+                        memcpy(&v[c], &bits, sizeof bits);
+                    } else {
+                        v[c] = ((const float *)weight)[n * stride + k];
+                    }
+                }
+                float low = v[0], high = v[0];
+                for (int c = 1; c < Q4_GROUP; c++) {
+                    low = v[c] < low ? v[c] : low;
+                    high = v[c] > high ? v[c] : high;
+                }
+                low += 0.0f, high += 0.0f; /* -0.0 as 0.0, as q4.py does (which zero amin takes is not defined) */
+                uint16_t scale = _cvtss_sh((high - low) / 15.0f, _MM_FROUND_TO_NEAREST_INT);
+                uint16_t minimum = _cvtss_sh(low, _MM_FROUND_TO_NEAREST_INT);
+                float step = _cvtsh_ss(scale), base = _cvtsh_ss(minimum);
+                uint8_t q[Q4_GROUP];
+                for (int c = 0; c < Q4_GROUP; c++) {
+                    float level = step > 0.0f ? nearbyintf((v[c] - base) / step) : 0.0f;
+                    q[c] = (uint8_t)(level < 0.0f ? 0.0f : level > 15.0f ? 15.0f : level);
+                }
+                for (int t = 0; t < 4; t++)
+                    for (int c = 0; c < 4; c++)
+                        dst[t * 64 + r * 4 + c] = (uint8_t)(q[4 * t + c] | (q[4 * (t + 4) + c] << 4));
+                memcpy(dst + 256 + 2 * r, &scale, 2);
+                memcpy(dst + 288 + 2 * r, &minimum, 2);
+            }
+        }
+    }
+}

@@ -112,6 +112,29 @@ def test_packing_keeps_every_value_and_the_byte_count_is_exact(rows, width):
     assert packed.numel() == q4.packed_bytes(rows, width) == linear_bytes("q4", width, rows, torch.float32)
 
 
+def _awkward_weight(rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of unlike scales, and rows that test the edges: constant (a zero step), zeros, ranges whose float16
+    step is subnormal or rounds to 0, values past float16's range (an infinite minimum)."""
+    weight = torch.randn(rows, width) * torch.logspace(-3, 0, rows)[:, None]
+    edges = [torch.full((width,), 0.37), torch.zeros(width), torch.randn(width) * 1e-6, torch.randn(width) * 1e-9,
+             torch.randn(width) * 1e5]
+    for row, values in zip(range(0, rows, 2), edges):
+        weight[row] = values
+    return weight.to(dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("rows", "width"), SHAPES)
+def test_the_c_quantiser_packs_what_torch_does_bit_for_bit(rows, width, dtype):
+    torch.manual_seed(rows * width)
+    weight = _awkward_weight(rows, width, dtype)
+    expected = q4.pack(*q4.quantize_weight(weight))
+    assert torch.equal(q4.quantize_packed(weight), expected)
+    wider = torch.cat([weight, weight[:, :5]], dim=1)[:, :width]  # rows further apart than the width
+    assert torch.equal(q4.quantize_packed(wider), expected)
+
+
 def test_each_weight_is_within_half_a_step_of_the_float_one():
     torch.manual_seed(2)
     linear = torch.nn.Linear(100, 24)
