@@ -48,8 +48,11 @@ STACK_CLASSES = ("LlamaModel", "Qwen2Model")  # their forward: embed, mask, rota
 def _fused(layers: list[torch.nn.Module]) -> torch.nn.Module:
     """One layer whose output rows are `layers`' rows side by side, computed the same way."""
     if all(isinstance(layer, Q4Linear) for layer in layers):
-        from specdec_cli.models.q4 import unpack
+        from specdec_cli.models.q4 import ROWS, unpack
 
+        if all(layer.out_features % ROWS == 0 for layer in layers):  # whole blocks of rows: the same bytes, joined
+            packed = torch.cat([layer.packed_weight for layer in layers])
+            return Q4Linear(packed, _fused_bias(layers), layers[0].in_features, sum(l.out_features for l in layers))
         parts = [unpack(layer.packed_weight, layer.out_features) for layer in layers]
         levels, scales, minimums = (torch.cat(tensors) for tensors in zip(*parts))
         return Q4Linear.from_parts(levels, scales, minimums, _fused_bias(layers), layers[0].in_features)

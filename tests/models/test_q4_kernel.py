@@ -135,6 +135,22 @@ def test_the_c_quantiser_packs_what_torch_does_bit_for_bit(rows, width, dtype):
     assert torch.equal(q4.quantize_packed(wider), expected)
 
 
+@needs_kernel
+@pytest.mark.parametrize("rows", [(32, 48, 16), (37, 16, 21)], ids=["whole blocks", "ragged"])
+def test_fused_layers_hold_the_same_bytes_and_give_each_layers_rows(rows):
+    """The lean layers fuse q/k/v and gate/up into one layer: by joining whole 16-row blocks where every part has
+    them, else by unpacking and packing again; either way the bytes of packing the rows together."""
+    from specdec_cli.models.lean_layers import _fused
+
+    torch.manual_seed(sum(rows))
+    parts = [Q4Linear.from_linear(torch.nn.Linear(70, count)) for count in rows]
+    fused = _fused(parts)
+    together = [torch.cat(tensors) for tensors in zip(*(q4.unpack(part.packed_weight, part.out_features) for part in parts))]
+    assert torch.equal(fused.packed_weight, q4.pack(*together)) and fused.out_features == sum(rows)
+    x = torch.randn(3, 70)
+    assert torch.equal(fused(x), torch.cat([part(x) for part in parts], dim=1))
+
+
 def test_each_weight_is_within_half_a_step_of_the_float_one():
     torch.manual_seed(2)
     linear = torch.nn.Linear(100, 24)
