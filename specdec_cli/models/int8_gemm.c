@@ -227,3 +227,77 @@ int specdec_int8_linear(int isa, int threads, const float *x, int64_t M, int64_t
     free(scales);
     return failed;
 }
+
+/* 8 weights of a float32 (dtype 0) or bfloat16 (dtype 1, the top half of a float32) row, as float32. */
+__attribute__((target("avx2")))
+static inline __m256 weights8(const void *row, int dtype, int64_t k) {
+    if (dtype == 1) {
+        __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + k)));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+    }
+    return _mm256_loadu_ps((const float *)row + k);
+}
+
+static inline float weight1(const void *row, int dtype, int64_t k) {
+    if (dtype == 1) {
+        uint32_t bits = (uint32_t)((const uint16_t *)row)[k] << 16;
+        float value;
+        memcpy(&value, &bits, sizeof value);
+        return value;
+    }
+    return ((const float *)row)[k];
+}
+
+/* int8.py's quantize_weight in one pass, bit for bit (tested): W (N, K), float32 (dtype 0) or bfloat16 (dtype 1),
+   rows `stride` elements apart, to values (N, K) int8 and scales (N,) float: per row
+   scale = max(max |w|, 1e-12) / 127 and value = clamp(round-half-even(w / scale), -127, 127), the IEEE steps
+   torch takes there, 8 channels at a time (the max is exact in any order). Needs AVX2, as the kernel does. */
+__attribute__((target("avx2")))
+void specdec_int8_quantize(int threads, const void *weight, int dtype, int64_t N, int64_t K, int64_t stride,
+                           int8_t *values, float *scales) {
+    size_t width = dtype == 1 ? 2 : 4;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const void *row = (const char *)weight + (size_t)(n * stride) * width;
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 largest8 = _mm256_setzero_ps();
+        int64_t k = 0;
+        for (; k + 8 <= K; k += 8) largest8 = _mm256_max_ps(largest8, _mm256_andnot_ps(sign, weights8(row, dtype, k)));
+        float lanes[8], largest = 0.0f;
+        _mm256_storeu_ps(lanes, largest8);
+        for (int j = 0; j < 8; j++) largest = lanes[j] > largest ? lanes[j] : largest;
+        for (; k < K; k++) largest = fabsf(weight1(row, dtype, k)) > largest ? fabsf(weight1(row, dtype, k)) : largest;
+        float scale = (largest > 1e-12f ? largest : 1e-12f) / 127.0f;
+        scales[n] = scale;
+        int8_t *out = values + n * K;
+        const __m256 scale8 = _mm256_set1_ps(scale), low = _mm256_set1_ps(-127.0f), high = _mm256_set1_ps(127.0f);
+        for (k = 0; k + 8 <= K; k += 8) {
+            __m256 level = _mm256_round_ps(_mm256_div_ps(weights8(row, dtype, k), scale8),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            __m256i whole = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(level, low), high));
+            __m128i half = _mm_packs_epi32(_mm256_castsi256_si128(whole), _mm256_extracti128_si256(whole, 1));
+            _mm_storel_epi64((__m128i *)(out + k), _mm_packs_epi16(half, half));
+        }
+        for (; k < K; k++) {
+            float level = nearbyintf(weight1(row, dtype, k) / scale);
+            out[k] = (int8_t)(level < -127.0f ? -127.0f : level > 127.0f ? 127.0f : level);
+        }
+    }
+}
+
+/* int8_kernel.py's pack, bit for bit (tested): values (N, K) int8 into `blocks` (ceil(N/32), ceil(K/4), 32, 4),
+   which the caller zeroed (the padding stays 0), and each row's sum into row_sums (N,) int32. */
+void specdec_int8_pack(int threads, const int8_t *values, int64_t N, int64_t K, int8_t *blocks, int32_t *row_sums) {
+    int64_t steps = (K + 3) / 4;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t *row = values + n * K;
+        int8_t *base = blocks + (n / BLOCK) * steps * BLOCK * 4 + (n % BLOCK) * 4;
+        int32_t sum = 0;
+        for (int64_t k = 0; k < K; k++) {
+            base[(k / 4) * BLOCK * 4 + k % 4] = row[k];
+            sum += row[k];
+        }
+        row_sums[n] = sum;
+    }
+}

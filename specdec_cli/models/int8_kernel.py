@@ -94,6 +94,10 @@ def _declare(library: ctypes.CDLL) -> None:
     library.specdec_q8_groups.argtypes = [integer, pointer, size, size, size, pointer, pointer, pointer]
     library.specdec_q4_linear.restype = integer
     library.specdec_q4_quantize.restype = None
+    library.specdec_int8_quantize.restype = None
+    library.specdec_int8_pack.restype = None
+    library.specdec_int8_pack.argtypes = [integer, pointer, size, size, pointer, pointer]
+    library.specdec_int8_quantize.argtypes = [integer, pointer, integer, size, size, size, pointer, pointer]
     library.specdec_q4_quantize.argtypes = [integer, pointer, integer, size, size, size, pointer]
     library.specdec_q4_linear.argtypes = [integer, integer, pointer, size, size, size, pointer, pointer, size, pointer]
     library.specdec_attention.restype = integer
@@ -129,7 +133,22 @@ def kernel_name(bits: int) -> str:
 
 
 def pack(weight_int8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, K) int8 → (the kernel's blocks: (ceil(N/32), ceil(K/4), 32, 4) int8, (N,) int32 row sums)."""
+    """(N, K) int8 → (the kernel's blocks: (ceil(N/32), ceil(K/4), 32, 4) int8, (N,) int32 row sums); in C where
+    the kernel runs (`pack_in_torch`'s numbers, bit for bit)."""
+    library, _, problem = _library()
+    if problem:
+        return pack_in_torch(weight_int8)
+    values = weight_int8.contiguous()
+    rows, width = values.shape
+    blocks = torch.zeros(-(-rows // BLOCK), -(-width // 4), BLOCK, 4, dtype=torch.int8)
+    row_sums = torch.empty(rows, dtype=torch.int32)
+    library.specdec_int8_pack(torch.get_num_threads(), values.data_ptr(), rows, width, blocks.data_ptr(),
+                              row_sums.data_ptr())
+    return blocks, row_sums
+
+
+def pack_in_torch(weight_int8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pack` in torch's tensor steps (where the kernel does not run, and to test the C)."""
     rows, width = weight_int8.shape
     padded = torch.zeros(-(-rows // BLOCK) * BLOCK, -(-width // 4) * 4, dtype=torch.int8)
     padded[:rows, :width] = weight_int8
