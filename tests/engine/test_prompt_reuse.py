@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from specdec_cli.drafters import DraftModelDrafter
+from specdec_cli.drafters.tree import TreeDrafter
 from specdec_cli.engine import FixedK, SamplingParams, SpeculativeDecoder
 from specdec_cli.engine.batched import BatchedDecoder, RowRequest
 from specdec_cli.engine.kv import CachedModel, filled_layers
@@ -80,14 +81,19 @@ def test_only_a_model_quantised_with_exact_rows_computes_rows_alone(float_target
     assert not computes_rows_alone(quantize(perturbed_copy(float_target, noise=0.0), "int8", exact_rows=False))
 
 
+DRAFTERS = {"chain": DraftModelDrafter, "tree": lambda model: TreeDrafter(model, budget=6)}
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, seed=5)], ids=["greedy", "sampled"])
-def test_after_reset_the_next_prompt_computes_only_what_it_does_not_share(row_wise, draft, fed, params):
-    reused = SpeculativeDecoder(row_wise, DraftModelDrafter(draft), FixedK(3), reuse_prompts=True)
+def test_after_reset_the_next_prompt_computes_only_what_it_does_not_share(row_wise, draft, fed, params, drafter):
+    """A tree's uncommitted nodes go at reset; the committed path stays with the rest of the entries."""
+    reused = SpeculativeDecoder(row_wise, DRAFTERS[drafter](draft), FixedK(3), reuse_prompts=True)
     for prompt, shared in zip(PROMPTS, SHARED_WITH_PREVIOUS):
         reused.reset()
         result = reused.generate(prompt, params, 12)
         reused_counts = fed.take()
-        fresh = SpeculativeDecoder(row_wise, DraftModelDrafter(draft), FixedK(3))
+        fresh = SpeculativeDecoder(row_wise, DRAFTERS[drafter](draft), FixedK(3))
         expected = fresh.generate(prompt, params, 12)
         fresh_counts = fed.take()
         assert result.tokens == expected.tokens and result.provenance == expected.provenance
