@@ -18,14 +18,14 @@ import time
 
 import torch
 
+from batch_crossover import SPEC_BENCH, held_prompts  # the same held chat prompts (this folder is on sys.path)
+
 from specdec_cli.engine import SamplingParams
 from specdec_cli.engine.batched import RowRequest
 from specdec_cli.models import load_model
 from specdec_cli.models.calibrate import machine
 from specdec_cli.session import batch_size_for, build_batched_decoder, build_decoder, encode_chat, forward_curve
 
-SPEC_BENCH = "../shared/prompts/spec_bench_questions.jsonl"
-MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 INSTRUCTIONS = """You are the writing assistant of an engineering team. Every answer you give is read by busy
 engineers, so follow these rules without exception.
 
@@ -45,17 +45,6 @@ engineers, so follow these rules without exception.
    facts from the question exactly as given.
 10. For math, show the steps that matter, one per line, and give the final result on its own line."""
 SYSTEMS = {"template": None, "instructions": INSTRUCTIONS}
-
-
-def held_questions(path: str, per_category: int) -> list[str]:
-    taken: dict[str, list[str]] = {category: [] for category in MT_BENCH}
-    with open(path, encoding="utf-8") as file:
-        for line in file:
-            record = json.loads(line)
-            chosen = taken.get(record["category"])
-            if chosen is not None and len(chosen) < per_category:
-                chosen.append(record["turns"][0])
-    return [question for category in MT_BENCH for question in taken[category]]
 
 
 def one_pass(target, draft, mode: str, size: int, reuse: bool, prompts, max_new_tokens: int, curves) -> dict:
@@ -89,7 +78,7 @@ def main() -> None:
     draft = load_model("demo:qwen2.5-coder-0.5b", dtype="bfloat16", quantization=args.draft_quant, role="draft", progress=False)
     curves = (forward_curve(target), forward_curve(draft))
     size = batch_size_for(curves[0])
-    questions = held_questions(SPEC_BENCH, args.per_category)
+    questions = held_prompts(SPEC_BENCH, args.per_category)
     build_decoder(target, draft, "cascade", "auto", clock_free=True).generate(  # warm-up
         encode_chat(target.tokenizer, [{"role": "user", "content": questions[0]}]), SamplingParams(), 8)
     rows = []
