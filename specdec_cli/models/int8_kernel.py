@@ -94,6 +94,8 @@ def _declare(library: ctypes.CDLL) -> None:
     library.specdec_q8_groups.argtypes = [integer, pointer, size, size, size, pointer, pointer, pointer]
     library.specdec_q4_linear.restype = integer
     library.specdec_q4_quantize.restype = None
+    library.specdec_q4_select_rows.restype = None
+    library.specdec_q4_select_rows.argtypes = [integer, pointer, size, pointer, size, pointer]
     library.specdec_int8_quantize.restype = None
     library.specdec_int8_pack.restype = None
     library.specdec_int8_pack.argtypes = [integer, pointer, size, size, pointer, pointer]

@@ -360,3 +360,23 @@ void specdec_q4_quantize(int threads, const void *weight, int dtype, int64_t N, 
         }
     }
 }
+
+/* Output rows `rows` (count of them, each < N) of a packed layer into a new packed layer (`out`: ceil(count/16)
+   blocks × groups × 320 bytes, which the caller zeroed: padding rows stay 0): each row's bytes moved whole — its
+   4 × 4 bytes of value pairs, its scale and its minimum per group — so the same 4-bit values and scales as
+   q4.py's unpack, index and pack give, bit for bit (tested). */
+void specdec_q4_select_rows(int threads, const uint8_t *packed, int64_t groups, const int64_t *rows, int64_t count,
+                            uint8_t *out) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < count; i++) {
+        int64_t source = rows[i];
+        const uint8_t *from = packed + (source / Q4_ROWS) * groups * Q4_GROUP_BYTES;
+        uint8_t *to = out + (i / Q4_ROWS) * groups * Q4_GROUP_BYTES;
+        int from_row = (int)(source % Q4_ROWS), to_row = (int)(i % Q4_ROWS);
+        for (int64_t g = 0; g < groups; g++, from += Q4_GROUP_BYTES, to += Q4_GROUP_BYTES) {
+            for (int t = 0; t < 4; t++) memcpy(to + t * 64 + to_row * 4, from + t * 64 + from_row * 4, 4);
+            memcpy(to + 256 + 2 * to_row, from + 256 + 2 * from_row, 2);
+            memcpy(to + 288 + 2 * to_row, from + 288 + 2 * from_row, 2);
+        }
+    }
+}

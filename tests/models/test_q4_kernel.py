@@ -171,6 +171,20 @@ def test_selected_rows_score_what_the_whole_layer_scores():
 
 
 @needs_kernel
+@pytest.mark.parametrize(("rows", "width"), SHAPES)
+def test_selecting_rows_moves_each_rows_bytes_whole(rows, width, monkeypatch):
+    """Rows picked in C (each row's bytes moved) hold what unpacking, indexing and packing again gives."""
+    torch.manual_seed(rows + width)
+    layer = Q4Linear.from_linear(torch.nn.Linear(width, rows))
+    chosen = torch.randint(0, rows, (rows + 5,))  # out of order, repeated, a ragged last block
+    made = layer.select_rows(chosen)
+    library = int8_kernel._library()[0]
+    monkeypatch.setattr(int8_kernel, "_library", lambda: (library, 1, "the torch way, for the reference"))
+    assert torch.equal(made.packed_weight, layer.select_rows(chosen).packed_weight) and made.out_features == rows + 5
+    assert torch.equal(made.bias, layer.bias[chosen])
+
+
+@needs_kernel
 def test_a_copied_layer_gives_the_same_numbers():
     layer = Q4Linear.from_linear(torch.nn.Linear(100, 64))
     x = torch.randn(3, 100)
