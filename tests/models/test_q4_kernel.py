@@ -178,6 +178,9 @@ def test_selecting_rows_moves_each_rows_bytes_whole(rows, width, monkeypatch):
     layer = Q4Linear.from_linear(torch.nn.Linear(width, rows))
     chosen = torch.randint(0, rows, (rows + 5,))  # out of order, repeated, a ragged last block
     made = layer.select_rows(chosen)
+    for outside in (rows, -1):  # refused before the C reads past the layer
+        with pytest.raises(IndexError):
+            layer.select_rows(torch.tensor([0, outside]))
     library = int8_kernel._library()[0]
     monkeypatch.setattr(int8_kernel, "_library", lambda: (library, 1, "the torch way, for the reference"))
     assert torch.equal(made.packed_weight, layer.select_rows(chosen).packed_weight) and made.out_features == rows + 5
