@@ -55,13 +55,11 @@ def quantize_weight_fast(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     library, _, problem = int8_kernel._library()
     if problem:
         return quantize_weight(weight)
-    source = weight.detach()
-    if source.dtype not in (torch.float32, torch.bfloat16) or source.stride(-1) != 1:
-        source = source.float().contiguous()
+    source, dtype_code = int8_kernel.weight_in_kernel_form(weight)
     rows, width = source.shape
     values, scales = torch.empty(rows, width, dtype=torch.int8), torch.empty(rows, dtype=torch.float32)
-    library.specdec_int8_quantize(torch.get_num_threads(), source.data_ptr(), int(source.dtype == torch.bfloat16),
-                                  rows, width, source.stride(0), values.data_ptr(), scales.data_ptr())
+    library.specdec_int8_quantize(torch.get_num_threads(), source.data_ptr(), dtype_code, rows, width,
+                                  source.stride(0), values.data_ptr(), scales.data_ptr())
     return values, scales
 
 

@@ -266,7 +266,10 @@ void specdec_int8_quantize(int threads, const void *weight, int dtype, int64_t N
         float lanes[8], largest = 0.0f;
         _mm256_storeu_ps(lanes, largest8);
         for (int j = 0; j < 8; j++) largest = lanes[j] > largest ? lanes[j] : largest;
-        for (; k < K; k++) largest = fabsf(weight1(row, dtype, k)) > largest ? fabsf(weight1(row, dtype, k)) : largest;
+        for (; k < K; k++) {
+            float magnitude = fabsf(weight1(row, dtype, k));
+            largest = magnitude > largest ? magnitude : largest;
+        }
         float scale = (largest > 1e-12f ? largest : 1e-12f) / 127.0f;
         scales[n] = scale;
         int8_t *out = values + n * K;

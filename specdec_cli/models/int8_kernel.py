@@ -93,15 +93,16 @@ def _declare(library: ctypes.CDLL) -> None:
     library.specdec_q8_groups.restype = None
     library.specdec_q8_groups.argtypes = [integer, pointer, size, size, size, pointer, pointer, pointer]
     library.specdec_q4_linear.restype = integer
-    library.specdec_q4_quantize.restype = None
-    library.specdec_q4_select_rows.restype = None
-    library.specdec_q4_select_rows.argtypes = [integer, pointer, size, pointer, size, pointer]
+    library.specdec_q4_linear.argtypes = [integer, integer, pointer, size, size, size, pointer, pointer, size, pointer]
+    # Load time: quantising and packing weights, picking a q4 layer's rows.
     library.specdec_int8_quantize.restype = None
+    library.specdec_int8_quantize.argtypes = [integer, pointer, integer, size, size, size, pointer, pointer]
     library.specdec_int8_pack.restype = None
     library.specdec_int8_pack.argtypes = [integer, pointer, size, size, pointer, pointer]
-    library.specdec_int8_quantize.argtypes = [integer, pointer, integer, size, size, size, pointer, pointer]
+    library.specdec_q4_quantize.restype = None
     library.specdec_q4_quantize.argtypes = [integer, pointer, integer, size, size, size, pointer]
-    library.specdec_q4_linear.argtypes = [integer, integer, pointer, size, size, size, pointer, pointer, size, pointer]
+    library.specdec_q4_select_rows.restype = None
+    library.specdec_q4_select_rows.argtypes = [integer, pointer, size, pointer, size, pointer]
     library.specdec_attention.restype = integer
     library.specdec_attention.argtypes = [integer, pointer, pointer, pointer, pointer, size, size, size, size, size,
                                           size, ctypes.c_float, pointer]
@@ -132,6 +133,15 @@ def kernel_name(bits: int) -> str:
     """Which int8 matmul a layer with `bits`-bit activations built now runs: `specdec AVX512-VNNI`,
     `specdec AVX2` or `oneDNN` (int8.matmul_name() asks for this CPU's activation bits)."""
     return "oneDNN" if kernel_problem(bits) else f"specdec {ISA_NAMES[_library()[1]]}"
+
+
+def weight_in_kernel_form(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(a weight the load-time quantisers read as it is, its dtype code): float32 (0) or bfloat16 (1) with rows
+    of unit stride, `weight` itself where it already is one (rows may lie further apart), else a float32 copy."""
+    source = weight.detach()
+    if source.dtype not in (torch.float32, torch.bfloat16) or source.stride(-1) != 1:
+        source = source.float().contiguous()
+    return source, int(source.dtype == torch.bfloat16)
 
 
 def pack(weight_int8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -68,13 +68,11 @@ def quantize_packed(weight: torch.Tensor) -> torch.Tensor:
     library, _, problem = int8_kernel._library()
     if problem:
         return pack(*quantize_weight(weight))
-    source = weight.detach()
-    if source.dtype not in (torch.float32, torch.bfloat16) or source.stride(-1) != 1:
-        source = source.float().contiguous()
+    source, dtype_code = int8_kernel.weight_in_kernel_form(weight)
     rows, width = source.shape
     packed = torch.empty(-(-rows // ROWS), -(-width // GROUP), GROUP_BYTES, dtype=torch.uint8)
-    library.specdec_q4_quantize(torch.get_num_threads(), source.data_ptr(), int(source.dtype == torch.bfloat16),
-                                rows, width, source.stride(0), packed.data_ptr())
+    library.specdec_q4_quantize(torch.get_num_threads(), source.data_ptr(), dtype_code, rows, width,
+                                source.stride(0), packed.data_ptr())
     return packed
 
 
