@@ -1,0 +1,118 @@
+"""The C kernels of a git revision against the working tree's, on the demo pair, interleaved in one process.
+
+    python scripts/kernel_ab.py --base HEAD --format q4 [--avx2] --json benchmarks/....json
+
+--avx2 runs the code an AVX2-only CPU runs (the AVX2 kernels, and 7-bit activations for int8, as such a CPU gets
+them) on a CPU that has AVX512-VNNI too.
+
+Both libraries are built from their sources (int8_gemm.c, q4_gemm.c, layer_kernels.c) with the flags specdec uses,
+and each model's forwards of 1 / 2 / 4 / 8 new tokens over a 200-token cache alternate between them: the same
+weights, the same caches, only the compiled code differs. Timed apart: the decoder (the stack of layers, one call
+into C) and the output head over the new tokens' rows (the full vocabulary; the demo's drafter scores a 64k-row
+subset of the draft's). Where the change does not touch the arithmetic the logits must agree bit for bit; the
+script checks that on every forward and stops if they do not."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from specdec_cli.engine.kv import new_cache
+from specdec_cli.models import int8, int8_kernel, load_model
+from specdec_cli.models.calibrate import machine
+
+MODELS = {"draft": "demo:qwen2.5-coder-0.5b", "target": "demo:qwen2.5-coder-1.5b"}
+SIZES = (1, 2, 4, 8)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--base", default="HEAD", help="the git revision whose kernels are the baseline")
+    parser.add_argument("--format", default="q4")
+    parser.add_argument("--context", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--avx2", action="store_true", help="the code an AVX2-only CPU runs")
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    if args.avx2:
+        os.environ["SPECDEC_INT8_KERNEL"] = "avx2"
+        int8.activation_bits = lambda: 7
+    tree = int8_kernel._library()
+    libraries = {args.base: _base_library(args.base, tree[1]), "working tree": tree}
+    result = {"machine": machine(), "python": platform.python_version(), "format": args.format, "avx2_code": args.avx2,
+              "base": args.base,
+              "base_commit": _git("rev-parse", args.base).strip(), "context_tokens": args.context,
+              "repeats": args.repeats, "milliseconds": {}}
+    for role, name in MODELS.items():
+        model = load_model(name, dtype="bfloat16", quantization=args.format, progress=False, role=role).model
+        result["milliseconds"][role] = rows = _interleaved(model, libraries, args.context, args.repeats)
+        for which, parts in rows.items():
+            for part, row in parts.items():
+                print(f"{role:6} {which:12} {part:7}", " ".join(f"{n}: {ms:.1f} ms" for n, ms in row.items()), flush=True)
+        del model
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+def _git(*words: str) -> str:
+    return subprocess.run(["git", *words], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+
+def _base_library(revision: str, isa: int) -> tuple[ctypes.CDLL, int, None]:
+    folder = Path(tempfile.mkdtemp(prefix="specdec-kernels-"))
+    sources = []
+    for path in int8_kernel.SOURCES:
+        source = folder / path.name
+        source.write_text(_git("show", f"{revision}:{path.relative_to(ROOT)}"))
+        sources.append(str(source))
+    built = folder / "libbase.so"
+    subprocess.run(["cc", *int8_kernel.FLAGS, "-o", str(built), *sources, "-lm"], check=True)
+    library = ctypes.CDLL(str(built))
+    int8_kernel._declare(library)
+    return library, isa, None
+
+
+@torch.inference_mode()
+def _interleaved(model, libraries: dict, context: int, repeats: int) -> dict:
+    original = int8_kernel._library
+    caches = {which: new_cache(model.config) for which in libraries}
+    times = {which: {part: {n: [] for n in SIZES} for part in ("decoder", "head")} for which in libraries}
+    generator = torch.Generator().manual_seed(0)
+    try:
+        for which, cache in caches.items():
+            int8_kernel._library = lambda chosen=libraries[which]: chosen
+            model(input_ids=torch.arange(100, 100 + context)[None], cache=cache, use_cache=True, logits_to_keep=1)
+        for _ in range(repeats):
+            for n in SIZES:
+                ids = torch.randint(100, 1000, (1, n), generator=generator)
+                logits = []
+                for which, cache in caches.items():
+                    int8_kernel._library = lambda chosen=libraries[which]: chosen
+                    start = time.perf_counter()
+                    hidden = model.model(input_ids=ids, cache=cache, use_cache=True).last_hidden_state
+                    middle = time.perf_counter()
+                    logits.append(model.lm_head(hidden))
+                    times[which]["decoder"][n].append(middle - start)
+                    times[which]["head"][n].append(time.perf_counter() - middle)
+                    cache.crop(context - cache.get_seq_length())  # 5.24: a negative count of positions to drop
+                if not all(torch.equal(logits[0], other) for other in logits[1:]):
+                    raise SystemExit(f"the libraries' logits differ for {n} tokens")
+    finally:
+        int8_kernel._library = original
+    return {which: {part: {n: 1000 * statistics.median(values) for n, values in rows.items()}
+                    for part, rows in parts.items()} for which, parts in times.items()}
+
+
+if __name__ == "__main__":
+    main()
