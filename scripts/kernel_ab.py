@@ -2,6 +2,11 @@
 
     python scripts/kernel_ab.py --base HEAD --format q4 [--avx2] --json benchmarks/....json
 
+--generate N instead times whole generations, what a user sees: the first question of each Spec-Bench category (N
+of them) through the demo profile as `compare` runs it (its chat template and system prompt), 128 new tokens,
+greedy, the target alone and the profile's drafter, each library in turn (the order alternating per prompt), a
+fresh decoder each time (prefill included, as in `compare`); the tokens must be the same every way.
+
 --avx2 runs the code an AVX2-only CPU runs (the AVX2 kernels, and 7-bit activations for int8, as such a CPU gets
 them) on a CPU that has AVX512-VNNI too.
 
@@ -43,6 +48,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--avx2", action="store_true", help="the code an AVX2-only CPU runs")
+    parser.add_argument("--generate", type=int, default=0, help="time generations of N prompts instead")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     if args.avx2:
@@ -54,6 +60,11 @@ def main() -> None:
               "base": args.base,
               "base_commit": _git("rev-parse", args.base).strip(), "context_tokens": args.context,
               "repeats": args.repeats, "milliseconds": {}}
+    if args.generate:
+        result["generations"] = _generations(libraries, args.generate)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+        return
     for role, name in MODELS.items():
         model = load_model(name, dtype="bfloat16", quantization=args.format, progress=False, role=role).model
         result["milliseconds"][role] = rows = _interleaved(model, libraries, args.context, args.repeats)
@@ -81,6 +92,54 @@ def _base_library(revision: str, isa: int) -> tuple[ctypes.CDLL, int, None]:
     library = ctypes.CDLL(str(built))
     int8_kernel._declare(library)
     return library, isa, None
+
+
+QUESTIONS = ROOT.parent / "shared/prompts/spec_bench_questions.jsonl"
+SYSTEM = "You are a helpful coding assistant."  # compare's system prompt for single-turn prompts
+
+
+@torch.inference_mode()
+def _generations(libraries: dict, count: int) -> dict:
+    from specdec_cli.engine import SamplingParams
+    from specdec_cli.session import build_decoder, encode_chat
+    from specdec_cli.settings import ModelOverrides, choose_models, load_choice
+
+    choice = choose_models(ModelOverrides(profile="demo"))
+    target, draft = load_choice(choice)
+    firsts = {}
+    for line in QUESTIONS.read_text().splitlines():
+        question = json.loads(line)
+        firsts.setdefault(question["category"], question["turns"][0])
+    prompts = [encode_chat(target.tokenizer, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}])
+               for text in list(firsts.values())[:count]]
+    drafters = ("none", choice.drafter)
+    seconds = {which: {drafter: 0.0 for drafter in drafters} for which in libraries}
+    tokens = {which: {drafter: 0 for drafter in drafters} for which in libraries}
+    original = int8_kernel._library
+    try:
+        for index, prompt in enumerate(prompts):
+            outputs = []
+            for which in list(libraries)[:: 1 if index % 2 == 0 else -1]:
+                int8_kernel._library = lambda chosen=libraries[which]: chosen
+                for drafter in drafters:
+                    decoder = build_decoder(target, draft, drafter, "auto")
+                    start = time.perf_counter()
+                    made = [token for event in decoder.stream(prompt, SamplingParams(), 128) for token in event.tokens]
+                    seconds[which][drafter] += time.perf_counter() - start
+                    tokens[which][drafter] += len(made)
+                    outputs.append(made)
+            if any(made != outputs[0] for made in outputs[1:]):
+                raise SystemExit(f"prompt {index}: the outputs differ between libraries or drafters")
+            print(f"prompt {index + 1}/{len(prompts)}: {len(outputs[0])} tokens", flush=True)
+    finally:
+        int8_kernel._library = original
+    rates = {which: {drafter: tokens[which][drafter] / seconds[which][drafter] for drafter in drafters}
+             for which in libraries}
+    for which, row in rates.items():
+        print(f"{which:12}", " ".join(f"{drafter}: {rate:.1f} tok/s" for drafter, rate in row.items()),
+              f"(x{row[choice.drafter] / row['none']:.2f})")
+    return {"prompts": len(prompts), "max_new_tokens": 128, "drafter": choice.drafter, "seconds": seconds,
+            "tokens": tokens, "tokens_per_second": rates}
 
 
 @torch.inference_mode()
