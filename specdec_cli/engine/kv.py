@@ -106,7 +106,7 @@ class GrowingLayer(DynamicLayer):
     def keep_first(self, length: int) -> None:
         """Keep the first `length` entries; views `written` set stay such views (of the same buffers)."""
         own = self._views_own_buffers(0, self.keys.dtype)
-        self.keys, self.values = self.keys[..., :length, :], self.values[..., :length, :]
+        self.keys, self.values = _first(self.keys, length), _first(self.values, length)
         if own:
             self._own_views = (self.keys, self.values)
 
@@ -122,6 +122,13 @@ def _appended(held: torch.Tensor, buffer: torch.Tensor | None, new: torch.Tensor
     buffer = _with_room(held, buffer, new.shape, new.dtype, new.device)
     buffer.narrow(-2, length, new.shape[-2]).copy_(new)
     return buffer.narrow(-2, 0, length + new.shape[-2]), buffer
+
+
+def _first(held: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` entries of a layer's keys or values. A layer's first forward replaces the empty 1-D
+    tensors it starts with, keys first: a forward interrupted there (Ctrl-C, SIGTERM) leaves values empty while
+    keys hold entries, and the rollback after it must not fail on that (it keeps none of either: it was the layer's first forward)."""
+    return held[..., :length, :] if held.dim() == 4 else held
 
 
 def _held_length(held: torch.Tensor) -> int:
@@ -344,8 +351,7 @@ def truncate_layers(cache: DynamicCache, length: int) -> None:
         if isinstance(layer, GrowingLayer):
             layer.keep_first(length)
         else:
-            layer.keys = layer.keys[..., :length, :]
-            layer.values = layer.values[..., :length, :]
+            layer.keys, layer.values = _first(layer.keys, length), _first(layer.values, length)
 
 
 def _path_tokens(node: int, tree_ids: Sequence[int], parents: list[int]) -> tuple[int, ...]:

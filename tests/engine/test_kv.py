@@ -1,5 +1,6 @@
 """The KV cache: after any rollback, the next forward's logits equal a full-sequence forward."""
 
+import pytest
 import torch
 
 from specdec_cli.engine.kv import CachedModel
@@ -61,6 +62,29 @@ def test_interrupted_forward_leaves_a_consistent_cache(llama_target, monkeypatch
     monkeypatch.setattr(llama_target.model.layers[1], "forward", layer_forward)
     assert runner.ids == [1, 2, 3]
     assert all(layer.keys.shape[-2] == 3 for layer in runner.cache.layers)
+    logits = runner.extend([1, 2, 3, 4, 5], 1)
+    assert torch.allclose(logits, full_forward_logits(llama_target, [1, 2, 3, 4, 5])[-1:], atol=1e-5)
+
+
+def test_a_first_forward_interrupted_between_keys_and_values_rolls_back_cleanly(llama_target, monkeypatch):
+    """A layer's first update replaces its empty 1-D keys, then its values: a signal landing between the two (a
+    SIGTERM to `run` did, in the suite's SIGTERM test) left values 1-D, and the rollback's IndexError replaced the interrupt."""
+    from specdec_cli.engine import kv
+
+    runner = CachedModel(llama_target)
+    appended, calls = kv._appended, []
+
+    def interrupted_at_values(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # layer 0: keys done, values next
+            raise KeyboardInterrupt
+        return appended(*args, **kwargs)
+
+    monkeypatch.setattr(kv, "_appended", interrupted_at_values)
+    with pytest.raises(KeyboardInterrupt):
+        runner.extend([1, 2, 3], 1)
+    monkeypatch.setattr(kv, "_appended", appended)
+    assert runner.ids == [] and not kv.filled_layers(runner.cache)
     logits = runner.extend([1, 2, 3, 4, 5], 1)
     assert torch.allclose(logits, full_forward_logits(llama_target, [1, 2, 3, 4, 5])[-1:], atol=1e-5)
 
