@@ -24,6 +24,7 @@ import ctypes
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -88,7 +89,7 @@ def _base_library(revision: str, isa: int) -> tuple[ctypes.CDLL, int, None]:
         source.write_text(_git("show", f"{revision}:{path.relative_to(ROOT)}"))
         sources.append(str(source))
     built = folder / "libbase.so"
-    subprocess.run(["cc", *int8_kernel.FLAGS, "-o", str(built), *sources, "-lm"], check=True)
+    subprocess.run([os.environ.get("CC") or shutil.which("cc") or "gcc", *int8_kernel.FLAGS, "-o", str(built), *sources, "-lm"], check=True)
     library = ctypes.CDLL(str(built))
     int8_kernel._declare(library)
     return library, isa, None
