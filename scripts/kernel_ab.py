@@ -20,11 +20,11 @@ script checks that on every forward and stops if they do not."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import tempfile
@@ -71,7 +71,8 @@ def main() -> None:
         result["milliseconds"][role] = rows = _interleaved(model, libraries, args.context, args.repeats)
         for which, parts in rows.items():
             for part, row in parts.items():
-                print(f"{role:6} {which:12} {part:7}", " ".join(f"{n}: {ms:.1f} ms" for n, ms in row.items()), flush=True)
+                timings = " ".join(f"{n}: {ms:.1f} ms" for n, ms in row.items())
+                print(f"{role:6} {which:12} {part:7}", timings, flush=True)
         del model
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
@@ -87,16 +88,26 @@ def _base_library(revision: str, isa: int) -> tuple[ctypes.CDLL, int, None]:
     for path in int8_kernel.SOURCES:
         source = folder / path.name
         source.write_text(_git("show", f"{revision}:{path.relative_to(ROOT)}"))
-        sources.append(str(source))
+        sources.append(source)
     built = folder / "libbase.so"
-    subprocess.run([os.environ.get("CC") or shutil.which("cc") or "gcc", *int8_kernel.FLAGS, "-o", str(built), *sources, "-lm"], check=True)
+    int8_kernel.compile_library(sources, built, int8_kernel.c_compiler())
     library = ctypes.CDLL(str(built))
     int8_kernel._declare(library)
     return library, isa, None
 
 
 QUESTIONS = ROOT.parent / "shared/prompts/spec_bench_questions.jsonl"
-SYSTEM = "You are a helpful coding assistant."  # compare's system prompt for single-turn prompts
+
+
+@contextlib.contextmanager
+def _kernels(library: tuple):
+    """Every kernel call inside runs `library` (a `int8_kernel._library()` tuple); the process's own after."""
+    original = int8_kernel._library
+    int8_kernel._library = lambda: library
+    try:
+        yield
+    finally:
+        int8_kernel._library = original
 
 
 @torch.inference_mode()
@@ -111,29 +122,26 @@ def _generations(libraries: dict, count: int) -> dict:
     for line in QUESTIONS.read_text().splitlines():
         question = json.loads(line)
         firsts.setdefault(question["category"], question["turns"][0])
-    prompts = [encode_chat(target.tokenizer, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}])
+    system = [{"role": "system", "content": choice.profile.system}] if choice.profile.system else []
+    prompts = [encode_chat(target.tokenizer, [*system, {"role": "user", "content": text}])
                for text in list(firsts.values())[:count]]
     drafters = ("none", choice.drafter)
     seconds = {which: {drafter: 0.0 for drafter in drafters} for which in libraries}
     tokens = {which: {drafter: 0 for drafter in drafters} for which in libraries}
-    original = int8_kernel._library
-    try:
-        for index, prompt in enumerate(prompts):
-            outputs = []
-            for which in list(libraries)[:: 1 if index % 2 == 0 else -1]:
-                int8_kernel._library = lambda chosen=libraries[which]: chosen
-                for drafter in drafters:
-                    decoder = build_decoder(target, draft, drafter, "auto")
+    for index, prompt in enumerate(prompts):
+        outputs = []
+        for which in list(libraries)[:: 1 if index % 2 == 0 else -1]:
+            for drafter in drafters:
+                decoder = build_decoder(target, draft, drafter, "auto")
+                with _kernels(libraries[which]):
                     start = time.perf_counter()
                     made = [token for event in decoder.stream(prompt, SamplingParams(), 128) for token in event.tokens]
                     seconds[which][drafter] += time.perf_counter() - start
-                    tokens[which][drafter] += len(made)
-                    outputs.append(made)
-            if any(made != outputs[0] for made in outputs[1:]):
-                raise SystemExit(f"prompt {index}: the outputs differ between libraries or drafters")
-            print(f"prompt {index + 1}/{len(prompts)}: {len(outputs[0])} tokens", flush=True)
-    finally:
-        int8_kernel._library = original
+                tokens[which][drafter] += len(made)
+                outputs.append(made)
+        if any(made != outputs[0] for made in outputs[1:]):
+            raise SystemExit(f"prompt {index}: the outputs differ between libraries or drafters")
+        print(f"prompt {index + 1}/{len(prompts)}: {len(outputs[0])} tokens", flush=True)
     rates = {which: {drafter: tokens[which][drafter] / seconds[which][drafter] for drafter in drafters}
              for which in libraries}
     for which, row in rates.items():
@@ -145,31 +153,28 @@ def _generations(libraries: dict, count: int) -> dict:
 
 @torch.inference_mode()
 def _interleaved(model, libraries: dict, context: int, repeats: int) -> dict:
-    original = int8_kernel._library
     caches = {which: new_cache(model.config) for which in libraries}
     times = {which: {part: {n: [] for n in SIZES} for part in ("decoder", "head")} for which in libraries}
     generator = torch.Generator().manual_seed(0)
-    try:
-        for which, cache in caches.items():
-            int8_kernel._library = lambda chosen=libraries[which]: chosen
+    for which, cache in caches.items():
+        with _kernels(libraries[which]):
             model(input_ids=torch.arange(100, 100 + context)[None], cache=cache, use_cache=True, logits_to_keep=1)
-        for _ in range(repeats):
-            for n in SIZES:
-                ids = torch.randint(100, 1000, (1, n), generator=generator)
-                logits = []
-                for which, cache in caches.items():
-                    int8_kernel._library = lambda chosen=libraries[which]: chosen
+    for _ in range(repeats):
+        for n in SIZES:
+            ids = torch.randint(100, 1000, (1, n), generator=generator)
+            logits = []
+            for which, cache in caches.items():
+                with _kernels(libraries[which]):
                     start = time.perf_counter()
                     hidden = model.model(input_ids=ids, cache=cache, use_cache=True).last_hidden_state
                     middle = time.perf_counter()
                     logits.append(model.lm_head(hidden))
-                    times[which]["decoder"][n].append(middle - start)
-                    times[which]["head"][n].append(time.perf_counter() - middle)
-                    cache.crop(context - cache.get_seq_length())  # 5.24: a negative count of positions to drop
-                if not all(torch.equal(logits[0], other) for other in logits[1:]):
-                    raise SystemExit(f"the libraries' logits differ for {n} tokens")
-    finally:
-        int8_kernel._library = original
+                    end = time.perf_counter()
+                times[which]["decoder"][n].append(middle - start)
+                times[which]["head"][n].append(end - middle)
+                cache.crop(context - cache.get_seq_length())  # 5.24: a negative count of positions to drop
+            if not all(torch.equal(logits[0], other) for other in logits[1:]):
+                raise SystemExit(f"the libraries' logits differ for {n} tokens")
     return {which: {part: {n: 1000 * statistics.median(values) for n, values in rows.items()}
                     for part, rows in parts.items()} for which, parts in times.items()}
 

@@ -127,7 +127,8 @@ def _appended(held: torch.Tensor, buffer: torch.Tensor | None, new: torch.Tensor
 def _first(held: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` entries of a layer's keys or values. A layer's first forward replaces the empty 1-D
     tensors it starts with, keys first: a forward interrupted there (Ctrl-C, SIGTERM) leaves values empty while
-    keys hold entries, and the rollback after it must not fail on that (it keeps none of either: it was the layer's first forward)."""
+    keys hold entries, and the rollback after it must not fail on that (it keeps none of either: it was the
+    layer's first forward)."""
     return held[..., :length, :] if held.dim() == 4 else held
 
 

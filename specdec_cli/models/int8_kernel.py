@@ -22,6 +22,7 @@ import os
 import platform
 import shutil
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -61,9 +62,7 @@ def load_library() -> tuple[ctypes.CDLL | None, int, str | None]:
 
 def _built() -> Path:
     """The shared library for this source and compiler, compiled into the cache if it is not there yet."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise OSError("no C compiler found: install gcc, or set CC")
+    compiler = c_compiler()
     source = b"".join(path.read_bytes() for path in SOURCES)
     key = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
     final = cache_dir("kernels") / f"int8-{key}"
@@ -72,16 +71,29 @@ def _built() -> Path:
         return library
     try:
         with atomic_folder(final) as staging:
-            target = staging / library.name
-            result = subprocess.run([compiler, *FLAGS, "-o", str(target), *map(str, SOURCES), "-lm"],
-                                    capture_output=True, text=True, timeout=300)
-            if result.returncode:
-                last = (result.stderr.strip().splitlines() or ["no output"])[-1]
-                raise OSError(f"{Path(compiler).name} failed: {last}")
+            compile_library(SOURCES, staging / library.name, compiler)
     except OSError:
         if not library.exists():  # else another process (a Ray worker, a second run) built it first: use theirs
             raise
     return library
+
+
+def c_compiler() -> str:
+    """The C compiler the kernels are built with: $CC, else cc, else gcc."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler found: install gcc, or set CC")
+    return compiler
+
+
+def compile_library(sources: Sequence[Path], output: Path, compiler: str) -> None:
+    """`sources` into the shared library `output` with specdec's flags; OSError naming the compiler's last line
+    when it fails."""
+    result = subprocess.run([compiler, *FLAGS, "-o", str(output), *map(str, sources), "-lm"],
+                            capture_output=True, text=True, timeout=300)
+    if result.returncode:
+        last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        raise OSError(f"{Path(compiler).name} failed: {last}")
 
 
 def _declare(library: ctypes.CDLL) -> None:

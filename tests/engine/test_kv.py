@@ -68,7 +68,8 @@ def test_interrupted_forward_leaves_a_consistent_cache(llama_target, monkeypatch
 
 def test_a_first_forward_interrupted_between_keys_and_values_rolls_back_cleanly(llama_target, monkeypatch):
     """A layer's first update replaces its empty 1-D keys, then its values: a signal landing between the two (a
-    SIGTERM to `run` did, in the suite's SIGTERM test) left values 1-D, and the rollback's IndexError replaced the interrupt."""
+    SIGTERM to `run` did, in the suite's SIGTERM test) left values 1-D, and the rollback's IndexError replaced
+    the interrupt."""
     from specdec_cli.engine import kv
 
     runner = CachedModel(llama_target)
