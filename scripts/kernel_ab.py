@@ -11,7 +11,7 @@ fresh decoder each time (prefill included, as in `compare`); the tokens must be 
 them) on a CPU that has AVX512-VNNI too.
 
 Both libraries are built from their sources (int8_gemm.c, q4_gemm.c, layer_kernels.c) with the flags specdec uses,
-and each model's forwards of 1 / 2 / 4 / 8 new tokens over a 200-token cache alternate between them: the same
+and each model's forwards of 1 / 2 / 4 / 8 new tokens (--sizes) over a 200-token cache alternate between them: the same
 weights, the same caches, only the compiled code differs. Timed apart: the decoder (the stack of layers, one call
 into C) and the output head over the new tokens' rows (the full vocabulary; the demo's drafter scores a 64k-row
 subset of the draft's). Where the change does not touch the arithmetic the logits must agree bit for bit; the
@@ -49,6 +49,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--avx2", action="store_true", help="the code an AVX2-only CPU runs")
+    parser.add_argument("--sizes", default="1,2,4,8", help="new tokens per timed forward, comma-separated")
     parser.add_argument("--generate", type=int, default=0, help="time generations of N prompts instead")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
@@ -68,7 +69,8 @@ def main() -> None:
         return
     for role, name in MODELS.items():
         model = load_model(name, dtype="bfloat16", quantization=args.format, progress=False, role=role).model
-        result["milliseconds"][role] = rows = _interleaved(model, libraries, args.context, args.repeats)
+        sizes = tuple(int(n) for n in args.sizes.split(","))
+        result["milliseconds"][role] = rows = _interleaved(model, libraries, args.context, args.repeats, sizes)
         for which, parts in rows.items():
             for part, row in parts.items():
                 timings = " ".join(f"{n}: {ms:.1f} ms" for n, ms in row.items())
@@ -152,15 +154,15 @@ def _generations(libraries: dict, count: int) -> dict:
 
 
 @torch.inference_mode()
-def _interleaved(model, libraries: dict, context: int, repeats: int) -> dict:
+def _interleaved(model, libraries: dict, context: int, repeats: int, sizes: tuple[int, ...] = SIZES) -> dict:
     caches = {which: new_cache(model.config) for which in libraries}
-    times = {which: {part: {n: [] for n in SIZES} for part in ("decoder", "head")} for which in libraries}
+    times = {which: {part: {n: [] for n in sizes} for part in ("decoder", "head")} for which in libraries}
     generator = torch.Generator().manual_seed(0)
     for which, cache in caches.items():
         with _kernels(libraries[which]):
             model(input_ids=torch.arange(100, 100 + context)[None], cache=cache, use_cache=True, logits_to_keep=1)
     for _ in range(repeats):
-        for n in SIZES:
+        for n in sizes:
             ids = torch.randint(100, 1000, (1, n), generator=generator)
             logits = []
             for which, cache in caches.items():
