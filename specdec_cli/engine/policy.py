@@ -286,8 +286,10 @@ class _Positions:
         self.prior_alpha, self.prior_weight = prior_alpha, prior_weight
         self.reached = [0.0] * positions  # decayed count of steps that drafted position i+1 with 1..i accepted
         self.kept = [0.0] * positions     # ... and in which position i+1 was accepted too
+        self._expected: list[float] | None = None  # expected_tokens(k) for every k, until the counts change
 
     def add(self, drafted: int, accepted: int, decay: float) -> None:
+        self._expected = None
         for position in range(len(self.reached)):
             self.reached[position] *= decay
             self.kept[position] *= decay
@@ -308,12 +310,16 @@ class _Positions:
         return (kept + self.prior_alpha * self.prior_weight) / (reached + self.prior_weight)
 
     def expected_tokens(self, k: int) -> float:
-        """1 + sum_{i<=k} prod_{j<=i} a_j: the drafts expected to survive plus the target's own token."""
-        total, survive = 1.0, 1.0
-        for rate in self.rates()[:k]:
-            survive *= rate
-            total += survive
-        return total
+        """1 + sum_{i<=k} prod_{j<=i} a_j: the drafts expected to survive plus the target's own token. Kept for
+        every k until the counts change: a step's choice asks it ~60 times (each k, each lookup length, the cut),
+        each a pass over every position's rate — ~1 ms a step in Python."""
+        if self._expected is None:
+            total, survive, self._expected = 1.0, 1.0, [1.0]
+            for rate in self.rates():
+                survive *= rate
+                total += survive
+                self._expected.append(total)
+        return self._expected[min(max(k, 0), len(self._expected) - 1)]
 
 
 class VerifyCost:
