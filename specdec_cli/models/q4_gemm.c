@@ -120,12 +120,12 @@ typedef struct {
 } Q4Out;
 
 /* One block of 16 rows, groups [g_begin, g_end), up to Q4_TILE tokens; `sums` (Q4_TILE, 16) float is
-   added to when `accumulate`, else started from 0; with `out` (the block's last groups) the sums go to y instead. tokens: the tile's first token's values as int32 (4 int8
-   each), `steps` of them a token (8 a group); scales, scaled_sums: the tile's first token's, `groups` a token.
-   Read where specdec_q8_groups wrote them: a token's 4 channels are one broadcast either way. Copying them into
-   a panel of the tile's tokens side by side first, and the barrier after it, cost every call: against it, the
-   demo target's layer shapes (synthetic weights, interleaved) take 8 tokens 68.7 → 56.5 ms, 4 tokens 35.6 →
-   31.0 ms, 200 tokens the same within 3%. */
+   added to when `accumulate`, else started from 0; with `out` (the block's last groups) the sums go to y instead.
+   tokens: the tile's first token's values as int32 (4 int8 each), `steps` of them a token (8 a group); scales,
+   scaled_sums: the tile's first token's, `groups` a token. Read where specdec_q8_groups wrote them: a token's 4
+   channels are one broadcast either way. Copying them into a panel of the tile's tokens side by side first, and the
+   barrier after it, cost every call: against it, the demo target's layer shapes (synthetic weights, interleaved)
+   take 8 tokens 68.7 → 56.5 ms, 4 tokens 35.6 → 31.0 ms, 200 tokens the same within 3%. */
 __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma")))
 static void q4_block_vnni(const uint8_t *w, const int32_t *tokens, const float *scales, const float *scaled_sums,
                           int64_t steps, int64_t groups, int64_t g_begin, int64_t g_end, int64_t m_count, float *sums,
@@ -274,7 +274,11 @@ int specdec_q4_gemm(int isa, int threads, const int8_t *values, const float *sca
 #pragma omp parallel num_threads(threads)
     {
         float *sums = per_thread ? sums_all + (size_t)omp_get_thread_num() * per_thread : NULL;
-#pragma omp for schedule(static)
+        /* guided, not static halves: a block is one thread's whole work either way (the same bits), but when the VM
+           slows one core the other takes more blocks instead of waiting at the end. Interleaved against static (demo
+           pair, AMD EPYC AVX512, scripts/kernel_ab.py): a noisy moment, draft 12.0 -> 10.8 ms a token, target 33.4 ->
+           31.1, 150 tokens 1105 -> 1069; a quiet one, draft the same, target 26.8 / 36.2 -> 26.1 / 34.2 (1 / 4) */
+#pragma omp for schedule(guided)
         for (int64_t b = 0; b < blocks; b++) {
             const uint8_t *w = w_packed + b * groups * Q4_GROUP_BYTES;
             int64_t first = b * Q4_ROWS, lanes = N - first < Q4_ROWS ? N - first : Q4_ROWS;
