@@ -80,12 +80,19 @@ def calibrate_command(
     table = Table("model", "precision", *(f"n={n}" for n in TOKEN_COUNTS), title="forward costs (ratio to n=1)")
 
     def show(entry: dict) -> None:
-        table.add_row(f"{entry['role']} {entry['model']}", entry["precision"], *_cells(entry["seconds"]))
         error_console().print(f"measured {entry['role']} · {entry['precision']}", markup=False)
 
     result = measure_forward_costs(models, formats, dtype=dtype or chosen.dtype, context_tokens=context,
                                    repeats=repeats, on_result=show, progress=True)
+    for entry in result["entries"]:  # the final figures: formats close enough to rank were timed again, together
+        table.add_row(f"{entry['role']} {entry['model']}", entry["precision"], *_cells(entry["seconds"]))
     console.print(table)
+    for role in models:
+        together = next((entry["timed_with"] for entry in result["entries"]
+                         if entry["role"] == role and "timed_with" in entry), None)
+        if together:
+            console.print(f"{role}: {', '.join(together)} were close, so they were timed again in turn; "
+                          "their rows are those figures", markup=False)
     error_console().print(f"wrote {save_calibration(result)}", markup=False)
     if json_path is not None:
         save_calibration(result, json_path)

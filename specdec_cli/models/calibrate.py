@@ -22,6 +22,7 @@ from specdec_cli.engine.kv import CachedModel
 from specdec_cli.models.device import dtype_name
 from specdec_cli.models.loaded import LoadedModel, load_model
 from specdec_cli.models.paths import specdec_home
+from specdec_cli.models.preflight import available_memory_bytes
 
 TOKEN_COUNTS = (1, 2, 4, 8, 16)
 CONTEXT_TOKENS = 200
@@ -40,29 +41,50 @@ def _token(i: int, vocab_size: int) -> int:
 def forward_costs(loaded: LoadedModel, token_counts: Iterable[int] = TOKEN_COUNTS,
                   context_tokens: int = CONTEXT_TOKENS, repeats: int = 5, clock: str = "wall") -> dict[str, float]:
     """{"n": seconds} for a forward of n new tokens on a `context_tokens`-token cache."""
-    context = [_token(i, loaded.vocab_size) for i in range(context_tokens)]
-    seconds = _interleaved_seconds(loaded.model, context, tuple(token_counts), repeats, loaded.vocab_size, clock)
-    return {str(n): value for n, value in seconds.items()}
+    return forward_costs_together({0: loaded}, token_counts, context_tokens, repeats, clock)[0]
 
 
-def _interleaved_seconds(model: torch.nn.Module, context: list[int], token_counts: tuple[int, ...], repeats: int,
-                         vocab_size: int, clock: str) -> dict[int, float]:
-    """{n: median seconds}, each repeat timing every n in turn (after one warm-up round): a machine whose speed
-    drifts (a shared VM: ±25% within minutes) then slows all n alike, where n after n would tilt the curve (one
-    such run measured a 1-token forward of the q4 demo target at 37 ms, 2 tokens at 30)."""
+def forward_costs_together(models: dict, token_counts: Iterable[int] = TOKEN_COUNTS,
+                           context_tokens: int = CONTEXT_TOKENS, repeats: int = 5,
+                           clock: str = "wall") -> dict[object, dict[str, float]]:
+    """{key: {"n": seconds}} for several loaded models (`models`: key → LoadedModel), every forward size of every
+    model timed in turn, so that a drifting machine slows them alike."""
+    vocab_size = min(loaded.vocab_size for loaded in models.values())
+    context = [_token(i, vocab_size) for i in range(context_tokens)]
+    runners = {key: CachedModel(loaded.model) for key, loaded in models.items()}
+    seconds = _interleaved_seconds(runners, context, tuple(token_counts), repeats, vocab_size, clock)
+    return {key: {str(n): value for n, value in row.items()} for key, row in seconds.items()}
+
+
+def _interleaved_seconds(runners: dict, context: list[int], token_counts: tuple[int, ...], repeats: int,
+                         vocab_size: int, clock: str) -> dict[object, dict[int, float]]:
+    """{key: {n: median seconds}}, each repeat timing every n of every runner in turn (after one warm-up
+    round): a machine whose speed drifts (a shared VM: ±25% within minutes) then slows all n alike, where n
+    after n would tilt the curve (one such run measured a 1-token forward of the q4 demo target at 37 ms, 2
+    tokens at 30) — and all runners alike, where one after the other would favour whichever ran in the faster
+    minutes."""
     now = CLOCKS[clock]
-    runner = CachedModel(model)
-    runner.extend(context, 1)
-    times: dict[int, list[float]] = {n: [] for n in token_counts}
+    for runner in runners.values():
+        runner.extend(context, 1)
+    times = {key: {n: [] for n in token_counts} for key in runners}
     for repeat in range(repeats + 1):
         for n in token_counts:
             # another first id each repeat, so none of the new tokens is already cached
             extra = [_token(len(context) + 1000 * repeat + 7 * i + 1, vocab_size) for i in range(n)]
-            started = now()
-            runner.extend(context + extra, n)  # crops back to `context`, then runs the new tokens
-            if repeat:
-                times[n].append(now() - started)
-    return {n: statistics.median(values) for n, values in times.items()}
+            for key, runner in runners.items():
+                started = now()
+                runner.extend(context + extra, n)  # crops back to `context`, then runs the new tokens
+                if repeat:
+                    times[key][n].append(now() - started)
+    return {key: {n: statistics.median(values) for n, values in rows.items()} for key, rows in times.items()}
+
+
+def auto_score(role: str, seconds: dict[int, float]) -> float:
+    """What `auto` ranks a format by (lower is faster): a target by its 1-, 4- and 8-token forwards, where
+    verification lives; a draft by its 1-, 2- and 4-token forwards (a step's first draft forward also takes
+    in the tokens the last step accepted). Sizes not measured count as the 1-token forward."""
+    sizes = (1, 4, 8) if role == "target" else (1, 2, 4)
+    return sum(seconds.get(n, seconds[1]) for n in sizes)
 
 
 def machine() -> dict:
@@ -102,30 +124,74 @@ def measure_forward_costs(
     progress: bool = False,
 ) -> dict:
     """Load each role's model (`models`: role → spec) once per format (`formats`: role → names such as
-    "none", "int8", "int4", "q4"), one at a time, and time its forwards. `on_result` sees each entry as it
-    is measured. `clock`: "wall" or "cpu" (see CLOCKS). Returns {"machine", "context_tokens", "clock",
+    "none", "int8", "int4", "q4"), one at a time, and time its forwards; then the formats `auto` could pick
+    between again, together (`_retime_contenders`). `on_result` sees each entry as it is first measured (the
+    returned entries hold the final figures). `clock`: "wall" or "cpu" (see CLOCKS). Returns {"machine", "context_tokens", "clock",
     "measured_at", "entries": [...]}, each entry
     {"role", "model", "quantization", "precision", "dtype", "seconds": {"n": s}}."""
     token_counts = tuple(token_counts)
     entries = []
     for role, spec in models.items():
+        measured, weights = [], []
         for quantization in formats.get(role, ()):
-            loaded = load_model(spec, device=device, dtype=dtype, quantization=quantization, progress=progress,
-                                role=role)
+            load = dict(device=device, dtype=dtype, quantization=quantization, progress=progress, role=role)
+            loaded = load_model(spec, **load)
             entry = {
                 "role": role, "model": spec, "quantization": loaded.quantization or "none",
                 "precision": loaded.precision, "dtype": dtype_name(loaded.dtype),
                 "seconds": forward_costs(loaded, token_counts, context_tokens, repeats, clock),
             }
+            weights.append(_weight_bytes(loaded.model))
             del loaded
             gc.collect()  # one model in memory at a time
-            entries.append(entry)
+            measured.append((entry, load))
             if on_result:
                 on_result(entry)
+        _retime_contenders(spec, role, measured, weights, token_counts, context_tokens, repeats, clock)
+        entries.extend(entry for entry, _load in measured)
     return {
         "machine": machine(), "context_tokens": context_tokens, "clock": clock,
         "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "entries": entries,
     }
+
+
+CONTENDERS = 1.3  # formats whose score is within this factor of the best one's are timed again, together
+
+
+def _retime_contenders(spec: str, role: str, measured: list[tuple[dict, dict]], weights: list[int | None],
+                       token_counts: tuple[int, ...], context_tokens: int, repeats: int, clock: str) -> None:
+    """Time the formats that `auto` could pick between (`auto_score` within CONTENDERS of the best) again, all
+    loaded at once and every forward of every one in turn, and keep those figures (each such entry says which
+    formats it was timed with: "timed_with"). Timed one after another, formats take whatever speed the machine
+    had in their minutes: on this project's VM a fresh calibration once ranked the demo target's int8 ahead of
+    q4 (142 against 144 ms), where interleaved forwards gave q4 by 19% and whole generations by 15% (scripts/
+    format_ab.py). Skipped where the contenders' weights would not fit in half of the free memory together."""
+    if len(measured) < 2 or not all(entry["seconds"] for entry, _load in measured):
+        return
+    scores = [auto_score(role, {int(n): s for n, s in entry["seconds"].items()}) for entry, _load in measured]
+    best = min(scores)
+    close = [i for i, score in enumerate(scores) if score <= CONTENDERS * best]
+    if len(close) < 2 or any(weights[i] is None for i in close):
+        return
+    if sum(weights[i] for i in close) > available_memory_bytes(torch.device("cpu")) // 2:
+        return
+    loaded = {i: load_model(spec, **measured[i][1]) for i in close}
+    timed = forward_costs_together(loaded, token_counts, context_tokens, repeats, clock)
+    del loaded
+    gc.collect()
+    names = [measured[i][0]["quantization"] for i in close]
+    for i in close:
+        measured[i][0]["seconds"] = timed[i]
+        measured[i][0]["timed_with"] = names
+
+
+def _weight_bytes(model: torch.nn.Module) -> int | None:
+    """The bytes of a model's parameters and buffers (its quantised layers' packed weights among them); None
+    where a tensor's size cannot be read (a subclass that does not say)."""
+    try:
+        return sum(tensor.numel() * tensor.element_size() for tensor in [*model.parameters(), *model.buffers()])
+    except (RuntimeError, TypeError, NotImplementedError):
+        return None
 
 
 def calibration_path() -> Path:

@@ -63,15 +63,13 @@ def resolve_auto(role: str, device: torch.device, spec: str | None = None, dtype
     runnable = [name for name in allowed if name == "none" or (device.type == "cpu" and name in CPU_ONLY
                                                                 and _runs_here(name))]
     if spec is not None:
-        from specdec_cli.models.calibrate import calibrated_seconds
+        from specdec_cli.models.calibrate import auto_score, calibrated_seconds
 
         label = None if dtype is None else dtype_name(dtype)
         measured = {name: calibrated_seconds(spec, name, label) for name in runnable}
         measured = {name: seconds for name, seconds in measured.items() if seconds}
         if measured:
-            sizes = (1, 4, 8) if role == "target" else (1, 2, 4)
-            score = lambda name: sum(measured[name].get(n, measured[name][1]) for n in sizes)
-            return canonical(min(measured, key=score))
+            return canonical(min(measured, key=lambda name: auto_score(role, measured[name])))
     return "int8" if "int8" in runnable else None
 
 

@@ -52,3 +52,54 @@ def test_each_repeat_times_every_token_count_in_turn(llama_folder, monkeypatch):
     measure_forward_costs({"target": str(llama_folder)}, {"target": ["none"]}, dtype="float32",
                           token_counts=(1, 2, 4), context_tokens=8, repeats=2)
     assert fed == [1] + [1, 2, 4] * 3  # the context, then a warm-up round and two timed rounds
+
+
+def _drifting_machine(monkeypatch, drift: float) -> None:
+    """Forwards that cost n new tokens × a speed that worsens with every forward (a VM slowing down), on a
+    clock of their own: a format timed after another looks slower by the drift alone."""
+    from specdec_cli.engine.kv import CachedModel
+    from specdec_cli.models import calibrate
+
+    state = {"now": 0.0, "forwards": 0}
+    extend = CachedModel.extend
+
+    def drifting(self, ids, n_logits=1):
+        state["now"] += n_logits * (1 + drift * state["forwards"])
+        state["forwards"] += 1
+        return extend(self, ids, n_logits)
+
+    monkeypatch.setattr(CachedModel, "extend", drifting)
+    monkeypatch.setitem(calibrate.CLOCKS, "wall", lambda: state["now"])
+
+
+def _calibrate_two_formats(llama_folder) -> dict:
+    result = measure_forward_costs({"target": str(llama_folder)}, {"target": ["none", "int8"]}, dtype="float32",
+                                   token_counts=(1, 2), context_tokens=8, repeats=2)
+    return {entry["quantization"]: entry for entry in result["entries"]}
+
+
+def test_formats_close_enough_to_rank_are_timed_again_together(llama_folder, monkeypatch):
+    """Timed one after the other, int8 looks 24% slower on the drifting machine though both cost the same;
+    timed again in turn, forward by forward, they come out within the drift of one forward."""
+    _drifting_machine(monkeypatch, drift=0.04)
+    entries = _calibrate_two_formats(llama_folder)
+    assert entries["none"]["timed_with"] == entries["int8"]["timed_with"] == ["none", "int8"]
+    for n in ("1", "2"):
+        assert entries["int8"]["seconds"][n] / entries["none"]["seconds"][n] < 1.05
+
+
+def test_formats_far_apart_keep_their_own_timings(llama_folder, monkeypatch):
+    _drifting_machine(monkeypatch, drift=0.2)  # int8 looks 1.8x slower: no ranking to settle
+    entries = _calibrate_two_formats(llama_folder)
+    assert "timed_with" not in entries["none"] and "timed_with" not in entries["int8"]
+    assert entries["int8"]["seconds"]["1"] / entries["none"]["seconds"]["1"] > 1.5
+
+
+def test_formats_that_would_not_fit_in_memory_together_keep_their_own_timings(llama_folder, monkeypatch):
+    from specdec_cli.models import calibrate
+
+    monkeypatch.setattr(calibrate, "available_memory_bytes", lambda device: 0)
+    _drifting_machine(monkeypatch, drift=0.04)
+    entries = _calibrate_two_formats(llama_folder)
+    assert "timed_with" not in entries["int8"]
+    assert entries["int8"]["seconds"]["1"] / entries["none"]["seconds"]["1"] > 1.2
