@@ -166,8 +166,8 @@ def _retime_contenders(spec: str, role: str, measured: list[tuple[dict, dict]], 
     had in their minutes: on this project's VM a fresh calibration once ranked the demo target's int8 ahead of
     q4 (142 against 144 ms), where interleaved forwards gave q4 by 19% and whole generations by 15% (scripts/
     format_ab.py). Skipped where the contenders' weights would not fit in half of the free memory together."""
-    if len(measured) < 2 or not all(entry["seconds"] for entry, _load in measured):
-        return
+    if len(measured) < 2 or not all("1" in entry["seconds"] for entry, _load in measured):
+        return  # nothing to rank, or no 1-token forward to score by
     scores = [auto_score(role, {int(n): s for n, s in entry["seconds"].items()}) for entry, _load in measured]
     best = min(scores)
     close = [i for i, score in enumerate(scores) if score <= CONTENDERS * best]

@@ -103,3 +103,10 @@ def test_formats_that_would_not_fit_in_memory_together_keep_their_own_timings(ll
     entries = _calibrate_two_formats(llama_folder)
     assert "timed_with" not in entries["int8"]
     assert entries["int8"]["seconds"]["1"] / entries["none"]["seconds"]["1"] > 1.2
+
+
+def test_sizes_without_a_one_token_forward_are_measured_but_not_ranked(llama_folder):
+    result = measure_forward_costs({"target": str(llama_folder)}, {"target": ["none", "int8"]}, dtype="float32",
+                                   token_counts=(2, 4), context_tokens=8, repeats=1)
+    assert [list(entry["seconds"]) for entry in result["entries"]] == [["2", "4"], ["2", "4"]]
+    assert not any("timed_with" in entry for entry in result["entries"])
