@@ -81,22 +81,15 @@ def _interleaved(models: dict, context: int, repeats: int) -> dict:
 
 @torch.inference_mode()
 def _generations(formats: list[str], count: int) -> dict:
-    from kernel_ab import QUESTIONS  # the same prompt file (this folder is on sys.path)
+    from kernel_ab import spec_bench_prompts  # the same prompts (this folder is on sys.path)
 
     from specdec_cli.engine import SamplingParams
-    from specdec_cli.session import build_decoder, encode_chat
+    from specdec_cli.session import build_decoder
     from specdec_cli.settings import ModelOverrides, choose_models, load_choice
 
     pairs = {fmt: load_choice(choose_models(ModelOverrides(profile="demo", target_quant=fmt))) for fmt in formats}
     choice = choose_models(ModelOverrides(profile="demo"))
-    tokenizer = pairs[formats[0]][0].tokenizer
-    firsts = {}
-    for line in QUESTIONS.read_text().splitlines():
-        question = json.loads(line)
-        firsts.setdefault(question["category"], question["turns"][0])
-    system = [{"role": "system", "content": choice.profile.system}] if choice.profile.system else []
-    prompts = [encode_chat(tokenizer, [*system, {"role": "user", "content": text}])
-               for text in list(firsts.values())[:count]]
+    prompts = spec_bench_prompts(pairs[formats[0]][0].tokenizer, choice.profile.system, count)
     drafters = ("none", choice.drafter)
     seconds = {fmt: {drafter: 0.0 for drafter in drafters} for fmt in formats}
     tokens = {fmt: {drafter: 0 for drafter in drafters} for fmt in formats}

@@ -101,6 +101,20 @@ def _base_library(revision: str, isa: int) -> tuple[ctypes.CDLL, int, None]:
 QUESTIONS = ROOT.parent / "shared/prompts/spec_bench_questions.jsonl"
 
 
+def spec_bench_prompts(tokenizer, system: str | None, count: int) -> list[list[int]]:
+    """The first Spec-Bench question of each of the first `count` categories, as `compare` encodes them: the chat
+    template, with the profile's system prompt where it has one."""
+    from specdec_cli.session import encode_chat
+
+    firsts = {}
+    for line in QUESTIONS.read_text().splitlines():
+        question = json.loads(line)
+        firsts.setdefault(question["category"], question["turns"][0])
+    system_turn = [{"role": "system", "content": system}] if system else []
+    return [encode_chat(tokenizer, [*system_turn, {"role": "user", "content": text}])
+            for text in list(firsts.values())[:count]]
+
+
 @contextlib.contextmanager
 def _kernels(library: tuple):
     """Every kernel call inside runs `library` (a `int8_kernel._library()` tuple); the process's own after."""
@@ -115,18 +129,12 @@ def _kernels(library: tuple):
 @torch.inference_mode()
 def _generations(libraries: dict, count: int) -> dict:
     from specdec_cli.engine import SamplingParams
-    from specdec_cli.session import build_decoder, encode_chat
+    from specdec_cli.session import build_decoder
     from specdec_cli.settings import ModelOverrides, choose_models, load_choice
 
     choice = choose_models(ModelOverrides(profile="demo"))
     target, draft = load_choice(choice)
-    firsts = {}
-    for line in QUESTIONS.read_text().splitlines():
-        question = json.loads(line)
-        firsts.setdefault(question["category"], question["turns"][0])
-    system = [{"role": "system", "content": choice.profile.system}] if choice.profile.system else []
-    prompts = [encode_chat(target.tokenizer, [*system, {"role": "user", "content": text}])
-               for text in list(firsts.values())[:count]]
+    prompts = spec_bench_prompts(target.tokenizer, choice.profile.system, count)
     drafters = ("none", choice.drafter)
     seconds = {which: {drafter: 0.0 for drafter in drafters} for which in libraries}
     tokens = {which: {drafter: 0 for drafter in drafters} for which in libraries}

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from specdec_cli.bench.peers import assistant_settings, hf_generate, hf_generation_config, pad_token_id, quiet_transformers
 from specdec_cli.bench.quality import agreement, reference_tokens
-from specdec_cli.bench.probes import ForwardCounter, MemoryProbe, _weight_bytes, environment, forward_seconds
+from specdec_cli.bench.probes import ForwardCounter, MemoryProbe, environment, forward_seconds
 from specdec_cli.bench.runs import (
     DRAFT, HF_ASSISTED, HF_LOOKUP, HF_LOOKUP_TOKENS, PLAIN_DRAFT, SCHEMA, TARGET, WARMUP_TOKENS, BenchSettings,
     Configuration, Run, run_order,
@@ -33,6 +33,7 @@ from specdec_cli.bench.theory import summary_row
 from specdec_cli.engine import GenerationStats, cut_at_eos
 from specdec_cli.errors import InputError
 from specdec_cli.models import LoadedModel
+from specdec_cli.models.preflight import held_weight_bytes
 from specdec_cli.prompts import Prompt
 from specdec_cli.session import build_decoder, encode_chat, encode_completion, eos_token_ids
 
@@ -58,7 +59,7 @@ class Benchmark:
         self.models_used: dict[str, list[str]] = {}
         self.loaded = {TARGET: target, DRAFT: draft, PLAIN_DRAFT: plain_draft}
         models = {role: loaded.model for role, loaded in self.loaded.items() if loaded is not None}
-        self.weight_bytes = {role: _weight_bytes(model) for role, model in models.items()}
+        self.weight_bytes = {role: held_weight_bytes(model) for role, model in models.items()}
         self._models = models
         self._probe = MemoryProbe(target.device)
 

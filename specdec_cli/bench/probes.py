@@ -82,15 +82,6 @@ def forward_seconds(model: torch.nn.Module, prompt_ids: list[int], repeats: int 
     return statistics.median(timings)
 
 
-def _weight_bytes(model: torch.nn.Module) -> int:
-    """Parameters and buffers, plus the packed weights of int8 (torch dynamic) Linear layers, which are neither."""
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
-
-    tensors = list(model.parameters()) + list(model.buffers())
-    packed = [module.weight() for module in model.modules() if isinstance(module, DynamicLinear)]
-    return sum(tensor.numel() * tensor.element_size() for tensor in tensors + packed)
-
-
 def environment(target: LoadedModel, draft: LoadedModel | None) -> dict:
     import transformers
 

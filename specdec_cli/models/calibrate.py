@@ -22,7 +22,7 @@ from specdec_cli.engine.kv import CachedModel
 from specdec_cli.models.device import dtype_name
 from specdec_cli.models.loaded import LoadedModel, load_model
 from specdec_cli.models.paths import specdec_home
-from specdec_cli.models.preflight import available_memory_bytes
+from specdec_cli.models.preflight import available_memory_bytes, held_weight_bytes
 
 TOKEN_COUNTS = (1, 2, 4, 8, 16)
 CONTEXT_TOKENS = 200
@@ -126,8 +126,8 @@ def measure_forward_costs(
     """Load each role's model (`models`: role → spec) once per format (`formats`: role → names such as
     "none", "int8", "int4", "q4"), one at a time, and time its forwards; then the formats `auto` could pick
     between again, together (`_retime_contenders`). `on_result` sees each entry as it is first measured (the
-    returned entries hold the final figures). `clock`: "wall" or "cpu" (see CLOCKS). Returns {"machine", "context_tokens", "clock",
-    "measured_at", "entries": [...]}, each entry
+    returned entries hold the final figures). `clock`: "wall" or "cpu" (see CLOCKS). Returns {"machine",
+    "context_tokens", "clock", "measured_at", "entries": [...]}, each entry
     {"role", "model", "quantization", "precision", "dtype", "seconds": {"n": s}}."""
     token_counts = tuple(token_counts)
     entries = []
@@ -141,7 +141,7 @@ def measure_forward_costs(
                 "precision": loaded.precision, "dtype": dtype_name(loaded.dtype),
                 "seconds": forward_costs(loaded, token_counts, context_tokens, repeats, clock),
             }
-            weights.append(_weight_bytes(loaded.model))
+            weights.append(held_weight_bytes(loaded.model))
             del loaded
             gc.collect()  # one model in memory at a time
             measured.append((entry, load))
@@ -158,7 +158,7 @@ def measure_forward_costs(
 CONTENDERS = 1.3  # formats whose score is within this factor of the best one's are timed again, together
 
 
-def _retime_contenders(spec: str, role: str, measured: list[tuple[dict, dict]], weights: list[int | None],
+def _retime_contenders(spec: str, role: str, measured: list[tuple[dict, dict]], weights: list[int],
                        token_counts: tuple[int, ...], context_tokens: int, repeats: int, clock: str) -> None:
     """Time the formats that `auto` could pick between (`auto_score` within CONTENDERS of the best) again, all
     loaded at once and every forward of every one in turn, and keep those figures (each such entry says which
@@ -171,9 +171,7 @@ def _retime_contenders(spec: str, role: str, measured: list[tuple[dict, dict]], 
     scores = [auto_score(role, {int(n): s for n, s in entry["seconds"].items()}) for entry, _load in measured]
     best = min(scores)
     close = [i for i, score in enumerate(scores) if score <= CONTENDERS * best]
-    if len(close) < 2 or any(weights[i] is None for i in close):
-        return
-    if sum(weights[i] for i in close) > available_memory_bytes(torch.device("cpu")) // 2:
+    if len(close) < 2 or sum(weights[i] for i in close) > available_memory_bytes(torch.device("cpu")) // 2:
         return
     loaded = {i: load_model(spec, **measured[i][1]) for i in close}
     timed = forward_costs_together(loaded, token_counts, context_tokens, repeats, clock)
@@ -183,15 +181,6 @@ def _retime_contenders(spec: str, role: str, measured: list[tuple[dict, dict]], 
     for i in close:
         measured[i][0]["seconds"] = timed[i]
         measured[i][0]["timed_with"] = names
-
-
-def _weight_bytes(model: torch.nn.Module) -> int | None:
-    """The bytes of a model's parameters and buffers (its quantised layers' packed weights among them); None
-    where a tensor's size cannot be read (a subclass that does not say)."""
-    try:
-        return sum(tensor.numel() * tensor.element_size() for tensor in [*model.parameters(), *model.buffers()])
-    except (RuntimeError, TypeError, NotImplementedError):
-        return None
 
 
 def calibration_path() -> Path:

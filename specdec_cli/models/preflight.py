@@ -99,6 +99,16 @@ def estimate_weight_bytes(config, dtype: torch.dtype, quantization: str | None) 
     return int(linear + head + width * other)
 
 
+def held_weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes a loaded model holds in weights: parameters and buffers (specdec's int8 and q4 layers keep their
+    packed weights as buffers), plus the packed weights of torch's dynamic int8 Linear layers, which are neither."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+    tensors = list(model.parameters()) + list(model.buffers())
+    packed = [module.weight() for module in model.modules() if isinstance(module, DynamicLinear)]
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors + packed)
+
+
 def available_memory_bytes(device: torch.device) -> int:
     """Free VRAM on a CUDA device, else free RAM (mps shares system memory)."""
     if device.type == "cuda":

@@ -247,7 +247,7 @@ static void q4_block_avx2(const uint8_t *w, const int32_t *tokens, const float *
         if (out) part = (Q4Out){out->y + m0 * out->stride, out->stride, out->bias, out->lanes};
         for (int half = 0; half < 2; half++)
             q4_half_avx2(w, half, tokens + m0 * steps, scales + m0 * groups, scaled_sums + m0 * groups, steps, groups,
-                         g_begin, g_end, count, sums + m0 * Q4_ROWS, accumulate, out ? &part : NULL);
+                         g_begin, g_end, count, sums ? sums + m0 * Q4_ROWS : NULL, accumulate, out ? &part : NULL);
     }
 }
 

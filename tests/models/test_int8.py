@@ -64,14 +64,14 @@ def test_an_int8_draft_is_lossless(llama_target, llama_near_draft, k):
 
 
 def test_the_benchmark_counts_an_int8_models_packed_weights(llama_folder):
-    from specdec_cli.bench.probes import _weight_bytes
+    from specdec_cli.models.preflight import held_weight_bytes
 
     loaded = load_model(str(llama_folder), device="cpu", dtype="float32", quantization="int8", progress=False)
     linear = sum(module.in_features * module.out_features for module in loaded.model.modules()
                  if isinstance(module, PerTokenInt8Linear))
     parameters = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     assert linear > 0
-    assert _weight_bytes(loaded.model) >= parameters + linear  # one byte per int8 weight on top of the fp32 rest
+    assert held_weight_bytes(loaded.model) >= parameters + linear  # one byte per int8 weight on top of the fp32 rest
 
 
 def test_a_subset_head_over_an_int8_model_scores_the_same_rows(llama_near_draft):
