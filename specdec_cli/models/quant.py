@@ -57,8 +57,7 @@ def resolve_auto(role: str, device: torch.device, spec: str | None = None, dtype
     `target_auto_formats`; else AUTO_FORMATS) that run here, the fastest one `specdec calibrate` measured on
     this machine for `spec` (a target by its 1-, 4- and 8-token forwards, where verification lives; a
     draft by its 1-, 2- and 4-token forwards: a step's first draft forward also takes in the tokens the
-    last step accepted). Without a calibration: int8 on the CPU (2.5-4x faster than float on
-    both CPU kinds measured, and flat up to 4-8 tokens), no quantisation elsewhere."""
+    last step accepted). Without a calibration: `uncalibrated_format` on the CPU, no quantisation elsewhere."""
     allowed = tuple(canonical(name) or "none" for name in (allowed or AUTO_FORMATS[role]))
     runnable = [name for name in allowed if name == "none" or (device.type == "cpu" and name in CPU_ONLY
                                                                 and _runs_here(name))]
@@ -70,7 +69,26 @@ def resolve_auto(role: str, device: torch.device, spec: str | None = None, dtype
         measured = {name: seconds for name, seconds in measured.items() if seconds}
         if measured:
             return canonical(min(measured, key=lambda name: auto_score(role, measured[name])))
-    return "int8" if "int8" in runnable else None
+    return uncalibrated_format(runnable) if device.type == "cpu" else None
+
+
+# What `auto` means on a CPU that `specdec calibrate` has not measured, per CPU kind, first allowed and runnable:
+# - AVX512-VNNI: q4, then int8. Measured there in turn (AMD EPYC, demo pair; README "Choosing the formats"): the q4
+#   target 19% faster than int8 by auto's score, whole generations 22.0 against 16.9 tok/s alone and 25.9 against
+#   22.6 with the cascade; the q4 draft 17.6 / 20.5 / 22.7 ms against 24.0 / 26.5 / 28.7 for 1 / 2 / 4 tokens. A target
+#   gets q4 only where its profile allows it (AUTO_FORMATS: int8 by default, closer to the float model).
+# - AVX2 only: int8, the format measured on such a CPU (torch's dynamic int8: 4x faster than float32, flat to 4
+#   tokens); q4 has not run on one (only its AVX2 code on an AVX512 CPU), so it waits for a calibration there.
+UNCALIBRATED = {"AVX512-VNNI": ("q4", "int8"), "AVX2": ("int8",)}
+
+
+def uncalibrated_format(runnable: list[str]) -> str | None:
+    """The format `auto` takes among `runnable` without a calibration (UNCALIBRATED for this CPU's kernels)."""
+    from specdec_cli.models import int8_kernel
+
+    _, isa, problem = int8_kernel._library()
+    preferred = UNCALIBRATED["AVX2"] if problem else UNCALIBRATED[int8_kernel.ISA_NAMES[isa]]
+    return next((name for name in preferred if name in runnable), None)
 
 
 def _runs_here(name: str) -> bool:

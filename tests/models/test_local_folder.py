@@ -88,3 +88,19 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path):
 def test_unknown_quantization_is_refused(llama_folder):
     with pytest.raises(ModelLoadError, match="unknown quantization '3bit'"):
         load_model(str(llama_folder), quantization="3bit", progress=False)
+
+
+def test_the_session_adds_the_end_of_turn_tokens_a_vocabulary_has_and_no_unknown_token():
+    from types import SimpleNamespace
+
+    from specdec_cli.session import eos_token_ids as session_eos_ids
+    from tests.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in ("<|im_start|>", "<|im_end|>", "<|endoftext|>")}
+    model = SimpleNamespace(tokenizer=tokenizer, eos_token_ids=(7,))
+    assert session_eos_ids(model) == tuple(sorted({7, ids["<|im_end|>"], ids["<|endoftext|>"]}))
+    # a tokenizer with an unknown token answers its id for every token it lacks (<|eot_id|>, <end_of_turn>, ...)
+    tokenizer.unk_token = "<|im_start|>"
+    assert tokenizer.convert_tokens_to_ids("<|eot_id|>") == ids["<|im_start|>"]
+    assert session_eos_ids(model) == tuple(sorted({7, ids["<|im_end|>"], ids["<|endoftext|>"]}))

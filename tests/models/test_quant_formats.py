@@ -74,20 +74,42 @@ def test_int8_needs_no_extra(llama_folder, monkeypatch):
     assert loaded.quantization == "int8"
 
 
-def test_auto_without_calibration_is_int8_on_the_cpu_for_both_roles(specdec_home):
-    assert resolve_auto("draft", CPU) == "int8" and resolve_auto("target", CPU) == "int8"
+def _kernels_as(monkeypatch, isa: int, problem: str | None = None) -> None:
+    """This process's matmul kernels as a CPU of this kind would have them (1 AVX2, 2 AVX512-VNNI)."""
+    from specdec_cli.models import int8_kernel
+
+    library = int8_kernel._library()[0]
+    monkeypatch.setattr(int8_kernel, "_library", lambda: (None, 0, problem) if problem else (library, isa, None))
+
+
+def test_auto_without_calibration_is_q4_on_a_vnni_cpu_and_int8_on_an_avx2_one(specdec_home, monkeypatch):
+    _kernels_as(monkeypatch, 2)  # AVX512-VNNI: q4 where allowed (a draft; a target whose profile lists it)
+    assert resolve_auto("draft", CPU) == "q4" and resolve_auto("target", CPU) == "int8"
+    assert resolve_auto("target", CPU, allowed=("none", "int8", "q4")) == "q4"
+    assert resolve_auto("target", CPU, allowed=("none", "int8")) == "int8"
     assert resolve_auto("target", CPU, allowed=("none",)) is None  # a profile that allows no quantisation
     assert resolve_auto("draft", torch.device("cuda")) is None
+    _kernels_as(monkeypatch, 1)  # AVX2 only: int8, whatever else is allowed
+    assert resolve_auto("draft", CPU) == "int8"
+    assert resolve_auto("target", CPU, allowed=("none", "int8", "q4")) == "int8"
+    assert resolve_auto("target", CPU, allowed=("none", "q4")) is None  # q4 waits for a calibration there
+    _kernels_as(monkeypatch, 0, "no compiler")  # no kernels: int8 on torch's oneDNN, q4 cannot run
+    assert resolve_auto("draft", CPU) == "int8"
+    assert resolve_auto("target", CPU, allowed=("none", "int8", "q4")) == "int8"
 
 
-def test_auto_in_a_pair_loads_int8_models_and_a_profile_can_keep_the_target_float(llama_folder, specdec_home):
+def test_auto_in_a_pair_loads_the_cpus_default_and_a_profile_can_keep_the_target_float(llama_folder,
+                                                                                          specdec_home):
+    from specdec_cli.models import int8_kernel
+
+    draft_default = "q4" if int8_kernel._library()[1] == 2 else "int8"  # this CPU's kind (the test above)
     target, draft = load_pair(str(llama_folder), str(llama_folder), device="cpu", dtype="float32",
                               target_quantization="auto", draft_quantization="auto", progress=False)
-    assert (target.quantization, draft.quantization) == ("int8", "int8")
+    assert (target.quantization, draft.quantization) == ("int8", draft_default)
     target, draft = load_pair(str(llama_folder), str(llama_folder), device="cpu", dtype="float32",
                               target_quantization="auto", draft_quantization="auto", progress=False,
                               target_auto_formats=("none",))
-    assert (target.quantization, draft.quantization) == (None, "int8")
+    assert (target.quantization, draft.quantization) == (None, draft_default)
     assert target.describe("target").endswith("· cpu · float32")
 
 
