@@ -13,6 +13,8 @@ from specdec_cli.drafters.tree import DEFAULT_BUDGET, MIN_BUDGET, TreeDrafter, b
 from specdec_cli.models.calibrate import machine, save_calibration
 from specdec_cli.session import build_decoder, make_drafter, tree_budget_for, tree_note
 
+from tests.tiny import tokenless_tokenizer
+
 FLAT_TO_16 = {1: 0.100, 2: 0.101, 4: 0.104, 8: 0.110, 16: 0.118}
 
 
@@ -46,7 +48,7 @@ def test_no_budget_from_a_curve_that_says_nothing(seconds):
 
 def loaded(model, name="org/big", quantization=None):
     return SimpleNamespace(model=model, name=name, quantization=quantization, dtype=torch.float32,
-                           tokenizer=SimpleNamespace(get_vocab=dict), eos_token_ids=(2,),
+                           tokenizer=tokenless_tokenizer(), eos_token_ids=(2,),
                            vocab_size=model.config.vocab_size)
 
 

@@ -182,3 +182,10 @@ def train_to_follow(model, successor: torch.Tensor, alphabet: torch.Tensor, step
         loss.backward()
         optimizer.step()
     return model.eval()
+
+
+def tokenless_tokenizer():
+    """A stand-in tokenizer that knows no token (no end-of-turn tokens for `session.eos_token_ids` to add)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(convert_tokens_to_ids=lambda token: None, convert_ids_to_tokens=lambda token_id: None)

@@ -20,6 +20,7 @@ from specdec_cli.models.quant import computes_rows_alone, quantize
 from specdec_cli.session import build_batched_decoder, build_decoder
 
 from tests.conftest import perturbed_copy, tiny_causal_lm
+from tests.tiny import tokenless_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -139,7 +140,7 @@ def test_the_batched_engine_reuses_prompts_for_the_roles_given(row_wise, draft, 
 def test_run_chat_and_compare_reuse_prompts_exactly_where_the_target_computes_rows_alone(float_target, row_wise, draft):
     def loaded(model, name):
         return SimpleNamespace(model=model, name=name, quantization=None, dtype=torch.float32, eos_token_ids=(2,),
-                               tokenizer=SimpleNamespace(get_vocab=dict), vocab_size=model.config.vocab_size)
+                               tokenizer=tokenless_tokenizer(), vocab_size=model.config.vocab_size)
 
     small = loaded(draft, "org/small")
     assert build_decoder(loaded(row_wise, "org/big"), small, "model", 3).reuse_prompts

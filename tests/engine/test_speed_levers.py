@@ -10,6 +10,7 @@ from specdec_cli.engine.draft import DraftRule
 from specdec_cli.engine.policy import VerifyCost
 
 from tests.conftest import hf_greedy
+from tests.tiny import tokenless_tokenizer
 
 PROMPT = [1] + [(5 * i + 3) % 60 + 3 for i in range(40)]
 NEW_TOKENS = 40
@@ -183,7 +184,7 @@ def test_auto_is_draft_or_not_with_the_survival_cut_and_a_fixed_k_drafts_exactly
     auto, fixed = make_drafter("cascade", draft, "auto"), make_drafter("cascade", draft, 4)
     assert auto.model_drafter.min_survival == AUTO_SURVIVAL and fixed.model_drafter.min_survival == 0.0
     assert auto.model_drafter.window.size == make_drafter("model", draft, "auto").window.size == DRAFT_WINDOW
-    target = SimpleNamespace(model=llama_target, tokenizer=SimpleNamespace(get_vocab=dict), eos_token_ids=(),
+    target = SimpleNamespace(model=llama_target, tokenizer=tokenless_tokenizer(), eos_token_ids=(),
                              name="tiny", quantization=None, dtype=torch.float32)
     batched = build_batched_decoder(target, draft, "cascade", "auto", 4)
     assert batched.draft_window == DRAFT_WINDOW  # run's batches read the window as chat's drafter does
