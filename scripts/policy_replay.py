@@ -11,7 +11,12 @@ one-token forward of the draft (its subset head) measures here.
 Prints the decoding speedup over the target alone (prefill left out) and tokens per step for: the shipped
 policy (`session.make_policy("auto")`), the odds cut before it divided by the next token's acceptance, fixed
 odds cuts, and the oracle that drafts exactly up to the first token the target rejects (the ceiling of any
-stopping rule with this draft and these costs). Model drafts only: no lookups (the cascade's are extra)."""
+stopping rule with this draft and these costs). Model drafts only: no lookups (the cascade's are extra).
+
+--windows 32,64,128,256,all instead replays the shipped policy with the draft reading each window of the prompt
+(`session.DRAFT_WINDOW`: the last N prompt tokens and everything after them; all: the whole prompt): the draft's
+agreement with the target, the decoding speedup, and end to end with both prefills, each model's prefill of n
+tokens timed here (the target's in both columns, the draft's of its window on the speculative side)."""
 
 from __future__ import annotations
 
@@ -43,22 +48,92 @@ STEP_OVERHEAD = 0.0017  # seconds of the engine's own work per speculative step 
 def record(target, draft, questions, max_new_tokens: int) -> list[dict]:
     """Per prompt: the target's greedy output and, at each of its positions, the draft's top token and its
     probability, as the model drafter computes them (its subset head, its window)."""
-    subset = draft_vocabulary(draft.tokenizer, draft.vocab_size)
-    head = shared_subset_head(draft.model, subset) if subset is not None else draft.model
     recorded = []
     for category, question in questions:
         prompt = encode_chat(target.tokenizer, [{"role": "user", "content": question}])
         output = build_decoder(target, None, "none", 0).generate(prompt, SamplingParams(), max_new_tokens).tokens
-        seen = prompt[-DRAFT_WINDOW:]
+        recorded.append({"category": category, "prompt": prompt, "output": output})
+        print(f"recorded {len(recorded)}/{len(questions)} ({category}, {len(output)} tokens)", flush=True)
+    return drafted_over(recorded, draft, DRAFT_WINDOW)
+
+
+def drafted_over(sequences: list[dict], draft, window: int | None) -> list[dict]:
+    """The sequences with the draft's top token and its probability at each output position (teacher-forced),
+    the draft reading the prompt's last `window` tokens (None: all of it) as the model drafter does."""
+    subset = draft_vocabulary(draft.tokenizer, draft.vocab_size)
+    head = shared_subset_head(draft.model, subset) if subset is not None else draft.model
+    drafted = []
+    for sequence in sequences:
+        prompt, output = sequence["prompt"], sequence["output"]
+        seen = prompt if window is None else prompt[-window:]
         with torch.inference_mode():
             logits = head(input_ids=torch.tensor([seen + output]), use_cache=False).logits[0]
         probs = logits[len(seen) - 1: len(seen) + len(output) - 1].float().softmax(-1)
         top, index = probs.max(-1)
-        recorded.append({"category": category, "output": output,
-                         "draft_top": (subset[index] if subset is not None else index).tolist(),
-                         "draft_p": top.tolist()})
-        print(f"recorded {len(recorded)}/{len(questions)} ({category}, {len(output)} tokens)", flush=True)
-    return recorded
+        drafted.append(sequence | {"draft_top": (subset[index] if subset is not None else index).tolist(),
+                                   "draft_p": top.tolist(), "seen": len(seen)})
+    return drafted
+
+
+def prefill_curve(model, head=None, sizes=(16, 64, 256, 768), repeats: int = 3) -> dict[int, float]:
+    """Median seconds of a prefill of n tokens into an empty cache (the logits of the last one), per n."""
+    curve = {}
+    for size in sizes:
+        ids, seconds = [100 + (31 * i) % 5000 for i in range(size)], []
+        for _ in range(repeats):
+            runner = CachedModel(head or model)
+            started = time.perf_counter()
+            runner.extend(ids, 1)
+            seconds.append(time.perf_counter() - started)
+        curve[size] = statistics.median(seconds)
+    return curve
+
+
+def at(curve: dict[int, float], n: int) -> float:
+    """`curve` at n: linear between the measured sizes (from 0 at 0), proportional past the last."""
+    sizes = sorted(curve)
+    below = (0, 0.0)
+    for size in sizes:
+        if n <= size:
+            return below[1] + (curve[size] - below[1]) * (n - below[0]) / (size - below[0])
+        below = (size, curve[size])
+    return curve[sizes[-1]] * n / sizes[-1]
+
+
+def windows(sequences: list[dict], draft, target, sizes: list[int | None], make_policy_now, verify: VerifyCost,
+            draft_seconds: float) -> dict:
+    """The shipped policy replayed with the draft reading each window: agreement, decoding and end-to-end speedups
+    (both prefills timed here; the target's is on both sides)."""
+    subset = draft_vocabulary(draft.tokenizer, draft.vocab_size)
+    head = shared_subset_head(draft.model, subset) if subset is not None else draft.model
+    target_prefill, draft_prefill = prefill_curve(target.model), prefill_curve(draft.model, head)
+    print("prefill seconds, target:", {n: round(s, 3) for n, s in target_prefill.items()},
+          "draft:", {n: round(s, 3) for n, s in draft_prefill.items()})
+    rows = {}
+    for size in sizes:
+        drafted = drafted_over(sequences, draft, size)
+        agree = sum(sum(a == b for a, b in zip(s["draft_top"], s["output"])) for s in drafted)
+        decoding = replay(drafted, PolicyChoice(make_policy_now), verify, draft_seconds)
+        alone = spec = 0.0
+        by_category = defaultdict(lambda: [0.0, 0.0])
+        for sequence in drafted:
+            one = replay([sequence], PolicyChoice(make_policy_now), verify, draft_seconds)
+            decode_alone = len(sequence["output"]) * verify.at(1)
+            prefill = at(target_prefill, len(sequence["prompt"]))
+            pair = (prefill + decode_alone, prefill + decode_alone / one["speedup"] + at(draft_prefill, sequence["seen"]))
+            alone, spec = alone + pair[0], spec + pair[1]
+            by_category[sequence["category"]][0] += pair[0]
+            by_category[sequence["category"]][1] += pair[1]
+        end_to_end = {category: a / s for category, (a, s) in by_category.items()}
+        name = "all" if size is None else str(size)
+        rows[name] = {"agreement": agree / sum(len(s["output"]) for s in drafted), "decoding": decoding["speedup"],
+                      "tokens_per_step": decoding["tokens_per_step"], "end_to_end": alone / spec,
+                      "end_to_end_by_category": end_to_end}
+        worst = sorted(end_to_end, key=end_to_end.get)[:3]
+        print(f"window {name:>4}: agreement {rows[name]['agreement']:.3f}  decoding x{decoding['speedup']:.3f}  "
+              f"{decoding['tokens_per_step']:.2f} tok/step  end to end x{alone / spec:.3f}  worst "
+              + ", ".join(f"{category} x{end_to_end[category]:.2f}" for category in worst), flush=True)
+    return {"target_prefill_seconds": target_prefill, "draft_prefill_seconds": draft_prefill, "windows": rows}
 
 
 def draft_token_seconds(draft, context: int = 200, repeats: int = 21) -> float:
@@ -160,6 +235,7 @@ def main() -> None:
     parser.add_argument("--draft-ms", type=float, default=0.0, help="what-if: a draft token's cost (default: measured)")
     parser.add_argument("--verify-scale", type=float, default=1.0,
                         help="what-if: a verify of n tokens costs 1 + scale x (its calibrated cost / a one-token forward's - 1)")
+    parser.add_argument("--windows", default="", help="draft windows to replay (prompt tokens, or all), e.g. 64,256,all")
     args = parser.parse_args()
     target = load_model("demo:qwen2.5-coder-1.5b", quantization=args.target_quant, progress=False)
     draft = load_model("demo:qwen2.5-coder-0.5b", quantization=args.draft_quant, progress=False, role="draft")
@@ -177,6 +253,17 @@ def main() -> None:
     verify = VerifyCost(target_curve)
     draft_seconds = args.draft_ms / 1000 if args.draft_ms else draft_token_seconds(draft)
     auto = lambda policy=DraftOrNot: policy(max_k=AUTO_MAX_K, rule=draft_rule("auto"), verify_curve=target_curve)  # noqa: E731
+    if args.windows:
+        sizes = [None if size == "all" else int(size) for size in args.windows.split(",")]
+        result = windows(sequences, draft, target, sizes, lambda: make_policy("auto", verify_curve=target_curve),
+                         verify, draft_seconds)
+        if args.json:
+            with open(args.json, "w") as file:
+                json.dump({"machine": machine(), "target": target.precision, "draft": draft.precision,
+                           "target_curve": target_curve, "draft_token_seconds": draft_seconds,
+                           "per_category": args.per_category, "max_new_tokens": args.max_new_tokens,
+                           "step_overhead": STEP_OVERHEAD} | result, file, indent=1)
+        return
     choices = {"shipped (make_policy auto)": PolicyChoice(lambda: make_policy("auto", verify_curve=target_curve)),
                "odds cut before (no next-token acceptance)": PolicyChoice(lambda: auto(CutOnOdds)),
                **{f"fixed odds cut {cut}": FixedCut(cut) for cut in (0.3, 0.5, 0.6, 0.7, 0.8, 0.9)},

@@ -64,7 +64,13 @@ def make_policy(k: int | str, clock_free: bool = False, verify_curve: dict[int, 
 # 700-token prompt's draft prefill was ~15% of a cascade run. Measured (q4 pair, 13 Spec-Bench prompts, one
 # interleaved run, benchmarks/2026-12-02-draft-levers-avx512-q4-window.json): cascade x1.06 over the target
 # alone with the whole prompt, x1.15 with 256, x1.16 with 128 (rag x0.96 -> 1.18, summarization x0.72 -> 0.85).
-DRAFT_WINDOW = 256
+# 64 since 3 December: a shorter window costs the draft little agreement with the target (0.734 at 64, 0.742 at
+# 256, 39 Spec-Bench outputs teacher-forced) and saves its prefill, so end to end it was ahead in the noise-free
+# replay (scripts/policy_replay.py --windows: x1.257 at 64, x1.247 at 128, x1.229 at 256,
+# benchmarks/2026-12-03-policy-replay-windows-avx512-q4.json) and in both timed runs (x1.18 / x1.19 / x1.14 for
+# 64 / 128 / 256 on 26 prompts, benchmarks/2026-12-03-draft-levers-avx512-q4-window-26-prompts.json; x1.30 /
+# x1.26 / x1.26 the day before), with the worst category up (extraction x0.84 -> 0.94 in the 26-prompt run).
+DRAFT_WINDOW = 64
 
 
 def make_drafter(drafter: str, draft: LoadedModel | None, k: int | str = "auto", target: LoadedModel | None = None,
