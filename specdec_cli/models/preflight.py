@@ -89,7 +89,8 @@ def estimate_weight_bytes(config, dtype: torch.dtype, quantization: str | None) 
     leave it to bitsandbytes, which keeps it."""
     shapes, head_shape, other, tied = _layer_shapes(config)
     name = canonical(quantization)
-    if name == "auto":  # not resolved yet (`profiles list`): what it means on a CPU with no calibration
+    if name == "auto":  # not resolved yet (`profiles list`): int8, the larger of what it means on a CPU without a
+        # calibration (int8 on an AVX2-only CPU; q4, smaller, on an AVX512-VNNI one: quant.UNCALIBRATED)
         name = "int8"
     width = torch.empty(0, dtype=compute_dtype(name, dtype)).element_size()
     linear = sum(linear_bytes(name, *shape, dtype) for shape in shapes)
