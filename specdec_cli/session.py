@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from specdec_cli.drafters import CascadeDrafter, DraftModelDrafter, NgramDrafter
 from specdec_cli.drafters.subset_head import draft_vocabulary, shared_subset_head
-from specdec_cli.drafters.tree import DEFAULT_BUDGET, TreeDrafter, budget_from_costs
+from specdec_cli.drafters.tree import DEFAULT_BUDGET, VALUE_BUDGET, TreeDrafter, budget_from_costs
 from specdec_cli.engine import DraftLengthPolicy, DraftOrNot, FixedK, SpeculativeDecoder
 from specdec_cli.engine.batched import BatchedDecoder
 from specdec_cli.engine.draft import DraftRule, Drafter
@@ -32,11 +32,17 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_tex
 # What these values measured lives in README / benchmarks, not here.
 AUTO_MAX_K = 20
 AUTO_SURVIVAL = 0.3
+# k = auto: a tree grows by value (drafters/tree.py), a further child going in where its path's odds reach this until
+# the cost model has measured what one more verified node costs (DraftOrNot's branch cut replaces it then).
+AUTO_BRANCH_CUT = 0.15
 
 
 def draft_rule(k: int | str) -> DraftRule:
-    """auto: the draft model stops on its own odds; a fixed k drafts exactly k."""
-    return DraftRule(min_survival=AUTO_SURVIVAL if k == "auto" else 0.0)
+    """auto: the draft model stops on its own odds, and a tree grows by value; a fixed k drafts exactly k (a
+    tree of the budget's shape)."""
+    if k == "auto":
+        return DraftRule(min_survival=AUTO_SURVIVAL, branch_cut=AUTO_BRANCH_CUT)
+    return DraftRule()
 
 
 def make_policy(k: int | str, clock_free: bool = False, verify_curve: dict[int, float] | None = None) -> DraftLengthPolicy:
@@ -89,13 +95,24 @@ def make_drafter(drafter: str, draft: LoadedModel | None, k: int | str = "auto",
         raise InputError(f"unknown drafter {drafter!r}", f"use one of: {', '.join(DRAFTERS)}")
     if draft is None:
         raise InputError(f"the {drafter} drafter needs a draft model", "pass --draft NAME, or --drafter ngram")
-    if drafter == "tree" and tree_note(target, draft) is None:
-        return TreeDrafter(draft.model, budget=tree_budget or tree_budget_for(target), window=DRAFT_WINDOW)
     vocabulary = draft_vocabulary(draft.tokenizer, draft.vocab_size)
+    if drafter == "tree" and tree_note(target, draft) is None:
+        budget = tree_budget or tree_nodes(target, k)
+        tree = TreeDrafter(draft.model, budget=budget, max_depth=max(AUTO_MAX_K, 12), window=DRAFT_WINDOW,
+                           token_ids=vocabulary, share_head=True)
+        chosen = CascadeDrafter(tree)
+        chosen.obey(draft_rule(k))
+        return chosen
     model_drafter = DraftModelDrafter(draft.model, token_ids=vocabulary, share_head=True, window=DRAFT_WINDOW)
-    chosen = CascadeDrafter(model_drafter) if drafter == "cascade" else model_drafter
+    chosen = CascadeDrafter(model_drafter) if drafter in ("cascade", "tree") else model_drafter
     chosen.obey(draft_rule(k))
     return chosen
+
+
+def tree_nodes(target: LoadedModel | None, k: int | str) -> int:
+    """A tree's nodes unless told: k = auto grows it by value (drafters/tree.py) within VALUE_BUDGET nodes; a fixed
+    k gives it `tree_budget_for` the target."""
+    return VALUE_BUDGET if k == "auto" else tree_budget_for(target)
 
 
 def tree_budget_for(target: LoadedModel | None) -> int:

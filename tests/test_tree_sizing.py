@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from specdec_cli.drafters import DraftModelDrafter
-from specdec_cli.drafters.tree import DEFAULT_BUDGET, MIN_BUDGET, TreeDrafter, budget_from_costs
+from specdec_cli.drafters.cascade import CascadeDrafter
+from specdec_cli.drafters.tree import DEFAULT_BUDGET, MIN_BUDGET, VALUE_BUDGET, TreeDrafter, budget_from_costs
 from specdec_cli.models.calibrate import machine, save_calibration
-from specdec_cli.session import build_decoder, make_drafter, tree_budget_for, tree_note
+from specdec_cli.session import AUTO_BRANCH_CUT, build_decoder, make_drafter, tree_budget_for, tree_note
 
 from tests.tiny import tokenless_tokenizer
 
@@ -82,10 +83,21 @@ def test_a_curve_that_is_not_flat_gives_the_smallest_tree_not_the_default(llama_
 def test_the_tree_drafter_gets_the_calibrated_budget_unless_one_is_given(llama_target, llama_near_draft):
     save_calibration(calibration(("target", "org/big", "none", "float32", FLAT_TO_16)))
     target, draft = loaded(llama_target), loaded(llama_near_draft, name="org/small")
-    assert make_drafter("tree", draft, 4, target).budget == 15
-    assert make_drafter("tree", draft, 4, target, tree_budget=5).budget == 5
-    assert build_decoder(target, draft, "tree", 4).drafter.budget == 15
+    assert make_drafter("tree", draft, 4, target).model_drafter.budget == 15
+    assert make_drafter("tree", draft, 4, target, tree_budget=5).model_drafter.budget == 5
+    assert build_decoder(target, draft, "tree", 4).drafter.model_drafter.budget == 15
     assert tree_note(target, draft) is None
+
+
+def test_with_k_auto_the_tree_grows_by_value_within_a_cap_and_lookups_come_first(llama_target, llama_near_draft):
+    save_calibration(calibration(("target", "org/big", "none", "float32", {1: 0.1, 2: 0.2, 4: 0.4})))
+    target, draft = loaded(llama_target), loaded(llama_near_draft, name="org/small")
+    drafter = build_decoder(target, draft, "tree", "auto").drafter
+    assert isinstance(drafter, CascadeDrafter) and isinstance(drafter.model_drafter, TreeDrafter)
+    tree = drafter.model_drafter
+    assert tree.budget == VALUE_BUDGET  # not the curve's MIN_BUDGET: a cap, the odds decide the shape
+    assert tree.rule is not None and tree.rule.branch_cut == AUTO_BRANCH_CUT
+    assert make_drafter("tree", draft, "auto", target, tree_budget=6).model_drafter.budget == 6
 
 
 @pytest.mark.parametrize("role", ["draft", "target"])
@@ -96,4 +108,4 @@ def test_a_model_without_tree_attention_drafts_chains_with_a_one_line_note(llama
     note = tree_note(target, draft)
     assert note.startswith(f"note: the {role} (flash_attention_2 attention) cannot take a tree mask") and "\n" not in note
     drafter = make_drafter("tree", draft, 4, target)
-    assert isinstance(drafter, DraftModelDrafter) and not isinstance(drafter, TreeDrafter)
+    assert isinstance(drafter, CascadeDrafter) and isinstance(drafter.model_drafter, DraftModelDrafter)

@@ -6,7 +6,7 @@ alike, rotated by one per prompt so no configuration always runs first (`run_ord
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -38,16 +38,20 @@ class Configuration:
 
 
 def configurations(drafters: Sequence[str], ks: Sequence[int | str], with_hf: bool, has_draft: bool,
-                   plain_draft: str | None = None, tree_budgets: Sequence[int] = ()) -> list[Configuration]:
+                   plain_draft: str | None = None, tree_budgets: Sequence[int] = (),
+                   tree_default: Callable[[int | str], int] | None = None) -> list[Configuration]:
     """The baseline, every drafter × k (k = 0 is the baseline itself; repeats dropped), then HF's peers
     (assisted generation only when there is a draft model). `plain_draft` names the quantisation that
     only specdec applies to the draft (int8): HF assisted then runs twice, with the draft as HF users
     load it and with ours, so that our quantisation lever is not credited to the engine."""
     chosen = [Configuration("target alone", BASELINE)]
     for drafter in dict.fromkeys(drafters):
-        if drafter == "tree":  # one configuration per tree size (`tree_budgets`; none given: the session's)
-            chosen += [Configuration(f"tree{budget or ''} k={k}", SPECDEC, drafter, k, tree_budget=budget)
-                       for budget in dict.fromkeys(tree_budgets or [None]) for k in dict.fromkeys(ks) if k != 0]
+        if drafter == "tree":  # one configuration per tree size (`tree_budgets`; none given: `tree_default(k)`)
+            for budget in dict.fromkeys(tree_budgets or [None]):
+                for k in dict.fromkeys(ks):
+                    nodes = budget or (tree_default(k) if tree_default else None)
+                    if k != 0:
+                        chosen.append(Configuration(f"tree{nodes or ''} k={k}", SPECDEC, drafter, k, tree_budget=nodes))
             continue
         chosen += [Configuration(f"{drafter} k={k}", SPECDEC, drafter, k) for k in dict.fromkeys(ks) if k != 0]
     if with_hf and has_draft and plain_draft:

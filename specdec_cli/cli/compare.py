@@ -27,7 +27,7 @@ from specdec_cli.cli.options import (
 from specdec_cli.errors import InputError, MissingExtraError
 from specdec_cli.models import load_model
 from specdec_cli.prompts import builtin_prompts, read_prompt_file, select_prompts
-from specdec_cli.session import tree_budget_for
+from specdec_cli.session import tree_nodes
 from specdec_cli.settings import (
     choose_models, decoding_settings, load_choice, load_plain_draft, parse_k, sampling_params, say_tree_note,
 )
@@ -122,7 +122,8 @@ def compare_command(
     plain_draft = load_plain_draft(choice, draft_model, error_console()) if with_hf else None
     configs = bench.configurations(drafters or [choice.drafter], ks, with_hf, draft_model is not None,
                                    plain_draft=draft_model.quantization if plain_draft else None,
-                                   tree_budgets=tree_budgets or [tree_budget_for(target_model)])
+                                   tree_budgets=tree_budgets,
+                                   tree_default=lambda k: tree_nodes(target_model, k))
     benchmark = bench.Benchmark(target_model, draft_model, configs, chosen_prompts, bench_settings, plain_draft)
     _measure(benchmark, json_path)
     quality_line = None

@@ -1,4 +1,4 @@
-"""Cascade: an n-gram match when the sequence has one (free), the draft model otherwise.
+"""Cascade: an n-gram match when the sequence has one (free), the draft model otherwise (its chain, or its tree).
 
 Every step tries the lookup, also when the draft-length policy chose k = 0 for the draft model.
 
@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdec_cli.drafters.model import DraftModelDrafter
+from specdec_cli.drafters.tree import TreeDrafter
 from specdec_cli.drafters.ngram import NgramDrafter
 from specdec_cli.engine.draft import Draft, DraftRule, Drafter
 
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 class CascadeDrafter(Drafter):
     name = "cascade"
 
-    def __init__(self, model_drafter: DraftModelDrafter, ngram: NgramDrafter | None = None,
+    def __init__(self, model_drafter: DraftModelDrafter | TreeDrafter, ngram: NgramDrafter | None = None,
                  min_match: int = 2, lookup_k: int = 8) -> None:
         """min_match: the shortest n-gram match trusted over the draft model (1-gram matches are
         too often coincidences). lookup_k: tokens proposed from a match, whatever k the policy
@@ -46,6 +47,9 @@ class CascadeDrafter(Drafter):
             return draft
         self.used_model += 1
         return self.model_drafter.propose(ids, k, params, generator)
+
+    def update(self, ids: Sequence[int], drafted: int, accepted: int) -> None:
+        self.model_drafter.update(ids, drafted, accepted)  # a tree keeps its accepted branch (a chain: nothing)
 
     def reset(self) -> None:
         self.model_drafter.reset()

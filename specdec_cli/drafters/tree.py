@@ -20,7 +20,17 @@ How many nodes: a tree pays while verifying it costs about what verifying one to
 target's forward costs measured on this machine (`specdec calibrate`), `budget_from_costs` takes the tokens a forward
 holds before its cost passes FLAT_RATIO times a one-token forward's; when not even a tree of MIN_BUDGET nodes
 stays flat, the budget is MIN_BUDGET (the smallest tree: a measured curve that is not flat says a large one
-costs most); without a measurement it is DEFAULT_BUDGET."""
+costs most); without a measurement it is DEFAULT_BUDGET.
+
+Grown by value (the policy's `DraftRule` has a `branch_cut`, as k = auto's cost model gives it): the shape then
+follows the draft's odds instead of a fixed budget (`budget` only caps the nodes). Each frontier node gets its
+most probable child, and a further child (up to `branching`) where the odds of its path — the parent's path odds
+times the child's probability, which the draft's probabilities estimate well (the replay in README) — reach the
+cut: what one more node adds to the verify, in the tokens it must return. A node is drafted on (fed to the next
+level's forward) where its path's odds reach the rule's `min_survival`, exactly as a chain drafts its next token;
+so without branches the tree is the chain the model drafter drafts, and the branches go where the draft
+hesitates. Sampling decides how many children a node gets from the draft's sorted probabilities before it
+draws them, so the draws stay i.i.d. as multi-candidate rejection needs."""
 
 from __future__ import annotations
 
@@ -30,7 +40,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdec_cli.engine.draft import EMPTY_DRAFT, Draft, Drafter
+from specdec_cli.engine.context import context_length
+from specdec_cli.engine.draft import EMPTY_DRAFT, Draft, DraftRule, Drafter
+from specdec_cli.drafters.subset_head import SubsetHeadLM, shared_subset_head
 from specdec_cli.drafters.window import DraftWindow
 from specdec_cli.engine.kv import CachedModel
 from specdec_cli.engine.sampling import logits_to_probs
@@ -40,6 +52,7 @@ if TYPE_CHECKING:
     from specdec_cli.engine.sampling import SamplingParams
 
 DEFAULT_BUDGET = 16
+VALUE_BUDGET = 32  # the most nodes a tree grown by value holds (its verify forward's width)
 MIN_BUDGET = 2  # the smallest tree there is (two siblings, or a chain of two)
 DEFAULT_BRANCHING = 2
 # "About as much as one token": the issue's flat formats measured x1.13 at 8 tokens (bf16, AVX512-BF16)
@@ -77,14 +90,22 @@ class TreeDrafter(Drafter):
     name = "tree"
 
     def __init__(self, model: torch.nn.Module, budget: int = DEFAULT_BUDGET, branching: int = DEFAULT_BRANCHING,
-                 max_depth: int = 12, window: int | None = None) -> None:
+                 max_depth: int = 12, window: int | None = None, token_ids: torch.Tensor | None = None,
+                 share_head: bool = False) -> None:
+        """token_ids, share_head: the draft scores only this subset of the vocabulary, as the model drafter's
+        (subset_head.py; lossless: a node is always a subset id, the target may still emit any)."""
         if budget < 1 or branching < 1 or max_depth < 1:
             raise ValueError(f"need budget, branching and max_depth >= 1, got {budget}, {branching}, {max_depth}")
-        self.runner = CachedModel(model)
+        self.subset = token_ids.cpu() if token_ids is not None else None
+        make_head = shared_subset_head if share_head else SubsetHeadLM
+        self.head = make_head(model, self.subset) if token_ids is not None else None
+        self.runner = CachedModel(self.head or model)
+        self.context = context_length(model)
         self.window = DraftWindow(window)  # what the draft model reads of the sequence (window.py)
         self.budget = budget
         self.branching = branching
         self.max_depth = max_depth
+        self.rule: DraftRule | None = None  # with a branch_cut: grown by value (module docstring)
         self._proposed: tuple[int, list[int], list[int]] | None = None  # (len(ids), tree ids, parents)
 
     def propose(
@@ -99,6 +120,7 @@ class TreeDrafter(Drafter):
         parents: list[int] = []
         rows: list[torch.Tensor] = []     # per node: the distribution it was drawn from
         scores: list[float] = []          # per node: the draft's log probability of its path
+        by_value = self.rule is not None and self.rule.branch_cut is not None
         frontier, frontier_logits = [-1], self.runner.extend(sequence, 1)  # (1, V)
         for depth in range(depth_limit):
             level = self._grow_level(frontier, frontier_logits, tree_ids, parents, rows, scores, params, generator)
@@ -106,11 +128,20 @@ class TreeDrafter(Drafter):
             if depth + 1 == depth_limit or room <= 0 or not level:
                 break
             expandable = sorted(_first_of_twins(level, tree_ids, parents), key=lambda node: -scores[node])
-            frontier = sorted(expandable[: math.ceil(room / self.branching)])
+            if by_value:  # drafted on where the path's odds say so, as a chain's next token
+                cut = math.log(max(self.rule.min_survival, 1e-30))
+                frontier = sorted(node for node in expandable[:room] if scores[node] >= cut)
+            else:
+                frontier = sorted(expandable[: math.ceil(room / self.branching)])
+            if not frontier:
+                break
             frontier_logits = self.runner.extend_tree(sequence, tree_ids, parents, feed=frontier)  # (F, V)
         self._proposed = (len(sequence), tree_ids, parents)
         probs = None if params.greedy else torch.stack(rows)  # (T, V_draft)
-        return Draft(tree_ids, probs, parents)
+        # A tree without branches is a chain: verified as one (the target's plain forward, no tree mask to build or
+        # paths to keep: ~2 ms of a 40 ms q4 verify); the draft's cache keeps its nodes until `update` as for a tree.
+        chain = parents == list(range(-1, len(parents) - 1))
+        return Draft(tree_ids, probs, None if chain else parents)
 
     def _grow_level(self, frontier: list[int], frontier_logits: torch.Tensor, tree_ids: list[int],
                     parents: list[int], rows: list[torch.Tensor], scores: list[float],
@@ -125,20 +156,41 @@ class TreeDrafter(Drafter):
                 break
             logits = frontier_logits[i].float().cpu()
             probs = torch.softmax(logits, -1) if params.greedy else logits_to_probs(logits, params)
-            if params.greedy:
-                children = torch.topk(probs, min(self.branching, room, probs.shape[-1])).indices.tolist()
-            else:
-                children = torch.multinomial(probs, min(self.branching, room), replacement=True,
-                                             generator=generator).tolist()
             parent = frontier[i]
             base = scores[parent] if parent >= 0 else 0.0
-            for token in children:
-                tree_ids.append(int(token))
+            count = min(self._children(probs, base), room, probs.shape[-1])
+            if params.greedy:
+                children = torch.topk(probs, count).indices.tolist()
+            else:
+                children = torch.multinomial(probs, count, replacement=True, generator=generator).tolist()
+            row = probs if params.greedy or self.subset is None else self._on_full_vocab(probs)
+            for index in children:
+                tree_ids.append(int(self.subset[index]) if self.subset is not None else int(index))
                 parents.append(parent)
-                rows.append(probs)
-                scores.append(base + math.log(max(float(probs[token]), 1e-30)))
+                rows.append(row)
+                scores.append(base + math.log(max(float(probs[index]), 1e-30)))
                 level.append(len(tree_ids) - 1)
         return level
+
+    def _children(self, probs: torch.Tensor, parent_score: float) -> int:
+        """How many children a node whose path has log odds `parent_score` gets: `branching`; grown by value, its
+        most probable child and each further one of the `branching` most probable whose path odds reach the rule's
+        branch cut (read from the sorted probabilities, not from draws)."""
+        if self.rule is None or self.rule.branch_cut is None:
+            return self.branching
+        top = torch.topk(probs, min(self.branching, probs.shape[-1])).values.tolist()
+        cut = math.log(max(self.rule.branch_cut, 1e-30)) - parent_score
+        return 1 + sum(1 for p in top[1:] if math.log(max(p, 1e-30)) >= cut)
+
+    def _on_full_vocab(self, probs: torch.Tensor) -> torch.Tensor:
+        """(V_draft,) probabilities: a subset head's mass scattered back, 0 outside the subset."""
+        return torch.zeros(self.head.full_vocab_size, dtype=probs.dtype).index_copy_(0, self.subset, probs)
+
+    def obey(self, rule: DraftRule) -> None:
+        self.rule = rule
+
+    def context_length(self) -> int | None:
+        return self.context
 
     def update(self, ids: Sequence[int], drafted: int, accepted: int) -> None:
         """Keep the draft's entries for the branch that `ids` took through the proposed tree."""

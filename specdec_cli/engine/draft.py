@@ -42,10 +42,15 @@ class DraftRule:
 
     min_survival: a draft model stops once the product of its probabilities of its tokens so far (its
     own odds that the whole draft survives) falls below this (0: draft exactly k).
-    lookup_k: tokens a free lookup proposes from a match, whatever k is (a lookup costs nothing)."""
+    lookup_k: tokens a free lookup proposes from a match, whatever k is (a lookup costs nothing).
+    branch_cut: a tree drafter grows by value instead of by a fixed node budget: a node past its parent's
+    most probable child goes in where the draft's odds that its path is the target's reach this (what one more
+    node of verify costs, in tokens), and a node is drafted on where its path's odds reach `min_survival`, as a
+    chain's next token is; None: trees keep their budget's shape (drafters/tree.py)."""
 
     min_survival: float = 0.0
     lookup_k: int = 8
+    branch_cut: float | None = None
 
 
 class Drafter(ABC):

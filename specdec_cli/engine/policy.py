@@ -208,11 +208,16 @@ class DraftOrNot(CostModelK):
     def reset(self) -> None:
         super().reset()
         self.cut = 0.0
+        self.branch_cut: float | None = None
 
     @property
     def rule(self) -> DraftRule | None:
         rule = super().rule
-        if rule is None or self.cut <= rule.min_survival:
+        if rule is None:
+            return rule
+        if rule.branch_cut is not None and self.branch_cut is not None:
+            rule = replace(rule, branch_cut=self.branch_cut)
+        if self.cut <= rule.min_survival:
             return rule
         return replace(rule, min_survival=self.cut)
 
@@ -222,7 +227,11 @@ class DraftOrNot(CostModelK):
         if self.cost_cut and self.draft_cost.known and self.verify.known:
             span = min(self.max_k, CUT_SPAN)
             slope = (self.verify.at(span + 1) - self.verify.at(1)) / span
-            self.cut = min(0.95, (self.draft_cost.value + slope) * self.best_model_rate() / self.next_acceptance())
+            rate = self.best_model_rate()
+            self.cut = min(0.95, (self.draft_cost.value + slope) * rate / self.next_acceptance())
+            # A tree's further child costs no draft forward, only its place in the verify: it pays where its path's
+            # odds (the tokens it is expected to add) times the rate reach that slope.
+            self.branch_cut = min(0.95, max(0.01, slope * rate))
 
     def next_acceptance(self) -> float:
         """The chance that a token drafted after accepted ones is accepted too: the model's acceptance pooled

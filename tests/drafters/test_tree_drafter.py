@@ -4,8 +4,11 @@ grows keeps the budget (also in the middle of a level); its cache keeps the acce
 import pytest
 import torch
 
+from specdec_cli.drafters import DraftModelDrafter
 from specdec_cli.drafters.tree import TreeDrafter
 from specdec_cli.engine import FixedK, SamplingParams, SpeculativeDecoder, make_generator
+from specdec_cli.engine.draft import DraftRule
+from specdec_cli.engine.policy import DraftOrNot
 from specdec_cli.engine.tree import depths
 
 from tests.conftest import hf_greedy
@@ -18,7 +21,15 @@ def test_greedy_tree_output_equals_the_target_alone(llama_target, llama_near_dra
     decoder = SpeculativeDecoder(llama_target, TreeDrafter(llama_near_draft, budget, branching), FixedK(6))
     result = decoder.generate(PROMPT, max_new_tokens=40)
     assert result.tokens == hf_greedy(llama_target, PROMPT, 40)
-    assert result.stats.tree_steps > 0 and 0 < result.stats.tree_accepted <= result.stats.tree_nodes
+    if branching == 1:  # never a branch: every step's tree is a chain, verified as one
+        assert result.stats.tree_steps == 0 and result.stats.drafted > 0
+    else:
+        assert result.stats.tree_steps > 0 and 0 < result.stats.tree_accepted <= result.stats.tree_nodes
+
+
+def test_a_tree_without_branches_is_proposed_as_a_chain(llama_near_draft):
+    draft = TreeDrafter(llama_near_draft, budget=4, branching=1).propose(PROMPT, 4, SamplingParams(), make_generator(0))
+    assert len(draft) == 4 and draft.parents is None
 
 
 def test_greedy_tree_output_equals_the_target_alone_on_qwen2(qwen_target, qwen_draft):
@@ -94,3 +105,86 @@ def test_greedy_output_with_a_windowed_tree_equals_the_target_alone(llama_target
     result = decoder.generate(prompt, max_new_tokens=40)
     assert result.tokens == hf_greedy(llama_target, prompt, 40)
     assert result.stats.tree_accepted > 0
+
+
+# Grown by value: the policy's rule (a branch cut) decides the shape; the budget only caps it.
+
+def _value_tree(model, min_survival: float, branch_cut: float, budget: int = 32, branching: int = 2) -> TreeDrafter:
+    drafter = TreeDrafter(model, budget=budget, branching=branching, max_depth=20)
+    drafter.obey(DraftRule(min_survival=min_survival, branch_cut=branch_cut))
+    return drafter
+
+
+@pytest.mark.parametrize("min_survival", [0.05, 0.3, 0.6])
+def test_without_branches_a_value_tree_is_the_chain_the_model_drafter_drafts(llama_near_draft, min_survival):
+    chain = DraftModelDrafter(llama_near_draft)
+    chain.obey(DraftRule(min_survival=min_survival))
+    tree = _value_tree(llama_near_draft, min_survival, branch_cut=1.0)  # no further child reaches odds of 1
+    for prompt in (PROMPT, [3, 1, 4, 1, 5, 9, 2, 6], [8, 8, 8]):
+        expected = chain.propose(prompt, 12, SamplingParams(), make_generator(0)).ids
+        draft = tree.propose(prompt, 12, SamplingParams(), make_generator(0))
+        assert draft.ids == expected and draft.parents is None  # a chain, verified as one
+
+
+def test_a_further_child_goes_in_exactly_where_its_path_odds_reach_the_cut(llama_near_draft):
+    with torch.no_grad():
+        probs = torch.softmax(llama_near_draft(input_ids=torch.tensor([PROMPT])).logits[0, -1].float(), -1)
+    top = torch.topk(probs, 3)
+    second = float(top.values[1])
+    # the roots: the top token always, the second where its odds reach the cut; nothing is drafted on (survival 1.0)
+    below = _value_tree(llama_near_draft, 1.0, branch_cut=second * 1.01, branching=3)
+    assert below.propose(PROMPT, 4, SamplingParams(), make_generator(0)).ids == top.indices[:1].tolist()
+    above = _value_tree(llama_near_draft, 1.0, branch_cut=second * 0.99, branching=3)
+    expected = top.indices[:2 if float(top.values[2]) < second * 0.99 else 3].tolist()
+    assert above.propose(PROMPT, 4, SamplingParams(), make_generator(0)).ids == expected
+
+
+def test_a_value_tree_branches_where_the_draft_hesitates_and_keeps_its_cap(llama_near_draft):
+    draft = _value_tree(llama_near_draft, 0.05, branch_cut=0.05).propose(PROMPT, 12, SamplingParams(), make_generator(0))
+    scores = _path_odds(llama_near_draft, PROMPT, draft)
+    assert len(set(draft.parents)) < len(draft)  # some node has two children
+    assert all(score >= 0.05 - 1e-6 for node, score in enumerate(scores) if not _is_first_child(draft, node))
+    capped = _value_tree(llama_near_draft, 0.0, branch_cut=0.0, budget=7).propose(PROMPT, 12, SamplingParams(),
+                                                                                  make_generator(0))
+    assert len(capped) == 7
+
+
+@pytest.mark.parametrize("budget, cut", [(32, 0.1), (32, 0.02), (5, 0.05)])
+def test_greedy_output_with_a_value_tree_equals_the_target_alone(llama_target, llama_near_draft, budget, cut):
+    drafter = _value_tree(llama_near_draft, 0.2, branch_cut=cut, budget=budget)
+    result = SpeculativeDecoder(llama_target, drafter, FixedK(12)).generate(PROMPT, max_new_tokens=40)
+    assert result.tokens == hf_greedy(llama_target, PROMPT, 40)
+    assert result.stats.tree_nodes > result.stats.tree_steps  # it drafted more than one node a step
+
+
+def test_the_cost_model_hands_a_tree_its_branch_cut_from_measured_costs():
+    policy = DraftOrNot(max_k=20, rule=DraftRule(min_survival=0.3, branch_cut=0.15),
+                        verify_curve={1: 0.030, 2: 0.036, 4: 0.038, 8: 0.050, 16: 0.090})
+    assert policy.rule.branch_cut == 0.15  # nothing measured yet: the rule's own
+    for _ in range(6):
+        policy.update(3, 2, 0.030, 0.038)
+    slope = (policy.verify.at(9) - policy.verify.at(1)) / 8
+    assert policy.rule.branch_cut == pytest.approx(slope * policy.best_model_rate())
+    assert DraftOrNot(max_k=20, rule=DraftRule(min_survival=0.3)).rule.branch_cut is None  # chains: none asked
+
+
+def _path_odds(model, prompt, draft) -> list[float]:
+    """Each node's path odds under the draft model, by plain forwards along each path."""
+    odds = []
+    for node in range(len(draft)):
+        path, at = [], node
+        while at >= 0:
+            path.insert(0, at)
+            at = draft.parents[at]
+        value, sequence = 1.0, list(prompt)
+        for step in path:
+            with torch.no_grad():
+                probs = torch.softmax(model(input_ids=torch.tensor([sequence])).logits[0, -1].float(), -1)
+            value *= float(probs[draft.ids[step]])
+            sequence.append(draft.ids[step])
+        odds.append(value)
+    return odds
+
+
+def _is_first_child(draft, node) -> bool:
+    return draft.parents.index(draft.parents[node]) == node

@@ -14,7 +14,7 @@ import torch
 from specdec_cli.drafters.tree import TreeDrafter
 from specdec_cli.engine import SamplingParams
 from specdec_cli.engine import tree as tree_module
-from specdec_cli.engine.draft import Draft, Drafter
+from specdec_cli.engine.draft import Draft, DraftRule, Drafter
 
 from tests.conftest import TrigramLM
 from tests.engine.test_decode_sampling import VOCAB, Case, failures, make_pair, sample_case
@@ -67,6 +67,9 @@ class TopTwoTree(Drafter):
 
 CASES = {
     "sampled tree, 6 nodes, 2 children": Case(lambda draft: TreeDrafter(draft, budget=6, branching=2), 2),
+    # grown by value: how many children a node gets comes from the draft's odds, before any draw
+    "sampled tree grown by value": Case(lambda draft: TreeDrafter(draft, budget=8, branching=3), 3,
+                                        rule=DraftRule(min_survival=0.2, branch_cut=0.08)),
     "sampled tree, top-k and top-p": Case(lambda draft: TreeDrafter(draft, budget=6, branching=3), 2,
                                           SamplingParams(temperature=0.7, top_k=6, top_p=0.9)),
     "point-mass tree": Case(TopTwoTree, 2),

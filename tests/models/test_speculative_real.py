@@ -57,7 +57,7 @@ def test_target_alone_equals_hf_generate(fp32_pair, prompts, baselines):
         assert output[0, len(prompt):].tolist() == ours
 
 
-@pytest.mark.parametrize("drafter, k", [("model", 4), ("model", "auto"), ("ngram", 4), ("tree", 4)])
+@pytest.mark.parametrize("drafter, k", [("model", 4), ("model", "auto"), ("ngram", 4), ("tree", 4), ("tree", "auto")])
 def test_speculative_equals_target_alone(fp32_pair, prompts, baselines, drafter, k):
     target, draft = fp32_pair
     decoder = build_decoder(target, draft, drafter, k)
