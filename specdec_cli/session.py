@@ -209,10 +209,10 @@ def build_batched_decoder(target: LoadedModel, draft: LoadedModel | None, drafte
                           batch_size: int, target_curve: dict[int, float] | None = None,
                           draft_curve: dict[int, float] | None = None) -> BatchedDecoder:
     """The batched engine for `run` and `compare --batch-size`: drafter as for `build_decoder` (a tree drafts
-    chains in a batch: one path per row; the draft model scores its most frequent ids, `draft_vocabulary`, and
+    the cascade's chains in a batch: one path per row; the draft model scores its most frequent ids, `draft_vocabulary`, and
     reads DRAFT_WINDOW tokens of each prompt, as the one-sequence drafters do), k = auto priced by the models'
     forward-cost curves (given, else `forward_curve`; assumed shapes where not calibrated), never by the clock."""
-    batched_drafter = "model" if drafter == "tree" else drafter
+    batched_drafter = "cascade" if drafter == "tree" else drafter  # a tree's lookups first, then the model's chains
     uses_draft = batched_drafter in ("model", "cascade") and k != 0
     if uses_draft and draft is None:
         raise InputError(f"the {drafter} drafter needs a draft model", "pass --draft NAME, or --drafter ngram")

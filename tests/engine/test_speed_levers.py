@@ -188,6 +188,7 @@ def test_auto_is_draft_or_not_with_the_survival_cut_and_a_fixed_k_drafts_exactly
                              name="tiny", quantization=None, dtype=torch.float32)
     batched = build_batched_decoder(target, draft, "cascade", "auto", 4)
     assert batched.draft_window == DRAFT_WINDOW  # run's batches read the window as chat's drafter does
+    assert build_batched_decoder(target, draft, "tree", "auto", 4).drafter == "cascade"  # a tree's lookups, then chains
     assert isinstance(make_policy("auto"), DraftOrNot) and make_policy("auto").next_k() > 0
     assert make_policy("auto").max_k == AUTO_MAX_K and make_policy(4).next_k() == 4
     clock_free = make_policy("auto", clock_free=True)  # run's: never reads the clock
