@@ -44,7 +44,8 @@ DrafterListOption = Annotated[str | None, typer.Option(
     rich_help_panel="Models")]
 TreeSizeOption = Annotated[str | None, typer.Option(
     "--tree-size", help="With --drafter tree: nodes per tree, comma-separated (one configuration each), e.g. 8,16,32. "
-    "Default: what the target's calibration keeps flat, else 16.", rich_help_panel="Decoding")]
+    "With --k auto the most a tree grown by value holds (default 32); with a fixed k its size (default: what the "
+    "target's calibration keeps flat, else 16).", rich_help_panel="Decoding")]
 PromptsOption = Annotated[Path | None, typer.Option(
     "--prompts", help='JSONL file: {"prompt"} lines (raw text), {"messages"} lines (chat template) or Spec-Bench '
     '{"question_id","category","turns"} lines (first turn). Default: the built-in set (chat, code, summarisation, qa, '

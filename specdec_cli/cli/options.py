@@ -24,7 +24,7 @@ def _flag(flag: str, help: str):
 ProfileOption = _text("--profile", "-p", help=f"Named model pair (see `specdec profiles list`). Default: {DEFAULT_PROFILE}.")
 TargetOption = _text("--target", help="Target model: hub id org/name[@rev], local folder, .gguf file or demo:NAME.")
 DraftOption = _text("--draft", help="Draft model (same forms as --target); implies --drafter model.")
-DrafterOption = _text("--drafter", help="model: a draft model guesses; ngram: guesses come from text already seen; cascade: ngram when it matches, else the draft model; tree: the draft model proposes a token tree (several candidates where it hesitates).")
+DrafterOption = _text("--drafter", help="model: a draft model guesses; ngram: guesses come from text already seen; cascade: ngram when it matches, else the draft model; tree: as cascade, with the draft model proposing a token tree (several candidates where it hesitates).")
 DeviceOption = _text("--device", help="auto, cpu, cuda, cuda:N or mps (auto: cuda, then mps, then cpu).")
 DtypeOption = _text("--dtype", help="auto, bfloat16, float16 or float32.")
 Target4bitOption = _flag("--target-4bit", help="Load the target in 4-bit (nf4).")
