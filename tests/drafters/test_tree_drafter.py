@@ -188,3 +188,22 @@ def _path_odds(model, prompt, draft) -> list[float]:
 
 def _is_first_child(draft, node) -> bool:
     return draft.parents.index(draft.parents[node]) == node
+
+
+def test_a_subset_head_tree_drafts_subset_ids_with_full_vocabulary_rows(llama_target, llama_near_draft):
+    vocab = llama_near_draft.config.vocab_size
+    subset = torch.arange(0, vocab, 2)  # every other id
+    drafter = TreeDrafter(llama_near_draft, budget=6, branching=2, token_ids=subset)
+    draft = drafter.propose(PROMPT, 3, SamplingParams(temperature=1.0), make_generator(3))
+    assert len(draft) == 6 and all(token % 2 == 0 for token in draft.ids)
+    assert draft.probs.shape == (6, vocab) and float(draft.probs[:, 1::2].abs().sum()) == 0.0
+    assert torch.allclose(draft.probs.sum(-1), torch.ones(6), atol=1e-4)
+    decoder = SpeculativeDecoder(llama_target, _value_tree_on(llama_near_draft, subset), FixedK(12))
+    result = decoder.generate(PROMPT, max_new_tokens=40)
+    assert result.tokens == hf_greedy(llama_target, PROMPT, 40) and result.stats.accepted > 0
+
+
+def _value_tree_on(model, subset) -> TreeDrafter:
+    drafter = TreeDrafter(model, budget=32, branching=2, max_depth=20, token_ids=subset)
+    drafter.obey(DraftRule(min_survival=0.2, branch_cut=0.05))
+    return drafter
