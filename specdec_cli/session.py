@@ -83,9 +83,10 @@ def make_drafter(drafter: str, draft: LoadedModel | None, k: int | str = "auto",
                  tree_budget: int | None = None) -> Drafter | None:
     """model: the draft model; ngram: prompt lookup; cascade: prompt lookup when it matches, else
     the draft model (model and cascade score the draft's most frequent ids only where its vocabulary is
-    large: `draft_vocabulary`, lossless; and read only the prompt's last DRAFT_WINDOW tokens); tree: the draft model proposing a token tree of `tree_budget` nodes (None: as
-    `tree_budget_for` the target says), as deep as k allows, or the draft model's chains where the draft
-    or the target cannot take a tree mask (`tree_note` says so); none: the target alone. It obeys k's
+    large: `draft_vocabulary`, lossless; and read only the prompt's last DRAFT_WINDOW tokens); tree: the cascade with
+    the draft model proposing a token tree (the same ids and window), grown by value within `tree_budget` nodes with
+    k = auto, else of `tree_budget` nodes (None: `tree_nodes`), as deep as k allows; or the cascade's chains where
+    the draft or the target cannot take a tree mask (`tree_note` says so); none: the target alone. It obeys k's
     stop rule (`draft_rule`) from the start."""
     if drafter == "none":
         return None

@@ -1,4 +1,5 @@
-"""Concrete drafters: a draft model, model-free n-gram lookup, and the cascade of both.
+"""Concrete drafters: a draft model (its chains, or token trees: tree.py), model-free n-gram lookup, and the cascade
+of lookups and either.
 
 They implement the engine's interface (`specdec_cli.engine.draft`), re-exported here for convenience."""
 
