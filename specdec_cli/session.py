@@ -99,7 +99,7 @@ def make_drafter(drafter: str, draft: LoadedModel | None, k: int | str = "auto",
     vocabulary = draft_vocabulary(draft.tokenizer, draft.vocab_size)
     if drafter == "tree" and tree_note(target, draft) is None:
         budget = tree_budget or tree_nodes(target, k)
-        tree = TreeDrafter(draft.model, budget=budget, max_depth=max(AUTO_MAX_K, 12), window=DRAFT_WINDOW,
+        tree = TreeDrafter(draft.model, budget=budget, max_depth=AUTO_MAX_K, window=DRAFT_WINDOW,
                            token_ids=vocabulary, share_head=True)
         chosen = CascadeDrafter(tree)
         chosen.obey(draft_rule(k))
