@@ -36,7 +36,9 @@ from specdec_cli.engine.kv import CachedModel, tree_capable
 from specdec_cli.engine.policy import DraftLengthPolicy, FixedK
 from specdec_cli.engine.sampling import SamplingParams, logits_to_probs, make_generator
 from specdec_cli.engine.stats import GenerationStats
-from specdec_cli.engine.tree import addresses, depths, first_child_chain, greedy_tree_verdict, sampling_tree_verdict
+from specdec_cli.engine.tree import (
+    addresses, depth_first, depths, first_child_chain, greedy_tree_verdict, sampling_tree_verdict,
+)
 
 
 class Provenance(str, Enum):
@@ -286,11 +288,12 @@ def _depth(draft: Draft) -> int:
 
 
 def _tree_within(draft: Draft, max_depth: int, as_tree: bool) -> Draft:
-    """The tree cut to paths of at most `max_depth` tokens (a step emits at most depth + 1), or, for a
-    target that cannot verify a tree, its first-child chain cut the same way."""
+    """The tree cut to paths of at most `max_depth` tokens (a step emits at most depth + 1), its nodes in
+    depth-first order (siblings keep their order: `depth_first`), or, for a target that cannot verify a tree, its
+    first-child chain cut the same way."""
     node_depths = depths(draft.parents)
     if as_tree:
-        nodes = [node for node, depth in enumerate(node_depths) if depth < max_depth]
+        nodes = [node for node in depth_first(draft.parents) if node_depths[node] < max_depth]
     else:
         nodes = first_child_chain(draft.parents)[:max_depth]
     renumbered = {node: i for i, node in enumerate(nodes)}

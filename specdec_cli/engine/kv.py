@@ -301,10 +301,11 @@ class CachedModel:
                 break
             kept.append(node)
         base = len(self.ids)
-        tail = torch.tensor([base + slot[node] for node in kept], dtype=torch.long, device=self.device)
-        for layer in self._layers():
-            layer.keys[..., base : base + len(kept), :] = layer.keys.index_select(-2, tail)
-            layer.values[..., base : base + len(kept), :] = layer.values.index_select(-2, tail)
+        if any(slot[node] != place for place, node in enumerate(kept)):  # else the branch is in place already
+            tail = torch.tensor([base + slot[node] for node in kept], dtype=torch.long, device=self.device)
+            for layer in self._layers():
+                layer.keys[..., base : base + len(kept), :] = layer.keys.index_select(-2, tail)
+                layer.values[..., base : base + len(kept), :] = layer.values.index_select(-2, tail)
         tokens = list(self._tree_paths[kept[-1]]) if kept else []  # the path of its last node
         self.ids.extend(tokens)
         self._truncate_layers(len(self.ids))

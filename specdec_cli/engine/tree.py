@@ -81,6 +81,19 @@ def ancestry(parents: list[int]) -> torch.Tensor:
     return seen
 
 
+def depth_first(parents: list[int]) -> list[int]:
+    """The nodes in depth-first order, each node's children in node order: the first-child chain comes first, so a
+    branch accepted along it lies in the cache's first places (its commit moves nothing: `CachedModel.keep_path`)."""
+    children = children_of(parents)
+    order: list[int] = []
+    pending = list(reversed(children.get(-1, [])))
+    while pending:
+        node = pending.pop()
+        order.append(node)
+        pending.extend(reversed(children.get(node, [])))
+    return order
+
+
 def first_child_chain(parents: list[int]) -> list[int]:
     """The path that always takes the first child: the tree's main line, as a chain."""
     children = children_of(parents)

@@ -8,7 +8,7 @@ from specdec_cli.engine.draft import Draft, Drafter
 from specdec_cli.engine.kv import CachedModel, tree_capable
 from specdec_cli.engine.policy import FixedK
 from specdec_cli.engine.tree import (
-    ancestry, depths, first_child_chain, greedy_tree_verdict, path_to, sampling_tree_verdict,
+    ancestry, depth_first, depths, first_child_chain, greedy_tree_verdict, path_to, sampling_tree_verdict,
 )
 
 from tests.conftest import hf_greedy
@@ -214,3 +214,28 @@ def test_a_long_prompt_reaches_a_tree_forward_in_prefill_chunks(llama_target):
     assert torch.allclose(logits, whole.extend_tree(prompt, tree_ids, PARENTS, sequence_logits=True), atol=1e-5)
     chunked.keep_path([0, 3, 5])
     assert chunked.ids == prompt + [10, 13, 15] and all(layer.keys.shape[-2] == 44 for layer in chunked.cache.layers)
+
+
+def test_depth_first_puts_the_first_child_chain_first_and_keeps_sibling_order():
+    parents = [-1, -1, 0, 0, 1, 2, 3]  # level order: roots 0, 1; 0's children 2, 3; 1's child 4; 2's 5; 3's 6
+    assert depth_first(parents) == [0, 2, 5, 3, 6, 1, 4]
+    assert depth_first(parents)[:3] == first_child_chain(parents)
+
+
+@pytest.mark.parametrize("path, moved", [([0, 1, 2], False), ([0, 1], False), ([3, 4], True), ([0, 1, 5], True)])
+def test_a_commit_in_place_or_moved_leaves_the_cache_equal_to_a_plain_forward(llama_target, monkeypatch, path, moved):
+    parents = [-1, 0, 1, -1, 3, 1]  # depth first: the first-child chain 0-1-2 in the first places
+    tree_ids = [10, 11, 12, 13, 14, 15]
+    prefix = [1, 5, 7, 9]
+    runner = CachedModel(llama_target)
+    runner.extend_tree(prefix, tree_ids, parents, sequence_logits=True)
+    selects = []
+    original = torch.Tensor.index_select
+    monkeypatch.setattr(torch.Tensor, "index_select", lambda self, *a: selects.append(1) or original(self, *a))
+    runner.keep_path(path)
+    monkeypatch.undo()
+    assert bool(selects) == moved  # a branch already in place is not copied
+    accepted = prefix + [tree_ids[node] for node in path]
+    assert runner.ids == accepted and runner.tree_nodes == []
+    logits = runner.extend(accepted + [20, 21], 2)
+    assert torch.allclose(logits, full_forward_logits(llama_target, accepted + [20, 21])[-2:], atol=1e-5)
