@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdec_cli.engine.draft import EMPTY_DRAFT, Draft, DraftRule, Drafter
-from specdec_cli.drafters.subset_head import SubsetHeadLM, shared_subset_head
+from specdec_cli.drafters.subset_head import subset_head
 from specdec_cli.drafters.window import DraftWindow
 from specdec_cli.engine.context import context_length
 from specdec_cli.engine.kv import CachedModel
@@ -43,8 +43,7 @@ class DraftModelDrafter(Drafter):
         min_survival: float = 0.0, share_head: bool = False, window: int | None = None,
     ) -> None:
         self.subset = token_ids.cpu() if token_ids is not None else None
-        make_head = shared_subset_head if share_head else SubsetHeadLM
-        self.head = make_head(model, self.subset) if token_ids is not None else None
+        self.head = subset_head(model, self.subset, share_head)
         self.runner = CachedModel(self.head or model)
         self.context = context_length(model)
         self.min_confidence = min_confidence
@@ -84,13 +83,11 @@ class DraftModelDrafter(Drafter):
         return Draft(drafted, torch.stack(rows) if rows else None)
 
     def _token_id(self, index: int) -> int:
-        return int(self.subset[index]) if self.subset is not None else index
+        return self.head.token_id(index) if self.head is not None else index
 
     def _on_full_vocab(self, probs: torch.Tensor) -> torch.Tensor:
         """(V_draft,) probabilities: a subset head's mass scattered back, 0 outside the subset."""
-        if self.subset is None:
-            return probs
-        return torch.zeros(self.head.full_vocab_size, dtype=probs.dtype).index_copy_(0, self.subset, probs.cpu())
+        return probs if self.head is None else self.head.on_full_vocabulary(probs)
 
     def reset(self) -> None:
         self.runner.reset()

@@ -30,6 +30,14 @@ def draft_vocabulary(tokenizer, vocab_size: int) -> torch.Tensor | None:
     return frequent_token_ids(tokenizer, DRAFT_VOCAB, vocab_size)
 
 
+def subset_head(causal_lm: torch.nn.Module, token_ids: torch.Tensor | None, share: bool = False) -> "SubsetHeadLM | None":
+    """The head a drafter scores `token_ids` with (None: the whole vocabulary, no head); `share`: the one
+    `shared_subset_head` keeps per model and id set."""
+    if token_ids is None:
+        return None
+    return shared_subset_head(causal_lm, token_ids) if share else SubsetHeadLM(causal_lm, token_ids)
+
+
 def shared_subset_head(causal_lm: torch.nn.Module, token_ids: torch.Tensor) -> "SubsetHeadLM":
     """A SubsetHeadLM of `causal_lm` for these ids, built once per model and id set (drafters are made
     per generation in `compare` and per turn elsewhere; the head's rows are copied only once)."""
@@ -58,6 +66,15 @@ class SubsetHeadLM(torch.nn.Module):
         self.body = causal_lm.get_decoder()
         self.config = causal_lm.config
         self.head, self.full_vocab_size = _subset_layer(causal_lm.get_output_embeddings(), token_ids)
+        self.token_ids = token_ids.cpu()
+
+    def token_id(self, index: int) -> int:
+        """The vocabulary id that logits[..., index] scores."""
+        return int(self.token_ids[index])
+
+    def on_full_vocabulary(self, probs: torch.Tensor) -> torch.Tensor:
+        """(|subset|,) probabilities as (V,): each id's mass in its own place, 0 outside the subset."""
+        return torch.zeros(self.full_vocab_size, dtype=probs.dtype).index_copy_(0, self.token_ids, probs.cpu())
 
     def forward(self, input_ids, cache=None, use_cache=True, logits_to_keep=0, attention_mask=None,
                 position_ids=None, **kwargs):

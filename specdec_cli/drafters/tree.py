@@ -42,7 +42,7 @@ import torch
 
 from specdec_cli.engine.context import context_length
 from specdec_cli.engine.draft import EMPTY_DRAFT, Draft, DraftRule, Drafter
-from specdec_cli.drafters.subset_head import SubsetHeadLM, shared_subset_head
+from specdec_cli.drafters.subset_head import subset_head
 from specdec_cli.drafters.window import DraftWindow
 from specdec_cli.engine.kv import CachedModel
 from specdec_cli.engine.sampling import logits_to_probs
@@ -96,9 +96,7 @@ class TreeDrafter(Drafter):
         (subset_head.py; lossless: a node is always a subset id, the target may still emit any)."""
         if budget < 1 or branching < 1 or max_depth < 1:
             raise ValueError(f"need budget, branching and max_depth >= 1, got {budget}, {branching}, {max_depth}")
-        self.subset = token_ids.cpu() if token_ids is not None else None
-        make_head = shared_subset_head if share_head else SubsetHeadLM
-        self.head = make_head(model, self.subset) if token_ids is not None else None
+        self.head = subset_head(model, token_ids.cpu() if token_ids is not None else None, share_head)
         self.runner = CachedModel(self.head or model)
         self.context = context_length(model)
         self.window = DraftWindow(window)  # what the draft model reads of the sequence (window.py)
@@ -163,9 +161,9 @@ class TreeDrafter(Drafter):
                 children = torch.topk(probs, count).indices.tolist()
             else:
                 children = torch.multinomial(probs, count, replacement=True, generator=generator).tolist()
-            row = probs if params.greedy or self.subset is None else self._on_full_vocab(probs)
+            row = probs if params.greedy or self.head is None else self.head.on_full_vocabulary(probs)
             for index in children:
-                tree_ids.append(int(self.subset[index]) if self.subset is not None else int(index))
+                tree_ids.append(self.head.token_id(index) if self.head is not None else int(index))
                 parents.append(parent)
                 rows.append(row)
                 scores.append(base + math.log(max(float(probs[index]), 1e-30)))
@@ -181,10 +179,6 @@ class TreeDrafter(Drafter):
         top = torch.topk(probs, min(self.branching, probs.shape[-1])).values.tolist()
         cut = math.log(max(self.rule.branch_cut, 1e-30)) - parent_score
         return 1 + sum(1 for p in top[1:] if math.log(max(p, 1e-30)) >= cut)
-
-    def _on_full_vocab(self, probs: torch.Tensor) -> torch.Tensor:
-        """(V_draft,) probabilities: a subset head's mass scattered back, 0 outside the subset."""
-        return torch.zeros(self.head.full_vocab_size, dtype=probs.dtype).index_copy_(0, self.subset, probs)
 
     def obey(self, rule: DraftRule) -> None:
         self.rule = rule
