@@ -118,7 +118,6 @@ class TreeDrafter(Drafter):
         parents: list[int] = []
         rows: list[torch.Tensor] = []     # per node: the distribution it was drawn from
         scores: list[float] = []          # per node: the draft's log probability of its path
-        by_value = self.rule is not None and self.rule.branch_cut is not None
         frontier, frontier_logits = [-1], self.runner.extend(sequence, 1)  # (1, V)
         for depth in range(depth_limit):
             level = self._grow_level(frontier, frontier_logits, tree_ids, parents, rows, scores, params, generator)
@@ -126,7 +125,7 @@ class TreeDrafter(Drafter):
             if depth + 1 == depth_limit or room <= 0 or not level:
                 break
             expandable = sorted(_first_of_twins(level, tree_ids, parents), key=lambda node: -scores[node])
-            if by_value:  # drafted on where the path's odds say so, as a chain's next token
+            if self.grows_by_value:  # drafted on where the path's odds say so, as a chain's next token
                 cut = math.log(max(self.rule.min_survival, 1e-30))
                 frontier = sorted(node for node in expandable[:room] if scores[node] >= cut)
             else:
@@ -156,9 +155,10 @@ class TreeDrafter(Drafter):
             probs = torch.softmax(logits, -1) if params.greedy else logits_to_probs(logits, params)
             parent = frontier[i]
             base = scores[parent] if parent >= 0 else 0.0
-            count = min(self._children(probs, base), room, probs.shape[-1])
+            top = torch.topk(probs, min(self.branching, probs.shape[-1]))
+            count = min(self._children(top.values.tolist(), base), room)
             if params.greedy:
-                children = torch.topk(probs, count).indices.tolist()
+                children = top.indices[:count].tolist()
             else:
                 children = torch.multinomial(probs, count, replacement=True, generator=generator).tolist()
             row = probs if params.greedy or self.head is None else self.head.on_full_vocabulary(probs)
@@ -170,13 +170,17 @@ class TreeDrafter(Drafter):
                 level.append(len(tree_ids) - 1)
         return level
 
-    def _children(self, probs: torch.Tensor, parent_score: float) -> int:
-        """How many children a node whose path has log odds `parent_score` gets: `branching`; grown by value, its
-        most probable child and each further one of the `branching` most probable whose path odds reach the rule's
-        branch cut (read from the sorted probabilities, not from draws)."""
-        if self.rule is None or self.rule.branch_cut is None:
-            return self.branching
-        top = torch.topk(probs, min(self.branching, probs.shape[-1])).values.tolist()
+    @property
+    def grows_by_value(self) -> bool:
+        """The policy's rule has a branch cut: the tree's shape follows the draft's odds (module docstring)."""
+        return self.rule is not None and self.rule.branch_cut is not None
+
+    def _children(self, top: list[float], parent_score: float) -> int:
+        """How many children a node gets, given its `branching` largest probabilities (sorted) and its path's log
+        odds `parent_score`: all of them; grown by value, the most probable and each further one whose path odds
+        reach the rule's branch cut (read from the probabilities, not from draws)."""
+        if not self.grows_by_value:
+            return len(top)
         cut = math.log(max(self.rule.branch_cut, 1e-30)) - parent_score
         return 1 + sum(1 for p in top[1:] if math.log(max(p, 1e-30)) >= cut)
 
