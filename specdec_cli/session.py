@@ -98,13 +98,10 @@ def make_drafter(drafter: str, draft: LoadedModel | None, k: int | str = "auto",
         raise InputError(f"the {drafter} drafter needs a draft model", "pass --draft NAME, or --drafter ngram")
     vocabulary = draft_vocabulary(draft.tokenizer, draft.vocab_size)
     if drafter == "tree" and tree_note(target, draft) is None:
-        budget = tree_budget or tree_nodes(target, k)
-        tree = TreeDrafter(draft.model, budget=budget, max_depth=AUTO_MAX_K, window=DRAFT_WINDOW,
-                           token_ids=vocabulary, share_head=True)
-        chosen = CascadeDrafter(tree)
-        chosen.obey(draft_rule(k))
-        return chosen
-    model_drafter = DraftModelDrafter(draft.model, token_ids=vocabulary, share_head=True, window=DRAFT_WINDOW)
+        model_drafter = TreeDrafter(draft.model, budget=tree_budget or tree_nodes(target, k), max_depth=AUTO_MAX_K,
+                                    window=DRAFT_WINDOW, token_ids=vocabulary, share_head=True)
+    else:
+        model_drafter = DraftModelDrafter(draft.model, token_ids=vocabulary, share_head=True, window=DRAFT_WINDOW)
     chosen = CascadeDrafter(model_drafter) if drafter in ("cascade", "tree") else model_drafter
     chosen.obey(draft_rule(k))
     return chosen

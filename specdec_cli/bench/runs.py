@@ -48,10 +48,9 @@ def configurations(drafters: Sequence[str], ks: Sequence[int | str], with_hf: bo
     for drafter in dict.fromkeys(drafters):
         if drafter == "tree":  # one configuration per tree size (`tree_budgets`; none given: `tree_default(k)`)
             for budget in dict.fromkeys(tree_budgets or [None]):
-                for k in dict.fromkeys(ks):
+                for k in (k for k in dict.fromkeys(ks) if k != 0):
                     nodes = budget or (tree_default(k) if tree_default else None)
-                    if k != 0:
-                        chosen.append(Configuration(f"tree{nodes or ''} k={k}", SPECDEC, drafter, k, tree_budget=nodes))
+                    chosen.append(Configuration(f"tree{nodes or ''} k={k}", SPECDEC, drafter, k, tree_budget=nodes))
             continue
         chosen += [Configuration(f"{drafter} k={k}", SPECDEC, drafter, k) for k in dict.fromkeys(ks) if k != 0]
     if with_hf and has_draft and plain_draft:
