@@ -247,3 +247,32 @@ def test_attention_in_c_reads_a_cache_buffers_view_in_place():
                                             scaling=0.25)
     contiguous, _ = rowwise_attention_forward(module, query, key, value, None, scaling=0.25)
     assert torch.equal(in_place, contiguous)
+
+
+@pytest.mark.parametrize("dim", [24, 128, 20])
+def test_attention_in_c_gives_each_head_of_a_group_what_it_gives_that_head_alone(dim):
+    """The query heads that share a kv head go through the C attention together (their scores a block of keys at a
+    time, their weighted values up to 4 heads a pass): 7 heads per kv head (4 + 3), dims 24 (16 + a last 8), 128 and
+    20 (a tail past the 8-wide steps), under a tree mask with a row that sees no key, each head bit for bit what it
+    gives alone over its own kv head's keys, and what SDPA gives within rounding."""
+    generator = torch.Generator().manual_seed(dim)
+    query = torch.randn(1, 14, 4, dim, generator=generator)  # (1, heads, rows, dim): 2 kv heads of 7
+    key, value = (torch.randn(1, 2, 13, dim, generator=generator) for _ in range(2))
+    mask = torch.ones(1, 1, 4, 13, dtype=torch.bool).tril(9)
+    mask[0, 0, 2, 10] = False  # a branch
+    mask[0, 0, 3] = False  # a row with no visible key: zeros
+    module = torch.nn.Module()
+    module.num_key_value_groups = 7
+    together, _ = rowwise_attention_forward(module, query, key, value, mask, scaling=dim**-0.5)
+    alone_module = torch.nn.Module()
+    alone_module.num_key_value_groups = 1
+    for head in range(14):
+        kv = head // 7
+        alone, _ = rowwise_attention_forward(alone_module, query[:, head:head + 1], key[:, kv:kv + 1].contiguous(),
+                                             value[:, kv:kv + 1].contiguous(), mask, scaling=dim**-0.5)
+        assert torch.equal(together[:, :, head], alone[:, :, 0]), head
+    assert not together[:, 3].any()
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    reference, _ = sdpa_attention_forward(module, query[:, :, :3], key, value, mask[:, :, :3], scaling=dim**-0.5)
+    assert torch.allclose(together[:, :3], reference, atol=2e-6)  # and it is attention
