@@ -19,7 +19,6 @@ Runs on a CPU too (--device cpu), for trying the script before a GPU is at hand.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import platform
@@ -32,15 +31,19 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the tests' tiny models and tokenizer
 
 from specdec_cli.drafters import CascadeDrafter, DraftModelDrafter
 from specdec_cli.drafters.tree import TreeDrafter
 from specdec_cli.engine import FixedK, SamplingParams, SpeculativeDecoder
 from specdec_cli.engine.kv import CachedModel
 from specdec_cli.session import draft_rule, make_policy
+from tests.conftest import perturbed_copy, tiny_causal_lm
+from tests.tiny import build_tiny_model, build_tokenizer
 
-ROOT = Path(__file__).resolve().parent.parent
 PROMPT = [1] + [(7 * i + 3) % 90 + 3 for i in range(60)]
 NEW_TOKENS = 48
 # Qwen2.5-Coder-1.5B / 0.5B as the demo pair's configs give them (the 1.5B's output layer untied, as in its GGUF).
@@ -52,26 +55,13 @@ QWEN_SHAPES = {
 }
 
 
-def tiny(arch: str, seed: int, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """A random 2-layer causal LM over 96 ids, its output layer sharpened so greedy decoding is stable."""
-    torch.manual_seed(seed)
-    common = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1,
-                  eos_token_id=2, pad_token_id=0)
-    model = LlamaForCausalLM(LlamaConfig(**common)) if arch == "llama" else \
-        Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=False))
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    return model.to(device=device, dtype=dtype).eval()
-
-
-def noisy_copy(model: torch.nn.Module, noise: float, seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    twin = copy.deepcopy(model)
-    with torch.no_grad():
-        for parameter in twin.parameters():
-            parameter.add_(torch.randn_like(parameter) * parameter.float().std().clamp_min(1e-3).to(parameter.dtype) * noise)
-    return twin.eval()
+def tiny_pair(arch: str, seed: int, noise: float, draft_seed: int, device: torch.device,
+              dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The tests' tiny random target (2 layers, 96 ids, a sharpened output layer) and its noisy copy as the draft
+    (`perturbed_copy`), both made in float32 on the CPU, then moved to `device` at `dtype`."""
+    target = tiny_causal_lm(arch, seed=seed, logit_scale=8.0)
+    draft = perturbed_copy(target, noise, draft_seed)
+    return target.to(device=device, dtype=dtype), draft.to(device=device, dtype=dtype)
 
 
 def drafters(draft: torch.nn.Module) -> dict:
@@ -98,8 +88,7 @@ def greedy_identity(device: torch.device) -> list[dict]:
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         for arch, seed in (("llama", 0), ("qwen2", 2)):
-            target = tiny(arch, seed, device, dtype)
-            draft = noisy_copy(target, 0.15, seed + 7)
+            target, draft = tiny_pair(arch, seed, 0.15, seed + 7, device, dtype)
             alone = SpeculativeDecoder(target).generate(PROMPT, SamplingParams(), NEW_TOKENS).tokens
             hf = target.generate(torch.tensor([PROMPT], device=device), do_sample=False, max_new_tokens=NEW_TOKENS,
                                  min_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
@@ -117,8 +106,7 @@ def greedy_identity(device: torch.device) -> list[dict]:
 
 def sampling(device: torch.device, draws: int) -> dict:
     """The first token's distribution: speculative (chain k=4, a noisy draft) against the target's softmax."""
-    target = tiny("llama", 0, device, torch.float32)
-    draft = noisy_copy(target, 0.5, 3)
+    target, draft = tiny_pair("llama", 0, 0.5, 3, device, torch.float32)
     params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, seed=11)
     decoder = SpeculativeDecoder(target, DraftModelDrafter(draft), FixedK(4))
     twice = [decoder.generate(PROMPT, params, 24).tokens for _ in range(2)]
@@ -142,9 +130,6 @@ def sampling(device: torch.device, draws: int) -> dict:
 
 
 def cli(device: str) -> list[dict]:
-    sys.path.insert(0, str(ROOT))
-    from tests.tiny import build_tiny_model, build_tokenizer
-
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         folder = Path(folder)
@@ -179,8 +164,7 @@ def cli(device: str) -> list[dict]:
                 row["stats"] = records[0].get("stats")
             if name == "compare" and completed.returncode == 0:
                 report = json.loads((folder / "compare.json").read_text())
-                row["identical"] = {s["configuration"] if "configuration" in s else str(i): s.get("identical")
-                                    for i, s in enumerate(report["summary"])}
+                row["identical"] = {s["configuration"]: s["identical"] for s in report["summary"]}
                 row["environment_device"] = report["environment"]["device"]
             rows.append(row)
     return rows
