@@ -135,11 +135,23 @@ def check_quantization(quantization: str | None, device: torch.device | None = N
 
 
 def require_bitsandbytes() -> None:
+    """bitsandbytes can be imported: not installed names the extra; installed but failing to import (its native
+    library built for another CUDA or CPU, a known way for it to break) says so in one line instead of the
+    traceback transformers' import of it would print. The import is the one loading makes next anyway."""
     if importlib.util.find_spec("bitsandbytes") is None:
         raise MissingExtraError(
             "nf4/bnb8 (4-bit/8-bit) loading needs bitsandbytes, which is not installed",
             "pip install 'specdec[4bit]'",
         )
+    try:
+        importlib.import_module("bitsandbytes")
+    except Exception as error:
+        reason = next(iter(str(error).splitlines()), "") or type(error).__name__
+        raise ModelLoadError(
+            f"bitsandbytes is installed but does not load ({reason})",
+            "reinstall it (pip install --force-reinstall bitsandbytes), or use another format (--target-quant "
+            "int8, q4 or none on a CPU)",
+        ) from None
 
 
 def quantization_config(quantization: str | None):

@@ -29,3 +29,19 @@ def test_missing_bitsandbytes_names_the_extra(llama_folder, monkeypatch):
     with pytest.raises(MissingExtraError) as raised:
         load_model(str(llama_folder), quantization="4bit", progress=False)
     assert raised.value.hint == "pip install 'specdec[4bit]'"
+
+
+def test_a_bitsandbytes_that_does_not_import_is_one_line_not_a_traceback(llama_folder, tmp_path, monkeypatch):
+    """Installed but broken (its native library built for another CUDA, say): find_spec finds it, its import fails."""
+    import importlib
+
+    from specdec_cli.errors import ModelLoadError
+
+    (tmp_path / "bitsandbytes.py").write_text("raise OSError('libbitsandbytes_cuda130.so: cannot open shared object file')\n")
+    monkeypatch.delitem(sys.modules, "bitsandbytes", raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    with pytest.raises(ModelLoadError) as raised:
+        load_model(str(llama_folder), quantization="nf4", progress=False)
+    assert str(raised.value).startswith("bitsandbytes is installed but does not load (libbitsandbytes_cuda130.so")
+    assert "--force-reinstall bitsandbytes" in raised.value.hint
