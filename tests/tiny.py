@@ -161,6 +161,54 @@ def build_tiny_gguf(path: Path, seed: int = 0):
     return model
 
 
+def random_blocks(kind: str, rows: int, width: int, generator):
+    """(rows, width/block · block bytes) uint8: random ggml blocks of `kind` (Q4_0, Q4_1 or Q4_K: any levels and
+    6-bit scales), their float16 steps and minimums those of a sane tiny model (|w| < 0.3)."""
+    import numpy as np
+
+    channels, size = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}[kind]
+    blocks = generator.integers(0, 256, size=(rows * width // channels, size), dtype=np.uint8)
+    ranges = {"Q4_0": [(0.005, 0.02)], "Q4_1": [(0.005, 0.015), (-0.1, 0.0)], "Q4_K": [(1e-4, 3e-4)] * 2}[kind]
+    for index, (low, high) in enumerate(ranges):  # d; then m (Q4_1) or dmin (Q4_K)
+        blocks[:, 2 * index:2 * index + 2] = generator.uniform(low, high, (len(blocks), 1)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def build_4bit_gguf(path: Path, arch: str = "qwen2", kind: str = "Q4_K", seed: int = 0) -> dict:
+    """A tiny random `arch` model (hidden 256: Q4_K needs rows of 256) written as a `.gguf` whose Linear weights are
+    random `kind` blocks (Q4_0, Q4_1 or Q4_K, as most of a Q4_K_M file's are), the rest F32. llama's q/k rows are
+    stored as written, so transformers' reordering of them on load moves them. Returns {gguf tensor name: bytes}."""
+    import gguf
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = build_tokenizer()
+    config = tiny_config(arch, len(tokenizer), tokenizer)
+    config.hidden_size, config.intermediate_size = 256, 512
+    config.head_dim = config.hidden_size // config.num_attention_heads
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    names = gguf.get_tensor_name_map({"qwen2": gguf.MODEL_ARCH.QWEN2, "llama": gguf.MODEL_ARCH.LLAMA}[arch],
+                                     config.num_hidden_layers)
+    writer = gguf.GGUFWriter(str(path), arch)
+    _add_gguf_config(writer, config)
+    _add_gguf_tokenizer(writer, tokenizer)
+    generator, blocks = np.random.default_rng(seed), {}
+    for hf_name, tensor in model.state_dict().items():
+        base, _, suffix = hf_name.rpartition(".")
+        name = f"{names.get_name(base)}.{suffix}"
+        if tensor.dim() == 2 and base != "model.embed_tokens":
+            blocks[name] = random_blocks(kind, *tensor.shape, generator)
+            writer.add_tensor(name, blocks[name], raw_dtype=gguf.GGMLQuantizationType[kind])
+        else:
+            writer.add_tensor(name, tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return blocks
+
+
 def successor_batches(successor: torch.Tensor, alphabet: torch.Tensor, seed: int, batch: int = 32, length: int = 16):
     """Endless (batch, length) id sequences that start anywhere in `alphabet` and follow `successor`."""
     generator = torch.Generator().manual_seed(seed)

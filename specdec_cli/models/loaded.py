@@ -45,6 +45,9 @@ class LoadedModel:
         parts = [self.name, str(self.device), dtype_name(self.dtype)]
         if self.quantization:
             parts.append(self.precision)
+        taken, layers = getattr(self.model, "_specdec_q4_from_gguf", (0, 0))
+        if taken:
+            parts.append(f"{taken} of {layers} layers kept as the .gguf's 4-bit blocks")
         return f"{role}: " + " · ".join(parts)
 
 
@@ -147,7 +150,8 @@ def _load_weights(plan: _Plan, tokenizer) -> LoadedModel:
             model = _from_pretrained(plan, folder).eval()
     if plan.quantization in ("int8", "int4", "q4"):
         with status(f"quantising {plan.source.spec} to {plan.quantization} ...", plan.progress):
-            model = quantize(model, plan.quantization, exact_rows=plan.role == "target")
+            model = quantize(model, plan.quantization, exact_rows=plan.role == "target",
+                             gguf_path=plan.source.gguf_path)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

@@ -170,8 +170,24 @@ class Q4Linear(torch.nn.Module):
                 f"q4 weights (groups of {GROUP}), int8 activations per group, specdec matmul")
 
 
-def quantize_q4(model: torch.nn.Module) -> torch.nn.Module:
-    """Every nn.Linear (the output layer too) to `Q4Linear`, in place (int8.replace_linears)."""
+def quantize_q4(model: torch.nn.Module, gguf_path=None) -> torch.nn.Module:
+    """Every nn.Linear (the output layer too) to `Q4Linear`, in place (int8.replace_linears). With the `.gguf` file
+    the model was loaded from, a layer that is Q4_K there keeps the file's 4-bit values (gguf_q4.py); the count of
+    such layers goes to `model._specdec_q4_from_gguf` (taken, of all linears)."""
+    from specdec_cli.models.gguf_q4 import gguf_q4_source
     from specdec_cli.models.int8 import replace_linears
 
-    return replace_linears(model, Q4Linear.from_linear)
+    source = gguf_q4_source(gguf_path, model)
+    if source is None:
+        return replace_linears(model, Q4Linear.from_linear)
+    names = {id(module): name for name, module in model.named_modules()}
+
+    def quantised(linear: torch.nn.Linear) -> Q4Linear:
+        parts = source.parts(names[id(linear)], linear.weight)
+        if parts is None:
+            return Q4Linear.from_linear(linear)
+        return Q4Linear.from_parts(*parts, linear.bias, linear.in_features)
+
+    model = replace_linears(model, quantised)
+    model._specdec_q4_from_gguf = (source.taken, sum(isinstance(module, Q4Linear) for module in model.modules()))
+    return model

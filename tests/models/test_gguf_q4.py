@@ -1,0 +1,114 @@
+"""q4 takes a .gguf's 4-bit layers as they are (gguf_q4.py): the file's own values, not a requantisation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specdec_cli.models import gguf_q4, load_model
+from specdec_cli.models.q4 import Q4Linear, quantize_packed
+from tests.tiny import build_4bit_gguf, random_blocks
+
+pytest.importorskip("gguf")
+
+TYPES = {"Q4_0": gguf_q4.Q4_0, "Q4_1": gguf_q4.Q4_1, "Q4_K": gguf_q4.Q4_K}
+
+
+def _file_weight(raw: np.ndarray, kind: str) -> torch.Tensor:
+    """The .gguf's own values of a tensor, dequantised by the gguf package (float32)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    return torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind]).astype(np.float32))
+
+
+def _within_float16_rounding(ours: torch.Tensor, scales, minimums, reference: torch.Tensor) -> bool:
+    """Each weight within what rounding its step and minimum to float16 can move it: 2⁻¹¹ · (15·|step| + |minimum|)."""
+    width = ours.shape[1]
+    step = scales.float().repeat_interleave(32, dim=1)[:, :width]
+    minimum = minimums.float().repeat_interleave(32, dim=1)[:, :width]
+    bound = (15 * step.abs() + minimum.abs()) * 2.0 ** -11 + 1e-9
+    return bool(((ours - reference).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_q4_0_and_q4_1_blocks_become_q4_with_the_files_weights_bit_for_bit(kind):
+    raw = random_blocks(kind, 48, 768, np.random.default_rng(3))
+    levels, scales, minimums = gguf_q4.block_parts(raw, TYPES[kind])
+    assert levels.shape == (48, 768) and scales.shape == minimums.shape == (48, 24) and int(levels.max()) <= 15
+    assert torch.equal(gguf_q4.dequantized(levels, scales, minimums), _file_weight(raw, kind))
+
+
+def test_q4_k_blocks_become_q4_with_the_files_weights_within_float16_rounding():
+    raw = random_blocks("Q4_K", 48, 768, np.random.default_rng(3))
+    levels, scales, minimums = gguf_q4.block_parts(raw, gguf_q4.Q4_K)
+    assert levels.shape == (48, 768) and scales.shape == minimums.shape == (48, 24) and int(levels.max()) <= 15
+    reference = _file_weight(raw, "Q4_K")
+    assert _within_float16_rounding(gguf_q4.dequantized(levels, scales, minimums), scales, minimums, reference)
+    # Requantising the same weights (what q4 did with a .gguf before) moves them by up to half a step: far more.
+    requantised = Q4Linear(quantize_packed(reference), None, 768, 48).dequantized_weight()
+    assert not _within_float16_rounding(requantised, scales, minimums, reference)
+
+
+@pytest.fixture(scope="module")
+def qwen2_q4k_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-q4k") / "tiny-qwen2-q4k.gguf"
+    return path, build_4bit_gguf(path, arch="qwen2", kind="Q4_K")
+
+
+def test_a_q4_k_gguf_runs_on_its_own_4_bit_values(qwen2_q4k_gguf):
+    path, blocks = qwen2_q4k_gguf
+    loaded = load_model(str(path), quantization="q4", progress=False)
+    model = loaded.model
+    assert model._specdec_q4_from_gguf == (15, 15)  # 2 layers × 7 projections and the output layer
+    assert loaded.describe("target").endswith("· 15 of 15 layers kept as the .gguf's 4-bit blocks")
+    layer = model.model.layers[1]
+    for name, module, rows in (("blk.1.attn_output.weight", layer.self_attn.o_proj, slice(None)),
+                               ("blk.1.ffn_down.weight", layer.mlp.down_proj, slice(None)),
+                               ("blk.1.ffn_up.weight", layer.mlp.gate_up_proj, slice(512, None)),  # fused after gate
+                               ("blk.1.attn_k.weight", layer.self_attn.qkv_proj, slice(256, 384)),
+                               ("output.weight", model.lm_head, slice(None))):
+        _, scales, minimums = gguf_q4.block_parts(blocks[name], gguf_q4.Q4_K)
+        ours = module.dequantized_weight()[rows]
+        assert _within_float16_rounding(ours, scales, minimums, _file_weight(blocks[name], "Q4_K")), name
+    logits = model(input_ids=torch.tensor([[5, 6, 7]])).logits
+    assert torch.isfinite(logits).all()
+
+
+def test_a_q4_0_gguf_runs_on_the_files_weights_bit_for_bit(tmp_path):
+    path = tmp_path / "tiny-qwen2-q4_0.gguf"
+    blocks = build_4bit_gguf(path, arch="qwen2", kind="Q4_0")
+    model = load_model(str(path), quantization="q4", progress=False).model
+    assert model._specdec_q4_from_gguf == (15, 15)
+    down = model.model.layers[0].mlp.down_proj.dequantized_weight()
+    assert torch.equal(down, _file_weight(blocks["blk.0.ffn_down.weight"], "Q4_0"))
+
+
+def test_layers_whose_rows_transformers_moves_are_requantised_from_the_loaded_weights(tmp_path):
+    path = tmp_path / "tiny-llama-q4k.gguf"
+    build_4bit_gguf(path, arch="llama", kind="Q4_K")
+    float_model = load_model(str(path), progress=False).model
+    model = load_model(str(path), quantization="q4", progress=False).model
+    # llama's q/k rows are reordered by transformers on load: those 4 layers fail the check, the other 11 match.
+    assert model._specdec_q4_from_gguf == (11, 15)
+    fused = model.model.layers[0].self_attn.qkv_proj.dequantized_weight()
+    loaded_q = float_model.model.layers[0].self_attn.q_proj.weight
+    requantised = Q4Linear(quantize_packed(loaded_q), None, 256, 256).dequantized_weight()
+    assert torch.equal(fused[:256], requantised)
+
+
+def test_a_gguf_table_reads_as_the_gguf_package_reads_it(qwen2_q4k_gguf):
+    from gguf import GGUFReader
+
+    path, blocks = qwen2_q4k_gguf
+    table = gguf_q4._Table(path)
+    assert table.architecture == "qwen2"
+    for tensor in GGUFReader(str(path)).tensors:
+        kind, shape, _ = table.tensors[tensor.name]
+        assert kind == int(tensor.tensor_type) and shape == tuple(reversed([int(n) for n in tensor.shape]))
+        found = table.blocks(tensor.name)
+        if tensor.name in blocks:
+            assert np.array_equal(found[0], blocks[tensor.name]) and found[1] == gguf_q4.Q4_K
+        else:
+            assert found is None
