@@ -12,10 +12,12 @@ exactly what q4 holds: 4-bit levels q with w = step·q + minimum —
   (15·step + |minimum|) (measured on the demo target: 0.06% against the requantisation's 4.2%).
 The matmul is q4's own, so speed is unchanged.
 
-Safe by construction: each layer taken from the file is compared, on a sample of rows, with the weight transformers
-loaded for it (the same tensor dequantised, rounded to bfloat16 or not); a layer that does not match (a name mapped
-elsewhere, rows that transformers reorders, as llama's q/k) is quantised from the loaded weight as before, as are
-the file's other types (Q5_0, Q6_K, Q8_0, ...: more than 4 bits)."""
+Rows go in the order transformers loads them (llama's q/k rows are stored per head in another order: transformers'
+own processing of the file's tensor, applied to a column of row numbers, says which). Safe by construction: each
+layer taken from the file is compared, on a sample of rows, with the weight transformers loaded for it (the same
+tensor dequantised, rounded to bfloat16 or not); a layer that does not match (a name mapped elsewhere, a processing
+that does more than reorder rows) is quantised from the loaded weight as before, as are the file's other types
+(Q5_0, Q6_K, Q8_0, ...: more than 4 bits)."""
 
 from __future__ import annotations
 
@@ -152,32 +154,55 @@ class GgufQ4Source:
 
     def __init__(self, path: Path, model: torch.nn.Module) -> None:
         from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
         self._table = _Table(path)
         arch = {name: arch for arch, name in MODEL_ARCH_NAMES.items()}.get(self._table.architecture)
         if arch is None:
             raise ValueError(f"gguf does not know the architecture {self._table.architecture!r}")
         self._names = get_tensor_name_map(arch, model.config.num_hidden_layers)
+        # What transformers does to each tensor it reads from such a file (llama: reorders q/k rows per head).
+        self._processor = TENSOR_PROCESSORS.get(self._table.architecture, TensorProcessor)(config=model.config.to_dict())
         self.taken, self.refused = 0, 0
 
     def parts(self, module_name: str, weight: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-        """q4's parts for the Linear `module_name` from the file's 4-bit blocks, or None (not Q4_0/Q4_1/Q4_K there,
-        or its values do not match `weight`, the loaded one, on a sample of rows)."""
+        """q4's parts for the Linear `module_name` from the file's 4-bit blocks, rows in the order transformers
+        loaded them, or None (not Q4_0/Q4_1/Q4_K there, transformers changes more than the rows' order, or the
+        values do not match `weight`, the loaded one, on a sample of rows)."""
         gguf_name = self._names.get_name(module_name)
         found = None if gguf_name is None else self._table.blocks(gguf_name + ".weight")
         if found is None:
             return None
         (raw, kind), (channels, size) = found, BLOCKS[found[1]]
-        if raw.shape != (weight.shape[0], weight.shape[1] // channels * size) or weight.shape[1] % channels:
+        order = self._row_order(gguf_name + ".weight", raw.shape[0])
+        if order is None or raw.shape != (weight.shape[0], weight.shape[1] // channels * size) or weight.shape[1] % channels:
             return None
-        sample = slice(None, None, max(1, weight.shape[0] // 64))  # ~64 rows: a row out of place shows in any of them
-        loaded = weight.detach()[sample].float()
-        error = torch.linalg.norm(dequantized(*block_parts(raw[sample], kind)) - loaded)
+        sample = np.arange(0, weight.shape[0], max(1, weight.shape[0] // 64))  # ~64 rows: one out of place shows
+        loaded = weight.detach()[torch.from_numpy(sample)].float()
+        error = torch.linalg.norm(dequantized(*block_parts(raw[order[sample]], kind)) - loaded)
         if not error <= MATCH * torch.linalg.norm(loaded):  # NaN too
             self.refused += 1
             return None
         self.taken += 1
-        return block_parts(raw, kind)
+        in_order = np.array_equal(order, np.arange(len(order)))
+        return block_parts(raw if in_order else raw[order], kind)
+
+    def _row_order(self, gguf_name: str, rows: int) -> np.ndarray | None:
+        """Which row of the file each loaded row is: transformers' own processing applied to a column of row
+        numbers. None where that does more than reorder rows."""
+        numbers = np.arange(rows, dtype=np.float64)[:, None]
+        try:
+            result = self._processor.process(weights=numbers, name=gguf_name, tensor_key_mapping={},
+                                             parsed_parameters={"tensors": {}})
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError):
+            return None
+        moved = getattr(result, "weights", None)
+        if not isinstance(moved, np.ndarray) or moved.shape != numbers.shape:
+            return None
+        order = moved[:, 0]
+        if not np.array_equal(np.sort(order), numbers[:, 0]):
+            return None
+        return order.astype(np.int64)
 
 
 def gguf_q4_source(path: Path | None, model: torch.nn.Module) -> GgufQ4Source | None:

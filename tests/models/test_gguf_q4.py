@@ -85,17 +85,43 @@ def test_a_q4_0_gguf_runs_on_the_files_weights_bit_for_bit(tmp_path):
     assert torch.equal(down, _file_weight(blocks["blk.0.ffn_down.weight"], "Q4_0"))
 
 
-def test_layers_whose_rows_transformers_moves_are_requantised_from_the_loaded_weights(tmp_path):
+def test_a_llama_files_q_and_k_rows_go_where_transformers_puts_them(tmp_path):
     path = tmp_path / "tiny-llama-q4k.gguf"
-    build_4bit_gguf(path, arch="llama", kind="Q4_K")
+    blocks = build_4bit_gguf(path, arch="llama", kind="Q4_K")
+    model = load_model(str(path), quantization="q4", progress=False).model
+    float_model = load_model(str(path), progress=False).model
+    assert model._specdec_q4_from_gguf == (15, 15)
+    fused = model.model.layers[0].self_attn.qkv_proj.dequantized_weight()
+    for name, rows, heads, module in (("blk.0.attn_q.weight", slice(0, 256), 4, "q_proj"),
+                                      ("blk.0.attn_k.weight", slice(256, 384), 2, "k_proj")):
+        # llama.cpp stores each head's rows interleaved (halves of the rotary pairs): undone as transformers does
+        per_head = 256 // 4 // 2 if heads == 4 else 128 // 2 // 2
+        order = np.arange(fused[rows].shape[0]).reshape(heads, per_head, 2).swapaxes(1, 2).reshape(-1)
+        file_rows = _file_weight(blocks[name], "Q4_K")[torch.from_numpy(order)]
+        _, scales, minimums = gguf_q4.block_parts(blocks[name][order], gguf_q4.Q4_K)
+        assert _within_float16_rounding(fused[rows], scales, minimums, file_rows), name
+        loaded = getattr(float_model.model.layers[0].self_attn, module).weight.float()
+        assert torch.linalg.norm(fused[rows] - loaded) <= 1e-2 * torch.linalg.norm(loaded)
+
+
+def test_a_layer_that_does_not_match_the_loaded_weight_is_requantised_from_it(qwen2_q4k_gguf, monkeypatch):
+    path, _ = qwen2_q4k_gguf
+    # A name map that sends each o projection to the file's q tensor: the same shape, other values.
+    setup = gguf_q4.GgufQ4Source.__init__
+
+    def misnamed(self, *args):
+        setup(self, *args)
+        real = self._names.get_name
+        self._names = type("Names", (), {"get_name": staticmethod(
+            lambda name: real(name.replace("o_proj", "q_proj")))})()
+
+    monkeypatch.setattr(gguf_q4.GgufQ4Source, "__init__", misnamed)
     float_model = load_model(str(path), progress=False).model
     model = load_model(str(path), quantization="q4", progress=False).model
-    # llama's q/k rows are reordered by transformers on load: those 4 layers fail the check, the other 11 match.
-    assert model._specdec_q4_from_gguf == (11, 15)
-    fused = model.model.layers[0].self_attn.qkv_proj.dequantized_weight()
-    loaded_q = float_model.model.layers[0].self_attn.q_proj.weight
-    requantised = Q4Linear(quantize_packed(loaded_q), None, 256, 256).dequantized_weight()
-    assert torch.equal(fused[:256], requantised)
+    assert model._specdec_q4_from_gguf == (13, 15)
+    o_proj = model.model.layers[0].self_attn.o_proj.dequantized_weight()
+    loaded = float_model.model.layers[0].self_attn.o_proj.weight
+    assert torch.equal(o_proj, Q4Linear(quantize_packed(loaded), None, 256, 256).dequantized_weight())
 
 
 def test_a_gguf_table_reads_as_the_gguf_package_reads_it(qwen2_q4k_gguf):
