@@ -86,10 +86,3 @@ def ensure_converted(path: Path, dtype: torch.dtype, identity: str | None = None
             _convert(path, dtype, staging)
     return folder
 
-
-def gguf_parameter_count(path: Path) -> int:
-    """Number of weights in a .gguf file, read from its tensor table (memory-mapped, nothing dequantised)."""
-    require_gguf()
-    from gguf import GGUFReader
-
-    return sum(int(tensor.n_elements) for tensor in GGUFReader(str(path)).tensors)
