@@ -145,7 +145,10 @@ class _Table:
             return None
         (rows, width), (channels, size) = found[1], BLOCKS[found[0]]
         row_bytes = width // channels * size
-        data = np.frombuffer(self.bytes, np.uint8, rows * row_bytes, self.data_start + found[2])
+        start = self.data_start + found[2]
+        if start + rows * row_bytes > len(self.bytes):  # a file cut short
+            return None
+        data = np.frombuffer(self.bytes, np.uint8, rows * row_bytes, start)
         return data.reshape(rows, row_bytes), found[0]
 
 

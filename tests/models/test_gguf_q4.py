@@ -138,3 +138,14 @@ def test_a_gguf_table_reads_as_the_gguf_package_reads_it(qwen2_q4k_gguf):
             assert np.array_equal(found[0], blocks[tensor.name]) and found[1] == gguf_q4.Q4_K
         else:
             assert found is None
+
+
+def test_a_file_cut_short_leaves_the_cut_tensors_to_requantisation(qwen2_q4k_gguf, tmp_path):
+    path, blocks = qwen2_q4k_gguf
+    cut = tmp_path / "cut.gguf"
+    data = path.read_bytes()
+    cut.write_bytes(data[: len(data) - 1000])
+    table = gguf_q4._Table(cut)
+    last = max(table.tensors, key=lambda name: table.tensors[name][2])  # the tensor stored last: cut
+    assert table.blocks(last) is None
+    assert sum(table.blocks(name) is not None for name in blocks) == len(blocks) - (last in blocks)
