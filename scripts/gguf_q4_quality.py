@@ -7,7 +7,9 @@ For each Spec-Bench prompt (one per category) and each way, the q4 target's gree
 forward and one q4 forward over prompt + output: the first output token where bfloat16's argmax differs is where
 the two greedy outputs part (before it the contexts are the same), "identical" when it never does; over every
 output position, how often the two argmaxes agree and the mean KL(bfloat16 ‖ q4). Also each layer's weight error
-against the .gguf's own dequantised values (relative Frobenius), per tensor type in the file."""
+against the .gguf's own dequantised values (relative Frobenius), per tensor type in the file. `--output-layers`
+adds ways with the file's values and the output layer (Q6_K in the file, so q4 requantises it) at int8 per output
+channel (specdec's int8 matmul) or float32, and times a one-token forward with each head, alternating."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import torch
 from specdec_cli.engine.kv import new_cache
 from specdec_cli.models import gguf_q4, load_model
 from specdec_cli.models.calibrate import machine
+from specdec_cli.models.int8 import PerTokenInt8Linear
 from specdec_cli.session import encode_chat
 
 QUESTIONS = Path(__file__).resolve().parents[1].parent / "shared/prompts/spec_bench_questions.jsonl"
@@ -83,10 +86,26 @@ def weight_errors(model, path: Path) -> dict:
     return {kind: statistics.median(values) for kind, values in errors.items()}
 
 
+def head_costs(model, heads: dict, repeats: int = 40) -> dict:
+    """Median ms of the model's one-token forward over a 200-token cache with each output layer, in turn."""
+    cache, times = new_cache(model.config), {name: [] for name in heads}
+    with torch.inference_mode():
+        model(input_ids=torch.arange(100, 300)[None], cache=cache, use_cache=True, logits_to_keep=1)
+        for repeat in range(repeats):
+            for name in (list(heads) if repeat % 2 else list(heads)[::-1]):
+                model.lm_head = heads[name]
+                started = time.perf_counter()
+                model(input_ids=torch.tensor([[500]]), cache=cache, use_cache=True)
+                times[name].append(time.perf_counter() - started)
+                cache.crop(-1)
+    return {name: 1000 * statistics.median(values) for name, values in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=13)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--output-layers", action="store_true")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     reference = load_model(TARGET, dtype="bfloat16", progress=False)
@@ -95,11 +114,21 @@ def main() -> None:
     result = {"machine": machine(), "target": TARGET, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
               "ways": {}}
     take = gguf_q4.gguf_q4_source
-    for way in ("requantised from bfloat16", "Q4_K blocks from the .gguf"):
+    ways = ["requantised from bfloat16", "Q4_K blocks from the .gguf"]
+    if args.output_layers:
+        ways += ["Q4_K blocks, output layer int8", "Q4_K blocks, output layer float32"]
+    heads = {}
+    for way in ways:
         gguf_q4.gguf_q4_source = take if way.startswith("Q4_K") else (lambda *_: None)
         started = time.perf_counter()
         model = load_model(TARGET, dtype="bfloat16", quantization="q4", progress=False).model
         loaded = time.perf_counter() - started
+        if way.endswith("int8") or way.endswith("float32"):
+            heads.setdefault("q4", model.lm_head)
+            full = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=False)
+            full.weight.data = reference.model.lm_head.weight.data.float()
+            heads[way.rpartition(" ")[2]] = model.lm_head = (PerTokenInt8Linear.from_linear(full)
+                                                             if way.endswith("int8") else full)
         rows = [compare_outputs(reference.model, model, prompt, greedy(model, prompt, args.max_new_tokens))
                 for prompt in prompts]
         parted = [row["first_divergence"] for row in rows if row["first_divergence"] is not None]
@@ -112,6 +141,9 @@ def main() -> None:
         }
         result["ways"][way] = summary
         print(way, {key: value for key, value in summary.items() if key != "per_prompt"}, flush=True)
+        if way.endswith("float32"):
+            result["one_token_forward_ms_by_output_layer"] = costs = head_costs(model, heads)
+            print("one-token forward by output layer", costs, flush=True)
         del model
     gguf_q4.gguf_q4_source = take
     if args.json:
