@@ -51,8 +51,7 @@ def _nibbles(packed: np.ndarray) -> np.ndarray:
 def block_parts(raw: np.ndarray, kind: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A Q4_0, Q4_1 or Q4_K tensor's bytes (N, K/block · block bytes) uint8 → q4's (levels (N, K) uint8, scales
     (N, K/32) fp16, minimums (N, K/32) fp16): w = scale·level + minimum per group of 32 channels."""
-    channels, size = BLOCKS[kind]
-    rows = raw.shape[0]
+    size, rows = BLOCKS[kind][1], raw.shape[0]
     blocks = np.ascontiguousarray(raw).reshape(-1, size)  # a row's blocks in order
     if kind == Q4_K:
         from gguf.quants import Q4_K as Q4KBlocks
