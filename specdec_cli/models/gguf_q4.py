@@ -162,7 +162,10 @@ class GgufQ4Source:
         arch = {name: arch for arch, name in MODEL_ARCH_NAMES.items()}.get(self._table.architecture)
         if arch is None:
             raise ValueError(f"gguf does not know the architecture {self._table.architecture!r}")
-        self._names = get_tensor_name_map(arch, model.config.num_hidden_layers)
+        layers = getattr(model.config, "num_hidden_layers", None)  # a nested (multimodal) config has none here
+        if not isinstance(layers, int):
+            raise ValueError("the model's config does not say how many layers it has")
+        self._names = get_tensor_name_map(arch, layers)
         # What transformers does to each tensor it reads from such a file (llama: reorders q/k rows per head).
         self._processor = TENSOR_PROCESSORS.get(self._table.architecture, TensorProcessor)(config=model.config.to_dict())
         self.taken, self.refused = 0, 0

@@ -149,3 +149,12 @@ def test_a_file_cut_short_leaves_the_cut_tensors_to_requantisation(qwen2_q4k_ggu
     last = max(table.tensors, key=lambda name: table.tensors[name][2])  # the tensor stored last: cut
     assert table.blocks(last) is None
     assert sum(table.blocks(name) is not None for name in blocks) == len(blocks) - (last in blocks)
+
+
+def test_a_model_whose_config_gguf_cannot_map_has_every_layer_requantised(qwen2_q4k_gguf):
+    from types import SimpleNamespace
+
+    path, _ = qwen2_q4k_gguf
+    nested = SimpleNamespace(config=SimpleNamespace(text_config=SimpleNamespace(num_hidden_layers=2)))
+    assert gguf_q4.gguf_q4_source(path, nested) is None
+    assert gguf_q4.gguf_q4_source(None, nested) is None
