@@ -82,7 +82,7 @@ _VALUE_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12
 class _Table:
     """A little-endian GGUF file's architecture and tensor table (name → (type, shape, byte offset)), read with
     struct from a memory map. gguf.GGUFReader reads the same table but first makes a numpy view of every metadata
-    value: 12 s for the 1.5B demo file's 450,000 (its vocabulary), where skipping them takes ~0.3 s."""
+    value: 12 s for the 1.5B demo file's 450,000 (its vocabulary), where skipping them takes 0.18 s."""
 
     def __init__(self, path: Path) -> None:
         import mmap
