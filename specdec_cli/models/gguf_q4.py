@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specdec_cli.models.q4 import GROUP
+from specdec_cli.models.q4 import dequantize
 
 # gguf.GGMLQuantizationType: channels a block, bytes a block
 Q4_0, Q4_1, Q4_K = 2, 3, 12
@@ -67,12 +67,6 @@ def block_parts(raw: np.ndarray, kind: int) -> tuple[torch.Tensor, torch.Tensor,
         levels = _nibbles(blocks[:, size - 16:].reshape(-1, 1, 16))
     return (torch.from_numpy(levels.reshape(rows, -1)), torch.from_numpy(steps.astype(np.float16).reshape(rows, -1)),
             torch.from_numpy(minimums.astype(np.float16).reshape(rows, -1)))
-
-
-def dequantized(levels: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor) -> torch.Tensor:
-    """(N, K) float32 of q4's three tensors (what the matmul multiplies by)."""
-    grouped = levels.float().view(levels.shape[0], -1, GROUP)
-    return (grouped * scales.float()[..., None] + minimums.float()[..., None]).view(levels.shape[0], -1)
 
 
 # Sizes of GGUF's fixed-size metadata value types (gguf.GGUFValueType: 8 is a string, 9 an array).
@@ -168,7 +162,7 @@ class GgufQ4Source:
         self._names = get_tensor_name_map(arch, layers)
         # What transformers does to each tensor it reads from such a file (llama: reorders q/k rows per head).
         self._processor = TENSOR_PROCESSORS.get(self._table.architecture, TensorProcessor)(config=model.config.to_dict())
-        self.taken, self.refused = 0, 0
+        self.taken = 0  # layers given from the file
 
     def parts(self, module_name: str, weight: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         """q4's parts for the Linear `module_name` from the file's 4-bit blocks, rows in the order transformers
@@ -182,15 +176,14 @@ class GgufQ4Source:
         order = self._row_order(gguf_name + ".weight", raw.shape[0])
         if order is None or raw.shape != (weight.shape[0], weight.shape[1] // channels * size) or weight.shape[1] % channels:
             return None
-        sample = np.arange(0, weight.shape[0], max(1, weight.shape[0] // 64))  # ~64 rows: one out of place shows
-        loaded = weight.detach()[torch.from_numpy(sample)].float()
-        error = torch.linalg.norm(dequantized(*block_parts(raw[order[sample]], kind)) - loaded)
+        parts = block_parts(raw if np.array_equal(order, np.arange(len(order))) else raw[order], kind)
+        sample = slice(None, None, max(1, weight.shape[0] // 64))  # ~64 rows: one out of place shows
+        loaded = weight.detach()[sample].float()
+        error = torch.linalg.norm(dequantize(*(part[sample] for part in parts)) - loaded)
         if not error <= MATCH * torch.linalg.norm(loaded):  # NaN too
-            self.refused += 1
             return None
         self.taken += 1
-        in_order = np.array_equal(order, np.arange(len(order)))
-        return block_parts(raw if in_order else raw[order], kind)
+        return parts
 
     def _row_order(self, gguf_name: str, rows: int) -> np.ndarray | None:
         """Which row of the file each loaded row is: transformers' own processing applied to a column of row

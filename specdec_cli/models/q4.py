@@ -42,6 +42,12 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     return levels.clamp_(0, LEVELS).to(torch.uint8).view(rows, -1), scales, minimums
 
 
+def dequantize(levels: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor) -> torch.Tensor:
+    """(N, groups*32) float32 of `quantize_weight`'s three tensors: scale·level + minimum per group."""
+    grouped = levels.float().view(levels.shape[0], -1, GROUP)
+    return (grouped * scales.float()[..., None] + minimums.float()[..., None]).view(levels.shape[0], -1)
+
+
 def pack(levels: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor) -> torch.Tensor:
     """The kernel's layout (ceil(N/16) blocks, groups, 320) uint8 of `quantize_weight`'s three tensors."""
     rows, width = levels.shape
@@ -154,10 +160,7 @@ class Q4Linear(torch.nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:
         """(N, K) float32: the weight this layer multiplies by."""
-        levels, scales, minimums = unpack(self.packed_weight, self.out_features)
-        grouped = levels.float().view(self.out_features, -1, GROUP)
-        weight = grouped * scales.float()[..., None] + minimums.float()[..., None]
-        return weight.view(self.out_features, -1)[:, :self.in_features]
+        return dequantize(*unpack(self.packed_weight, self.out_features))[:, :self.in_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -172,8 +175,8 @@ class Q4Linear(torch.nn.Module):
 
 def quantize_q4(model: torch.nn.Module, gguf_path=None) -> torch.nn.Module:
     """Every nn.Linear (the output layer too) to `Q4Linear`, in place (int8.replace_linears). With the `.gguf` file
-    the model was loaded from, a layer that is Q4_K there keeps the file's 4-bit values (gguf_q4.py); the count of
-    such layers goes to `model._specdec_q4_from_gguf` (taken, of all linears)."""
+    the model was loaded from, a layer that is Q4_0, Q4_1 or Q4_K there keeps the file's 4-bit values (gguf_q4.py);
+    the count of such layers goes to `model._specdec_q4_from_gguf` (taken, of all linears)."""
     from specdec_cli.models.gguf_q4 import gguf_q4_source
     from specdec_cli.models.int8 import replace_linears
 

@@ -179,7 +179,7 @@ def quantize(model: torch.nn.Module, quantization: str | None, exact_rows: bool 
     compute attention row by row, so a k-token forward gives k one-token forwards' logits bit for bit — what
     a target needs for speculation to reproduce it; a draft does not (the target checks every draft token),
     and row-wise attention makes its multi-token catch-up forwards dearer (int8 0.5B, 8 tokens: 78 vs 55 ms).
-    gguf_path: the `.gguf` the model was loaded from, whose Q4_K layers q4 then takes as they are (gguf_q4.py)."""
+    gguf_path: the `.gguf` the model was loaded from, whose 4-bit layers q4 then takes as they are (gguf_q4.py)."""
     name = canonical(quantization)
     if name == "int8":
         return quantize_int8_dynamic(model, exact_rows)

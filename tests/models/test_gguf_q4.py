@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specdec_cli.models import gguf_q4, load_model
-from specdec_cli.models.q4 import Q4Linear, quantize_packed
+from specdec_cli.models.q4 import Q4Linear, dequantize, quantize_packed
 from tests.tiny import build_4bit_gguf, random_blocks
 
 pytest.importorskip("gguf")
@@ -37,7 +37,7 @@ def test_q4_0_and_q4_1_blocks_become_q4_with_the_files_weights_bit_for_bit(kind)
     raw = random_blocks(kind, 48, 768, np.random.default_rng(3))
     levels, scales, minimums = gguf_q4.block_parts(raw, TYPES[kind])
     assert levels.shape == (48, 768) and scales.shape == minimums.shape == (48, 24) and int(levels.max()) <= 15
-    assert torch.equal(gguf_q4.dequantized(levels, scales, minimums), _file_weight(raw, kind))
+    assert torch.equal(dequantize(levels, scales, minimums), _file_weight(raw, kind))
 
 
 def test_q4_k_blocks_become_q4_with_the_files_weights_within_float16_rounding():
@@ -45,7 +45,7 @@ def test_q4_k_blocks_become_q4_with_the_files_weights_within_float16_rounding():
     levels, scales, minimums = gguf_q4.block_parts(raw, gguf_q4.Q4_K)
     assert levels.shape == (48, 768) and scales.shape == minimums.shape == (48, 24) and int(levels.max()) <= 15
     reference = _file_weight(raw, "Q4_K")
-    assert _within_float16_rounding(gguf_q4.dequantized(levels, scales, minimums), scales, minimums, reference)
+    assert _within_float16_rounding(dequantize(levels, scales, minimums), scales, minimums, reference)
     # Requantising the same weights (what q4 did with a .gguf before) moves them by up to half a step: far more.
     requantised = Q4Linear(quantize_packed(reference), None, 768, 48).dequantized_weight()
     assert not _within_float16_rounding(requantised, scales, minimums, reference)
