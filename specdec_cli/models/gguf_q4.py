@@ -8,9 +8,11 @@ exactly what q4 holds: 4-bit levels q with w = step·q + minimum —
 - Q4_1: step d and minimum m in float16, q4's own layout: the same weights, bit for bit;
 - Q4_0: w = d·(q − 8): step d, minimum −8·d, both exact in float16: the same weights, bit for bit;
 - Q4_K (256 channels a block): w = d·sc·q − dmin·m (d, dmin float16 per block; sc, m 6-bit per sub-block of 32):
-  step d·sc and minimum −dmin·m, each rounded to float16 once, so a weight moves by at most 2⁻¹¹ of
-  (15·step + |minimum|) (measured on the demo target: 0.06% against the requantisation's 4.2%).
-The matmul is q4's own, so speed is unchanged.
+  kept as they are in q4's layout 1 (q4.Q4KLinear), whose kernel makes the step d·sc and minimum −dmin·m per
+  group, each an exact float32 product: the same weights, bit for bit, in 7.5% fewer bytes than layout 0. (Until
+  2026-12-05 they went to layout 0, step and minimum rounded to float16: a weight off by up to 2⁻¹¹ of
+  (15·step + |minimum|), 0.06% on the demo target, where the requantisation before that was 4.2%.)
+The matmul is q4's own.
 
 Rows go in the order transformers loads them (llama's q/k rows are stored per head in another order: transformers'
 own processing of the file's tensor, applied to a column of row numbers, says which). Safe by construction: each
@@ -28,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specdec_cli.models.q4 import dequantize
+from specdec_cli.models.q4 import Q4KLinear, Q4Linear, dequantize, k_steps
 
 # gguf.GGMLQuantizationType: channels a block, bytes a block
 Q4_0, Q4_1, Q4_K = 2, 3, 12
@@ -48,25 +50,33 @@ def _nibbles(packed: np.ndarray) -> np.ndarray:
     return (shifted & np.uint8(0x0F)).reshape(len(packed), -1)
 
 
-def block_parts(raw: np.ndarray, kind: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A Q4_0, Q4_1 or Q4_K tensor's bytes (N, K/block · block bytes) uint8 → q4's (levels (N, K) uint8, scales
-    (N, K/32) fp16, minimums (N, K/32) fp16): w = scale·level + minimum per group of 32 channels."""
+def block_parts(raw: np.ndarray, kind: int) -> tuple[torch.Tensor, ...]:
+    """A 4-bit tensor's bytes (N, K/block · block bytes) uint8 → its q4 layer's parts: Q4_0 and Q4_1 layout 0's
+    (levels (N, K) uint8, scales and minimums (N, K/32) fp16; w = scale·level + minimum per group of 32), Q4_K
+    layout 1's (levels, sc and m (N, K/32) uint8 0..63, d and dmin (N, K/256) fp16; w = d·sc·level − dmin·m)."""
     size, rows = BLOCKS[kind][1], raw.shape[0]
     blocks = np.ascontiguousarray(raw).reshape(-1, size)  # a row's blocks in order
     if kind == Q4_K:
         from gguf.quants import Q4_K as Q4KBlocks
 
         sub_scales, sub_minimums = Q4KBlocks.get_scale_min(blocks[:, 4:16])  # (B, 8) each, 0..63
-        # d·sc and dmin·m are exact in float32 (11 and 6 significant bits); float16 then rounds them once.
-        steps = _halves(blocks, 0) * sub_scales.astype(np.float32)
-        minimums = -(_halves(blocks, 2) * sub_minimums.astype(np.float32))
         levels = _nibbles(blocks[:, 16:].reshape(-1, 4, 32))  # sub-block 2c in run c's low nibbles, 2c+1 high
-    else:
-        steps = _halves(blocks, 0)
-        minimums = -8.0 * steps if kind == Q4_0 else _halves(blocks, 2)
-        levels = _nibbles(blocks[:, size - 16:].reshape(-1, 1, 16))
+        per_row = (levels, sub_scales.astype(np.uint8), sub_minimums.astype(np.uint8),
+                   blocks[:, 0:2].copy().view(np.float16), blocks[:, 2:4].copy().view(np.float16))
+        return tuple(torch.from_numpy(np.ascontiguousarray(part).reshape(rows, -1)) for part in per_row)
+    steps = _halves(blocks, 0)
+    minimums = -8.0 * steps if kind == Q4_0 else _halves(blocks, 2)
+    levels = _nibbles(blocks[:, size - 16:].reshape(-1, 1, 16))
     return (torch.from_numpy(levels.reshape(rows, -1)), torch.from_numpy(steps.astype(np.float16).reshape(rows, -1)),
             torch.from_numpy(minimums.astype(np.float16).reshape(rows, -1)))
+
+
+def parts_weight(parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """(N, K) float32: the weights `block_parts`'s parts (either kind) hold."""
+    if len(parts) == 3:
+        return dequantize(*parts)
+    levels, *scales = parts
+    return dequantize(levels, *k_steps(*scales))
 
 
 # Sizes of GGUF's fixed-size metadata value types (gguf.GGUFValueType: 8 is a string, 9 an array).
@@ -164,8 +174,18 @@ class GgufQ4Source:
         self._processor = TENSOR_PROCESSORS.get(self._table.architecture, TensorProcessor)(config=model.config.to_dict())
         self.taken = 0  # layers given from the file
 
+    def layer(self, module_name: str, linear: torch.nn.Linear) -> Q4Linear | None:
+        """The q4 layer for the Linear `module_name` made of the file's 4-bit blocks (a Q4KLinear for Q4_K), or
+        None (see `parts`)."""
+        parts = self.parts(module_name, linear.weight)
+        if parts is None:
+            return None
+        if len(parts) == 3:
+            return Q4Linear.from_parts(*parts, linear.bias, linear.in_features)
+        return Q4KLinear.from_k_parts(*parts, linear.bias, linear.in_features)
+
     def parts(self, module_name: str, weight: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-        """q4's parts for the Linear `module_name` from the file's 4-bit blocks, rows in the order transformers
+        """`block_parts` for the Linear `module_name` from the file's 4-bit blocks, rows in the order transformers
         loaded them, or None (not Q4_0/Q4_1/Q4_K there, transformers changes more than the rows' order, or the
         values do not match `weight`, the loaded one, on a sample of rows)."""
         gguf_name = self._names.get_name(module_name)
@@ -179,7 +199,7 @@ class GgufQ4Source:
         parts = block_parts(raw if np.array_equal(order, np.arange(len(order))) else raw[order], kind)
         sample = slice(None, None, max(1, weight.shape[0] // 64))  # ~64 rows: one out of place shows
         loaded = weight.detach()[sample].float()
-        error = torch.linalg.norm(dequantize(*(part[sample] for part in parts)) - loaded)
+        error = torch.linalg.norm(parts_weight(tuple(part[sample] for part in parts)) - loaded)
         if not error <= MATCH * torch.linalg.norm(loaded):  # NaN too
             return None
         self.taken += 1

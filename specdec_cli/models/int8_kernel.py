@@ -105,7 +105,8 @@ def _declare(library: ctypes.CDLL) -> None:
     library.specdec_q8_groups.restype = None
     library.specdec_q8_groups.argtypes = [integer, pointer, size, size, size, pointer, pointer, pointer]
     library.specdec_q4_linear.restype = integer
-    library.specdec_q4_linear.argtypes = [integer, integer, pointer, size, size, size, pointer, pointer, size, pointer]
+    library.specdec_q4_linear.argtypes = [integer, integer, integer, pointer, size, size, size, pointer, pointer, size,
+                                          pointer]
     # Load time: quantising and packing weights, picking a q4 layer's rows.
     library.specdec_int8_quantize.restype = None
     library.specdec_int8_quantize.argtypes = [integer, pointer, integer, size, size, size, pointer, pointer]

@@ -23,7 +23,7 @@
 int specdec_int8_linear(int isa, int threads, const float *x, int64_t M, int64_t K, int64_t K4, int limit,
                         const int8_t *w_packed, const int32_t *row_sums, const float *weight_scales,
                         const float *bias, int64_t N, float *y);
-int specdec_q4_linear(int isa, int threads, const float *x, int64_t M, int64_t K, int64_t groups,
+int specdec_q4_linear(int isa, int layout, int threads, const float *x, int64_t M, int64_t K, int64_t groups,
                       const uint8_t *w_packed, const float *bias, int64_t N, float *y);
 
 /* RMSNorm of x (M, K) float32 into y: y = x / sqrt(mean(x²) + eps) · weight, each row on its own, in one
@@ -241,8 +241,9 @@ typedef struct {
 } specdec_linear;
 
 static int linear(int isa, int threads, const specdec_linear *l, const float *x, int64_t M, float *y) {
-    if (l->kind == 2)
-        return specdec_q4_linear(isa, threads, x, M, l->in_features, l->width, l->packed, l->bias, l->out_features, y);
+    if (l->kind == 2 || l->kind == 3)
+        return specdec_q4_linear(isa, l->kind == 3, threads, x, M, l->in_features, l->width, l->packed, l->bias,
+                                 l->out_features, y);
     return specdec_int8_linear(isa, threads, x, M, l->in_features, l->width, (int)l->limit, l->packed, l->row_sums,
                                l->scales, l->bias, l->out_features, y);
 }

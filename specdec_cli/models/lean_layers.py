@@ -36,7 +36,7 @@ import types
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from specdec_cli.models import int8_kernel
+from specdec_cli.models import int8_kernel, q4
 from specdec_cli.models.int8 import PerTokenInt8Linear
 from specdec_cli.models.q4 import Q4Linear
 from specdec_cli.models.rowwise_attention import attend_rows
@@ -48,14 +48,19 @@ STACK_CLASSES = ("LlamaModel", "Qwen2Model")  # their forward: embed, mask, rota
 def _fused(layers: list[torch.nn.Module]) -> torch.nn.Module:
     """One layer whose output rows are `layers`' rows side by side, computed the same way."""
     if all(isinstance(layer, Q4Linear) for layer in layers):
-        from specdec_cli.models.q4 import ROWS, unpack
+        from specdec_cli.models.q4 import ROWS, Q4KLinear
 
-        if all(layer.out_features % ROWS == 0 for layer in layers):  # whole blocks of rows: the same bytes, joined
-            packed = torch.cat([layer.packed_weight for layer in layers])
-            return Q4Linear(packed, _fused_bias(layers), layers[0].in_features, sum(l.out_features for l in layers))
-        parts = [unpack(layer.packed_weight, layer.out_features) for layer in layers]
-        levels, scales, minimums = (torch.cat(tensors) for tensors in zip(*parts))
-        return Q4Linear.from_parts(levels, scales, minimums, _fused_bias(layers), layers[0].in_features)
+        kind, bias, width = type(layers[0]), _fused_bias(layers), layers[0].in_features
+        if all(type(layer) is kind for layer in layers):
+            if all(layer.out_features % ROWS == 0 for layer in layers):  # whole blocks of rows: the bytes, joined
+                packed = torch.cat([layer.packed_weight for layer in layers])
+                return kind(packed, bias, width, sum(layer.out_features for layer in layers))
+            if kind is Q4KLinear:
+                parts = (torch.cat(tensors) for tensors in zip(*(layer.k_parts() for layer in layers)))
+                return Q4KLinear.from_k_parts(*parts, bias, width)
+        # Layout 0 for all (a .gguf's Q4_K q and k beside its Q6_K v: their steps rounded to float16)
+        parts = (torch.cat(tensors) for tensors in zip(*(layer.q4_parts() for layer in layers)))
+        return Q4Linear.from_parts(*parts, bias, width)
     weight = torch.cat([layer.int8_weight() for layer in layers])
     scales = torch.cat([layer.weight_scales for layer in layers])
     return PerTokenInt8Linear(weight, scales, _fused_bias(layers), layers[0].bits)
@@ -73,7 +78,7 @@ def _takes(layer: torch.nn.Module) -> bool:
     attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     projections = [getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj")]
     projections += [getattr(mlp, name, None) for name in ("gate_proj", "up_proj")]
-    kinds = {type(projection) for projection in projections}
+    kinds = {Q4Linear if isinstance(projection, Q4Linear) else type(projection) for projection in projections}
     return (len(kinds) == 1 and kinds <= {Q4Linear, PerTokenInt8Linear}
             and getattr(mlp.act_fn, "__class__", None).__name__ in ("SiLU", "SiLUActivation")
             and type(layer.input_layernorm).__name__.endswith("RMSNorm"))
@@ -147,7 +152,9 @@ def _described(layer: torch.nn.Module) -> CLinear | None:
     bias = None if layer.bias is None else layer.bias.data_ptr()
     if isinstance(layer, Q4Linear):
         packed = layer.packed_weight
-        return CLinear(2, layer.in_features, layer.out_features, packed.shape[1], 0, packed.data_ptr(), None, None, bias)
+        groups = packed.shape[1] * (q4.SUPER_GROUPS if layer.layout else 1)
+        return CLinear(2 + layer.layout, layer.in_features, layer.out_features, groups, 0, packed.data_ptr(), None,
+                       None, bias)
     if isinstance(layer, PerTokenInt8Linear) and layer.own_kernel:
         packed = layer.packed_weight
         return CLinear(1, layer.in_features, layer.out_features, packed.shape[1], 2 ** (layer.bits - 1) - 1,

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from specdec_cli.engine.kv import CachedModel
 from specdec_cli.models import gguf_q4, load_model
-from specdec_cli.models.q4 import Q4Linear, dequantize, quantize_packed
+from specdec_cli.models.q4 import Q4KLinear, Q4Linear, dequantize, quantize_packed
 from tests.tiny import build_4bit_gguf, random_blocks
 
 pytest.importorskip("gguf")
@@ -40,15 +41,24 @@ def test_q4_0_and_q4_1_blocks_become_q4_with_the_files_weights_bit_for_bit(kind)
     assert torch.equal(dequantize(levels, scales, minimums), _file_weight(raw, kind))
 
 
-def test_q4_k_blocks_become_q4_with_the_files_weights_within_float16_rounding():
+def test_q4_k_blocks_become_a_q4k_layer_with_the_files_weights_bit_for_bit():
     raw = random_blocks("Q4_K", 48, 768, np.random.default_rng(3))
-    levels, scales, minimums = gguf_q4.block_parts(raw, gguf_q4.Q4_K)
-    assert levels.shape == (48, 768) and scales.shape == minimums.shape == (48, 24) and int(levels.max()) <= 15
+    parts = gguf_q4.block_parts(raw, gguf_q4.Q4_K)
+    levels, sub_scales, sub_minimums, d, dmin = parts
+    assert levels.shape == (48, 768) and sub_scales.shape == sub_minimums.shape == (48, 24)
+    assert d.shape == dmin.shape == (48, 3) and int(levels.max()) <= 15 and int(sub_scales.max()) <= 63
+    layer = Q4KLinear.from_k_parts(*parts, None, 768)
     reference = _file_weight(raw, "Q4_K")
-    assert _within_float16_rounding(dequantize(levels, scales, minimums), scales, minimums, reference)
-    # Requantising the same weights (what q4 did with a .gguf before) moves them by up to half a step: far more.
+    assert torch.equal(layer.dequantized_weight(), reference)
+    # Layout 0 of the same (how q4 held a Q4_K layer until 2026-12-05, and still holds one fused with other
+    # layout-0 rows): each step and minimum rounded to float16, within that rounding but not exact.
+    held = layer.q4_parts()
+    as_layout_0 = dequantize(*held)
+    assert _within_float16_rounding(as_layout_0, held[1], held[2], reference)
+    assert not torch.equal(as_layout_0, reference)
+    # Requantising the same weights (what q4 did with a .gguf before that) moves them by up to half a step: far more.
     requantised = Q4Linear(quantize_packed(reference), None, 768, 48).dequantized_weight()
-    assert not _within_float16_rounding(requantised, scales, minimums, reference)
+    assert not _within_float16_rounding(requantised, held[1], held[2], reference)
 
 
 @pytest.fixture(scope="module")
@@ -69,11 +79,33 @@ def test_a_q4_k_gguf_runs_on_its_own_4_bit_values(qwen2_q4k_gguf):
                                ("blk.1.ffn_up.weight", layer.mlp.gate_up_proj, slice(512, None)),  # fused after gate
                                ("blk.1.attn_k.weight", layer.self_attn.qkv_proj, slice(256, 384)),
                                ("output.weight", model.lm_head, slice(None))):
-        _, scales, minimums = gguf_q4.block_parts(blocks[name], gguf_q4.Q4_K)
-        ours = module.dequantized_weight()[rows]
-        assert _within_float16_rounding(ours, scales, minimums, _file_weight(blocks[name], "Q4_K")), name
+        assert type(module) is Q4KLinear, name
+        assert torch.equal(module.dequantized_weight()[rows], _file_weight(blocks[name], "Q4_K")), name
     logits = model(input_ids=torch.tensor([[5, 6, 7]])).logits
     assert torch.isfinite(logits).all()
+
+
+def test_a_q4_k_model_verifies_what_it_decodes_token_by_token_bit_for_bit_in_one_call_or_layer_by_layer(
+        qwen2_q4k_gguf):
+    path, _ = qwen2_q4k_gguf
+    stacked, layered = (load_model(str(path), quantization="q4", progress=False).model for _ in range(2))
+    del layered.model.forward  # transformers' forward: the lean layers one C call at a time, not the stack's one
+    ids = [(11 * i + 5) % 90 + 3 for i in range(40)]
+    results = []
+    for model in (stacked, layered):
+        verify, decode = CachedModel(model), CachedModel(model)
+        verify.extend(ids[:30], 1)
+        decode.extend(ids[:30], 1)
+        verified = verify.extend(ids, 10)
+        decoded = torch.cat([decode.extend(ids[:n], 1) for n in range(31, 41)])
+        assert torch.equal(verified, decoded)
+        results.append(verified)
+    assert torch.equal(*results)
+    # and what they compute is the file's model: the float one (its weights through bfloat16) up to the int8
+    # activations' rounding (~1e-2; a layout read wrongly gives ~1)
+    float_model = load_model(str(path), progress=False).model
+    expected = float_model(input_ids=torch.tensor([ids])).logits[0, 30:].float()
+    assert torch.linalg.norm(results[0] - expected) <= 5e-2 * torch.linalg.norm(expected)
 
 
 def test_a_q4_0_gguf_runs_on_the_files_weights_bit_for_bit(tmp_path):
@@ -98,8 +130,7 @@ def test_a_llama_files_q_and_k_rows_go_where_transformers_puts_them(tmp_path):
         per_head = 256 // 4 // 2 if heads == 4 else 128 // 2 // 2
         order = np.arange(fused[rows].shape[0]).reshape(heads, per_head, 2).swapaxes(1, 2).reshape(-1)
         file_rows = _file_weight(blocks[name], "Q4_K")[torch.from_numpy(order)]
-        _, scales, minimums = gguf_q4.block_parts(blocks[name][order], gguf_q4.Q4_K)
-        assert _within_float16_rounding(fused[rows], scales, minimums, file_rows), name
+        assert torch.equal(fused[rows], file_rows), name
         loaded = getattr(float_model.model.layers[0].self_attn, module).weight.float()
         assert torch.linalg.norm(fused[rows] - loaded) <= 1e-2 * torch.linalg.norm(loaded)
 

@@ -1,7 +1,8 @@
 """specdec's q4 matmul (q4_gemm.c, the `q4` format): the numbers of its definition (4-bit weights with a
 scale and minimum per 32, int8 activations per 32) up to float rounding; each token's output bit for bit
 the same whatever else is in the call, on both code paths, which agree bit for bit; the layout kept
-exactly; and one line saying what to use instead where it cannot run."""
+exactly; and one line saying what to use instead where it cannot run. Each for both layouts: q4's own
+(Q4Linear) and a .gguf's Q4_K blocks as they are (Q4KLinear: d·sc and −dmin·m made in the kernel)."""
 
 import copy
 import os
@@ -11,7 +12,7 @@ import torch
 
 from specdec_cli.errors import ModelLoadError
 from specdec_cli.models import int8_kernel, q4
-from specdec_cli.models.q4 import Q4Linear
+from specdec_cli.models.q4 import Q4KLinear, Q4Linear
 from specdec_cli.models.quant import check_quantization, linear_bytes
 
 # In CI these run even where the kernel does not build, and fail: CI's machine must build it.
@@ -21,6 +22,37 @@ needs_kernel = pytest.mark.skipif(q4.kernel_problem() is not None and not os.env
 # past one 32-group chunk of the many-token path.
 SHAPES = [(37, 18), (64, 100), (200, 131), (8, 7), (48, 1100)]
 TOKEN_COUNTS = [1, 2, 3, 4, 5, 8, 9, 17]
+# Layout 1's widths are whole Q4_K superblocks of 256; 1280 channels = 40 groups, past one 32-group chunk.
+K_SHAPES = [(256, 37), (768, 200), (512, 8), (1280, 48)]
+LAYOUTS = ["q4", "q4k"]
+
+
+def _q4k_layer(in_features: int, out_features: int, bias: bool = False, seed: int = 0) -> Q4KLinear:
+    """A layer of random Q4_K parts: levels 0..15, sc and m 0..63, d and dmin of a trained layer's size."""
+    generator = torch.Generator().manual_seed(seed)
+    groups, supers = in_features // 32, in_features // 256
+
+    def bytes_(shape, top):
+        return torch.randint(0, top, shape, generator=generator, dtype=torch.uint8)
+
+    d, dmin = ((torch.rand(out_features, supers, generator=generator) * 2e-3).half() for _ in range(2))
+    return Q4KLinear.from_k_parts(bytes_((out_features, in_features), 16), bytes_((out_features, groups), 64),
+                                  bytes_((out_features, groups), 64), d, dmin,
+                                  torch.randn(out_features, generator=generator) if bias else None, in_features)
+
+
+def _layer(layout: str, in_features: int, out_features: int, bias: bool = False, seed: int = 0) -> Q4Linear:
+    if layout == "q4k":
+        return _q4k_layer(in_features, out_features, bias, seed)
+    torch.manual_seed(seed)
+    return Q4Linear.from_linear(torch.nn.Linear(in_features, out_features, bias=bias))
+
+
+def _shapes(layout: str) -> list[tuple[int, int]]:
+    return K_SHAPES if layout == "q4k" else SHAPES
+
+
+LAYOUT_SHAPES = [(layout, *shape) for layout in LAYOUTS for shape in _shapes(layout)]
 
 
 @pytest.fixture(params=["vnni", "avx2"])
@@ -55,10 +87,9 @@ def _inputs(tokens: int, width: int) -> torch.Tensor:
 
 @needs_kernel
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize(("in_features", "out_features"), SHAPES)
-def test_the_kernel_computes_its_definition(code_path, in_features, out_features, bias):
-    torch.manual_seed(in_features * out_features)
-    layer = Q4Linear.from_linear(torch.nn.Linear(in_features, out_features, bias=bias))
+@pytest.mark.parametrize(("layout", "in_features", "out_features"), LAYOUT_SHAPES)
+def test_the_kernel_computes_its_definition(code_path, layout, in_features, out_features, bias):
+    layer = _layer(layout, in_features, out_features, bias, seed=in_features * out_features)
     for tokens in TOKEN_COUNTS:
         x = _inputs(tokens, in_features)
         reference = _reference(layer, x)
@@ -67,10 +98,9 @@ def test_the_kernel_computes_its_definition(code_path, in_features, out_features
 
 
 @needs_kernel
-@pytest.mark.parametrize(("in_features", "out_features"), SHAPES)
-def test_a_tokens_output_does_not_depend_on_the_others(code_path, in_features, out_features):
-    torch.manual_seed(5)
-    layer = Q4Linear.from_linear(torch.nn.Linear(in_features, out_features))
+@pytest.mark.parametrize(("layout", "in_features", "out_features"), LAYOUT_SHAPES)
+def test_a_tokens_output_does_not_depend_on_the_others(code_path, layout, in_features, out_features):
+    layer = _layer(layout, in_features, out_features, seed=5)
     x = _inputs(40, in_features)  # 5 tiles of 8 tokens: the many-token path
     together = layer(x)
     for tokens in TOKEN_COUNTS:
@@ -79,13 +109,13 @@ def test_a_tokens_output_does_not_depend_on_the_others(code_path, in_features, o
 
 
 @needs_kernel
-def test_the_vnni_and_avx2_code_agree_bit_for_bit(monkeypatch):
+@pytest.mark.parametrize(("layout", "width"), [("q4", 1100), ("q4k", 1280)])
+def test_the_vnni_and_avx2_code_agree_bit_for_bit(monkeypatch, layout, width):
     library, isa, _ = int8_kernel._library()
     if isa != 2:
         pytest.skip("this CPU has no AVX512-VNNI")
-    torch.manual_seed(11)
-    layer = Q4Linear.from_linear(torch.nn.Linear(1100, 70))
-    x = _inputs(17, 1100)
+    layer = _layer(layout, width, 70, bias=True, seed=11)
+    x = _inputs(17, width)
     on_vnni = [layer(x[:tokens]) for tokens in TOKEN_COUNTS]
     monkeypatch.setattr(int8_kernel, "_library", lambda: (library, 1, None))
     assert all(torch.equal(layer(x[:tokens]), out) for tokens, out in zip(TOKEN_COUNTS, on_vnni))
@@ -110,6 +140,21 @@ def test_packing_keeps_every_value_and_the_byte_count_is_exact(rows, width):
     for kept, taken in zip(q4.unpack(packed, rows), (levels, scales, minimums)):
         assert torch.equal(kept, taken)
     assert packed.numel() == q4.packed_bytes(rows, width) == linear_bytes("q4", width, rows, torch.float32)
+
+
+@pytest.mark.parametrize(("width", "rows"), K_SHAPES)
+def test_layout_1_keeps_every_part_and_reads_7_5_percent_fewer_bytes(width, rows):
+    layer = _q4k_layer(width, rows, seed=rows)
+    levels, sub_scales, sub_minimums, d, dmin = parts = layer.k_parts()
+    assert levels.shape == (rows, width) and sub_scales.shape == (rows, width // 32) and d.shape == (rows, width // 256)
+    assert torch.equal(q4.pack_k(*parts), layer.packed_weight)
+    padded = -(-rows // 16) * 16
+    assert layer.packed_weight.numel() == padded * width * 37 // 64 == q4.packed_bytes(rows, width) * 37 // 40
+    # the weights: step d·sc and minimum −dmin·m, per group of 32
+    steps = d.float().repeat_interleave(8, dim=1) * sub_scales.float()
+    minimums = -dmin.float().repeat_interleave(8, dim=1) * sub_minimums.float()
+    expected = levels.float().view(rows, -1, 32) * steps[..., None] + minimums[..., None]
+    assert torch.equal(layer.dequantized_weight(), expected.view(rows, width))
 
 
 def _awkward_weight(rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -151,6 +196,35 @@ def test_fused_layers_hold_the_same_bytes_and_give_each_layers_rows(rows):
     assert torch.equal(fused(x), torch.cat([part(x) for part in parts], dim=1))
 
 
+@needs_kernel
+@pytest.mark.parametrize("rows", [(32, 48, 16), (37, 16, 21)], ids=["whole blocks", "ragged"])
+def test_fused_q4k_layers_stay_q4k_and_give_each_layers_rows(rows):
+    from specdec_cli.models.lean_layers import _fused
+
+    parts = [_q4k_layer(256, count, bias=index == 1, seed=index) for index, count in enumerate(rows)]
+    fused = _fused(parts)
+    assert type(fused) is Q4KLinear and fused.out_features == sum(rows)
+    together = [torch.cat(tensors) for tensors in zip(*(part.k_parts() for part in parts))]
+    assert all(torch.equal(kept, joined) for kept, joined in zip(fused.k_parts(), together))
+    x = torch.randn(3, 256)
+    assert torch.equal(fused(x), torch.cat([part(x) for part in parts], dim=1))
+
+
+@needs_kernel
+def test_q4k_rows_fused_with_layout_0_rows_go_to_layout_0_steps_rounded_to_float16():
+    """A .gguf's Q4_K q and k beside its Q6_K v (requantised to layout 0): one layer in layout 0."""
+    from specdec_cli.models.lean_layers import _fused
+
+    q, v = _q4k_layer(256, 32, seed=1), _layer("q4", 256, 16, seed=2)
+    fused = _fused([q, v])
+    assert type(fused) is Q4Linear and fused.out_features == 48
+    levels, scales, minimums = q4.unpack(fused.packed_weight, 48)
+    q_steps = q4.k_steps(*q.k_parts()[1:])
+    assert torch.equal(levels[:32], q.k_parts()[0]) and torch.equal(scales[:32], q_steps[0].half())
+    assert torch.equal(minimums[:32], q_steps[1].half())
+    assert torch.equal(fused.dequantized_weight()[32:], v.dequantized_weight())
+
+
 def test_each_weight_is_within_half_a_step_of_the_float_one():
     torch.manual_seed(2)
     linear = torch.nn.Linear(100, 24)
@@ -162,12 +236,16 @@ def test_each_weight_is_within_half_a_step_of_the_float_one():
 
 
 @needs_kernel
-def test_selected_rows_score_what_the_whole_layer_scores():
-    torch.manual_seed(4)
-    layer = Q4Linear.from_linear(torch.nn.Linear(96, 50))
+@pytest.mark.parametrize(("layout", "width"), [("q4", 96), ("q4k", 512)])
+def test_selected_rows_score_what_the_whole_layer_scores(layout, width):
+    layer = _layer(layout, width, 50, bias=True, seed=4)
     rows = torch.tensor([49, 3, 17, 0, 33])
-    x = torch.randn(3, 96)
-    assert torch.equal(layer.select_rows(rows)(x), layer(x)[:, rows])
+    x = torch.randn(3, width)
+    chosen = layer.select_rows(rows)
+    assert type(chosen) is type(layer) and torch.equal(chosen(x), layer(x)[:, rows])
+    for outside in (50, -1):
+        with pytest.raises(IndexError):
+            layer.select_rows(torch.tensor([0, outside]))
 
 
 @needs_kernel
