@@ -107,17 +107,18 @@ class Benchmark:
         return self._run_engine(config, decoder, prompt_ids, max_new_tokens)
 
     def _run_engine(self, config: Configuration, decoder, prompt_ids: list[int], max_new_tokens: int) -> Run:
-        stats, tokens, first, finish_reason = GenerationStats(), [], None, "length"
+        stats, tokens, first, first_seconds, finish_reason = GenerationStats(), [], None, 0.0, "length"
         self._probe.start()
         started = time.perf_counter()
         for event in decoder.stream(prompt_ids, self.settings.params, max_new_tokens):
+            if first is None:
+                first, first_seconds = event, time.perf_counter() - started
             tokens += event.tokens
             stats.add_step(event)
             self._probe.sample()
-            first = first or event
             finish_reason = event.finish_reason or finish_reason
         stats.seconds = time.perf_counter() - started
-        return Run.from_stats(config.name, tokens, stats, finish_reason, self._probe.peak(), first)
+        return Run.from_stats(config.name, tokens, stats, finish_reason, self._probe.peak(), first, first_seconds)
 
     def _run_hf(self, config: Configuration, prompt_ids: list[int], max_new_tokens: int, counter: ForwardCounter) -> Run:
         assistant = self.loaded[config.assistant] if config.kind == HF_ASSISTED else None

@@ -28,7 +28,8 @@ def _measurement_cells(row: dict) -> list[str]:
     identical = "–" if row["identical"] is None else f"{row['identical']}/{row['compared']}"
     return [
         escape(row["configuration"]), _fixed(row["tokens_per_second"]), _fixed(row["median_tokens_per_second"]),
-        *_speedup(row), _fixed(row["acceptance_rate"], "{:.2f}"), _fixed(row["tokens_per_step"], "{:.2f}"),
+        *_speedup(row), _fixed(row["first_step_seconds"], "{:.2f}"), _fixed(row["decode_tokens_per_second"]),
+        _fixed(row["decode_speedup"], "×{:.2f}"), _fixed(row["acceptance_rate"], "{:.2f}"), _fixed(row["tokens_per_step"], "{:.2f}"),
         "–" if row["acceptance_rate"] is None else at, _fixed(row["draft_share"], "{:.0%}"),
         f"{row['memory_bytes'] / 2**20:,.0f}", identical,
     ]
@@ -36,7 +37,8 @@ def _measurement_cells(row: dict) -> list[str]:
 
 def measurement_table(benchmark: Benchmark, by_category: bool) -> Table:
     table = Table(
-        "configuration", "tok/s", "median tok/s", "speedup", "range", "accept", "tok/step", "accept @1/2/3/4",
+        "configuration", "tok/s", "median tok/s", "speedup", "range", "1st step s", "decode tok/s", "decode ×",
+        "accept", "tok/step", "accept @1/2/3/4",
         "draft %", "memory MiB", "identical",
         title=_title(benchmark), caption=_caption(benchmark), caption_justify="left",
     )
@@ -61,6 +63,9 @@ def _caption(benchmark: Benchmark) -> str:
     memory = "CUDA peak allocated" if benchmark.target.device.type == "cuda" else "peak RSS growth, sampled per step"
     return (
         "speedup: tok/s over the target alone's on the same prompts (range: min–max over prompts). "
+        "1st step s: mean seconds until the first step's tokens (the prompt's prefill, the draft's too, and the "
+        "first draft: the time to first token of the target alone); decode: tokens after it over the time after it "
+        "(llama.cpp's tg), × over the target alone's. "
         "accept: accepted/drafted; @i: at draft position i. draft %: share of time spent drafting.\n"
         f"memory: weights of the models a configuration runs + its working memory ({memory}). "
         "identical: prompts whose greedy output equals the target alone's, token for token."

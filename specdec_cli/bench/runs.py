@@ -89,7 +89,8 @@ class Run:
     accepted_at: list[int] = field(default_factory=list)
     draft_seconds: float | None = None
     verify_seconds: float | None = None
-    prefill: dict | None = None  # the first step (the prompt's prefill): drafted, draft_seconds, verify_seconds, free
+    prefill: dict | None = None  # the first step (the prompt's prefill): drafted, draft_seconds, verify_seconds, free,
+    # and (since 2026-12-05) seconds (wall time from the start until its tokens came) and tokens (how many it gave)
     lookup_steps: int = 0  # steps whose draft was free (prompt lookup); included in steps/drafted/accepted
     lookup_drafted: int = 0
     lookup_accepted: int = 0
@@ -100,10 +101,12 @@ class Run:
 
     @classmethod
     def from_stats(cls, configuration: str, tokens: list[int], stats: GenerationStats, finish_reason: str,
-                   working_bytes: int, first: StepEvent) -> Run:
-        """An engine run: its stats (timed), and the first step, which also prefilled the prompt."""
+                   working_bytes: int, first: StepEvent, first_seconds: float) -> Run:
+        """An engine run: its stats (timed), and the first step, which also prefilled the prompt and whose tokens
+        came `first_seconds` after the start."""
         prefill = {"drafted": first.drafted, "draft_seconds": first.draft_seconds,
-                   "verify_seconds": first.verify_seconds, "free": first.free}
+                   "verify_seconds": first.verify_seconds, "free": first.free, "seconds": first_seconds,
+                   "tokens": len(first.tokens)}
         return cls(configuration, -1, -1, tokens, stats.seconds, stats.steps, finish_reason, working_bytes,
                    stats.drafted, stats.accepted, stats.drafted_at, stats.accepted_at, stats.draft_seconds,
                    stats.verify_seconds, prefill, stats.lookup_steps, stats.lookup_drafted, stats.lookup_accepted,

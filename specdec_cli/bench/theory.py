@@ -59,7 +59,33 @@ def summary_row(config: Configuration, runs: list[Run], baseline: list[Run], gre
     # a tree's size and its accepted depth, per tree step (None without trees)
     trees = {"tree_nodes_per_step": _ratio(total.tree_nodes, total.tree_steps),
              "tree_depth_per_step": _ratio(total.tree_accepted, total.tree_steps)}
-    return row | _drafting_fields(runs, total) | trees | {"theory": theory(runs, baseline, overall)}
+    return (row | _drafting_fields(runs, total) | trees | _first_step_fields(paired)
+            | {"theory": theory(runs, baseline, overall)})
+
+
+def _first_step_fields(paired: list[tuple[Run, Run]]) -> dict:
+    """The first step apart from the rest: its mean wall time (the prompt's prefill and the first tokens: the time
+    to the first token of a plain decoder), and the decoding after it, tokens after the first step over the time after
+    it (what llama.cpp's tg and a per-token latency measure), also over the baseline's on the same runs. None for runs
+    that do not report their first step (HF's peers, a JSON from before 2026-12-05)."""
+    if not paired or any(_first_step(run) is None or _first_step(b) is None for run, b in paired):
+        return {"first_step_seconds": None, "decode_tokens_per_second": None, "decode_speedup": None}
+
+    def decode_rate(runs: list[Run]) -> float | None:
+        return _ratio(sum(len(run.tokens) - _first_step(run)[1] for run in runs),
+                      sum(run.seconds - _first_step(run)[0] for run in runs))
+
+    runs, baseline = [run for run, _ in paired], [b for _, b in paired]
+    rate = decode_rate(runs)
+    return {"first_step_seconds": statistics.fmean(_first_step(run)[0] for run in runs),
+            "decode_tokens_per_second": rate, "decode_speedup": _ratio(rate, decode_rate(baseline))}
+
+
+def _first_step(run: Run) -> tuple[float, int] | None:
+    """(seconds until the first step's tokens came, how many it gave), or None where not recorded."""
+    if run.prefill is None or "seconds" not in run.prefill:
+        return None
+    return run.prefill["seconds"], run.prefill["tokens"]
 
 
 def _drafting_fields(runs: list[Run], total: GenerationStats) -> dict:

@@ -55,6 +55,28 @@ def test_sampled_runs_have_no_identical_count():
     assert row["identical"] is None
 
 
+def _with_first_step(run, seconds, tokens):
+    return Run(**{**run.__dict__, "prefill": {**run.prefill, "seconds": seconds, "tokens": tokens}})
+
+
+def test_the_first_step_and_the_decoding_after_it_are_apart():
+    # baseline: first tokens after 1.5 s and 0.6 s, then 5 + 5 tokens in 4.5 + 2.4 s
+    baseline = [_with_first_step(BASELINE_RUNS[0], 1.5, 1), _with_first_step(BASELINE_RUNS[1], 0.6, 1)]
+    # speculative: its first steps (two prefills and a draft) 1.8 and 0.8 s gave 3 and 1 tokens, then 3 + 5 in 1.2 + 1.2
+    spec = [_with_first_step(SPEC_RUNS[0], 1.8, 3), _with_first_step(SPEC_RUNS[1], 0.8, 1)]
+    row = summary_row(SPEC, spec, baseline, greedy=True, memory_bytes=0)
+    assert row["first_step_seconds"] == pytest.approx((1.8 + 0.8) / 2)
+    assert row["decode_tokens_per_second"] == pytest.approx(8 / 2.4)
+    assert row["decode_speedup"] == pytest.approx((8 / 2.4) / (10 / 6.9))
+    assert summary_row(BASE, baseline, baseline, greedy=True, memory_bytes=0)["decode_speedup"] == pytest.approx(1.0)
+
+
+def test_runs_that_do_not_say_when_their_first_step_ended_have_no_decoding_figures():
+    # a JSON from before the first step's seconds were recorded; HF's peers have no first step at all
+    row = summary_row(SPEC, SPEC_RUNS, BASELINE_RUNS, greedy=True, memory_bytes=0)
+    assert (row["first_step_seconds"], row["decode_tokens_per_second"], row["decode_speedup"]) == (None, None, None)
+
+
 def test_memory_is_the_weights_plus_the_largest_working_peak():
     assert summary_row(SPEC, SPEC_RUNS, BASELINE_RUNS, greedy=True, memory_bytes=10_000)["memory_bytes"] == 12_048
 
