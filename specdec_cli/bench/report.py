@@ -123,17 +123,20 @@ def theory_table(rows: list[dict], warmup: dict) -> Table:
 
 
 def tree_theory_table(rows: list[dict]) -> Table:
-    cells = [[escape(row["configuration"]), f"{theory['nodes_per_step']:.1f}", f"{theory['accepted']:.2f}",
-              f"{theory['expected_accepted']:.2f}", f"{theory['c']:.3f}", *_outcome(row, theory)]
+    cells = [[escape(row["configuration"]), _fixed(theory.get("tree_share"), "{:.0%}"),
+              f"{theory['nodes_per_step']:.1f}", f"{theory['accepted']:.2f}", f"{theory['expected_accepted']:.2f}",
+              f"{theory['c']:.3f}", *_outcome(row, theory)]
              for row, theory in _with_theory(rows, "tree")]
     return _table(
-        ["configuration", "nodes/step", "accepted/step", "expected accepted", "c", "expected", "measured",
-         "efficiency"], cells,
-        title="tree theory: expected = (1 + Σ_nodes Π_path a) / (c + 1)",
-        caption="a: a place in the tree (its sibling ranks from the root) accepted once its parent was, in this run; "
-                "expected accepted = Σ over the steps' nodes of Π a along the node's path, per step; accepted/step "
-                "as measured. c = seconds drafting a tree / one target step (prefill left out); the verify counts as "
-                "one target step.",
+        ["configuration", "tree steps", "nodes/tree", "accepted/step", "expected accepted", "c", "expected",
+         "measured", "efficiency"], cells,
+        title=escape("tree theory: expected = (1 + E[accepted]) / (c + 1)"),
+        caption="tree steps: share of steps that verified a tree (the others drafted a chain, looked up, or did not "
+                "draft). E\\[accepted] per step: in a tree step Σ over its nodes of Π a along the node's path, a being "
+                "a place in the tree (its sibling ranks from the root) accepted once its parent was, in this run; in "
+                "the other steps each kind's (1 - α^(γ+1)) / (1 - α) - 1; weighed by their share of steps. "
+                "accepted/step as measured. c = seconds drafting / one target step (prefill left out); the verify "
+                "counts as one target step.",
     )
 
 

@@ -157,19 +157,28 @@ def expected_tree_accepted(places: dict[str, list[int]], steps: int) -> float:
 
 def tree_theory(runs: list[Run], total: GenerationStats, target_step: float | None, measured: float | None
                 ) -> dict | None:
-    """Trees: expected = (1 + E[accepted]) / (c + 1), E[accepted] from the run's own acceptance per place
-    (`expected_tree_accepted`), c = drafting seconds per step over one baseline target step (both after
-    the prefill step), the verify forward taken as one target step. None without a step cost."""
+    """Trees: expected = (1 + E[accepted]) / (c + 1), c = drafting seconds per step over one baseline target step
+    (both after the prefill step), the verify forward taken as one target step. E[accepted] weighs each kind of
+    step by its share of steps: a tree step by the run's own acceptance per place (`expected_tree_accepted`), the
+    steps the tree drafter drafted as a chain (or not at all) and its lookup steps each by their α and γ (the chain
+    theory's i.i.d. expectation). None without a step cost."""
     draft_step = _ratio(sum(run.draft_seconds - run.prefill["draft_seconds"] for run in runs),
                         sum(run.steps - 1 for run in runs))
     if not target_step or draft_step is None:
         return None
     c = draft_step / target_step
-    accepted = expected_tree_accepted(total.tree_places, total.steps)
+    lookup = _source(total.lookup_steps, total.lookup_drafted, total.lookup_accepted)
+    chain = _source(total.steps - total.tree_steps - total.lookup_steps,
+                    total.drafted - total.tree_nodes - total.lookup_drafted,
+                    total.accepted - total.tree_accepted - total.lookup_accepted)
+    in_trees = expected_tree_accepted(total.tree_places, total.tree_steps) * total.tree_steps
+    besides = sum(source["steps"] * (source["tokens_per_step"] - 1) for source in (chain, lookup))
+    accepted = (in_trees + besides) / total.steps
     expected = (1 + accepted) / (c + 1)
     return {"kind": "tree", "c": c, "nodes_per_step": total.tree_nodes / total.tree_steps,
-            "expected_accepted": accepted, "accepted": total.accepted / total.steps,
-            "expected_speedup": expected, "efficiency": _ratio(measured, expected)}
+            "tree_share": total.tree_steps / total.steps, "expected_accepted": accepted,
+            "accepted": total.accepted / total.steps, "expected_speedup": expected,
+            "efficiency": _ratio(measured, expected)}
 
 
 def _source(steps: int, drafted: int, accepted: int) -> dict:

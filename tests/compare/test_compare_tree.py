@@ -15,7 +15,7 @@ def test_tree_configurations_run_and_match_the_target(tiny_pair, tmp_path):
     assert [row[0] for row in rows[:4]] == ["target alone", "model k=3", "tree4 k=3", "tree8 k=3"]
     assert all(row[-1] == "1/1" for row in rows[:4])  # greedy: every output equals the baseline's
     # The chain's theory table, then the trees' (expected accepted length from their own per-place acceptance).
-    assert "tree theory: expected = (1 + Σ_nodes Π_path a) / (c + 1)" in result.stdout
+    assert "tree theory: expected = (1 + E[accepted]) / (c + 1)" in result.stdout
     assert [row[0] for row in rows[4:]] == ["model k=3", "tree4 k=3", "tree8 k=3"]
 
 

@@ -2,6 +2,7 @@
 the tree, counted by the engine's stats; compare's tree theory row from hand-made runs."""
 
 import pytest
+from rich.markup import escape
 
 from specdec_cli.bench import SPECDEC, Configuration, Run, summary_row, theory_tables
 from specdec_cli.bench.theory import expected_tree_accepted
@@ -89,4 +90,21 @@ def test_the_tree_theory_row_uses_the_per_place_acceptance_and_the_drafting_cost
     assert theory["expected_speedup"] == pytest.approx((1 + 1.5) / (c + 1))
     assert theory["efficiency"] == pytest.approx(row["speedup"] / theory["expected_speedup"])
     tables = theory_tables([row], {})
-    assert [table.title for table in tables] == ["tree theory: expected = (1 + Σ_nodes Π_path a) / (c + 1)"]
+    assert [table.title for table in tables] == [escape("tree theory: expected = (1 + E[accepted]) / (c + 1)")]
+
+
+def test_a_tree_drafters_chain_and_lookup_steps_count_with_their_own_acceptance():
+    """The tree drafter also drafts chains (a confident draft) and lookups: E[accepted] weighs each kind of step by
+    its share, instead of spreading the trees' expectation over every step (which put it far below what was
+    accepted, and the efficiency over 100%)."""
+    tree = tree_run(0, 21, 3.0, 1.0)
+    run = Run(**{**tree.__dict__, "steps": 8, "drafted": 24 + 4 + 6, "accepted": 6 + 3 + 2, "lookup_steps": 2,
+                 "lookup_drafted": 6, "lookup_accepted": 2})
+    theory = summary_row(TREE, [run], BASELINE_RUNS[:1], greedy=True, memory_bytes=0)["theory"]
+    chain = (1 - 0.75 ** 3) / (1 - 0.75) - 1  # 2 chain steps: 4 drafted, 3 accepted (α 3/4, γ 2)
+    lookup = (1 - (1 / 3) ** 4) / (1 - 1 / 3) - 1  # 2 lookup steps: 6 drafted, 2 accepted (α 1/3, γ 3)
+    assert theory["tree_share"] == pytest.approx(4 / 8)
+    assert theory["expected_accepted"] == pytest.approx((4 * 1.5 + 2 * chain + 2 * lookup) / 8)
+    assert theory["accepted"] == pytest.approx(11 / 8)
+    c = ((1.0 - 0.4) / 7) / 1.0
+    assert theory["expected_speedup"] == pytest.approx((1 + theory["expected_accepted"]) / (c + 1))
