@@ -91,6 +91,9 @@ def _base_library(revision: str, isa: int) -> tuple[ctypes.CDLL, int, None]:
         source = folder / path.name
         source.write_text(_git("show", f"{revision}:{path.relative_to(ROOT)}"))
         sources.append(source)
+    if "int specdec_q4_linear(int isa, int layout," not in (folder / "q4_gemm.c").read_text():
+        raise SystemExit(f"{revision}'s q4 kernel predates its layout argument (2026-12-05): its calls would take "
+                         "other arguments than this tree passes; compare revisions from e024405 on")
     built = folder / "libbase.so"
     int8_kernel.compile_library(sources, built, int8_kernel.c_compiler())
     library = ctypes.CDLL(str(built))
