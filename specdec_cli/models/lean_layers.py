@@ -152,9 +152,8 @@ def _described(layer: torch.nn.Module) -> CLinear | None:
     bias = None if layer.bias is None else layer.bias.data_ptr()
     if isinstance(layer, Q4Linear):
         packed = layer.packed_weight
-        groups = packed.shape[1] * (q4.SUPER_GROUPS if layer.layout else 1)
-        return CLinear(2 + layer.layout, layer.in_features, layer.out_features, groups, 0, packed.data_ptr(), None,
-                       None, bias)
+        return CLinear(2 + layer.layout, layer.in_features, layer.out_features, q4.packed_groups(packed, layer.layout),
+                       0, packed.data_ptr(), None, None, bias)
     if isinstance(layer, PerTokenInt8Linear) and layer.own_kernel:
         packed = layer.packed_weight
         return CLinear(1, layer.in_features, layer.out_features, packed.shape[1], 2 ** (layer.bits - 1) - 1,

@@ -8,6 +8,10 @@ A token's quantisation reads that token only, and its matmul is exact integer su
 float steps whatever else is in the forward, so with attention row by row (rowwise_attention.py) a
 k-token verify gives each token its one-token forward's logits bit for bit, as int8 does.
 
+A second layout holds a .gguf's Q4_K blocks as they are (Q4KLinear, `pack_k`): the same 4-bit levels per 32
+channels, with the file's 6-bit sub-scales and float16 superblock scales, from which the kernel makes each group's
+step and minimum: the file's weights bit for bit, in 4.625 bits a weight instead of 5.
+
 Needs the kernel: x86-64 with AVX2 (or AVX512-VNNI) and a C compiler; there is no torch fallback."""
 
 from __future__ import annotations
@@ -156,6 +160,11 @@ def packed_bytes(rows: int, width: int) -> int:
     return -(-rows // ROWS) * -(-width // GROUP) * GROUP_BYTES
 
 
+def packed_groups(packed: torch.Tensor, layout: int) -> int:
+    """How many groups of 32 input channels a packed weight of `layout` holds a row."""
+    return packed.shape[1] * (SUPER_GROUPS if layout else 1)
+
+
 def matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
            layout: int = 0) -> torch.Tensor:
     """(M, K) float32 → (M, N) float32 = x Wᵀ (+ bias), x quantised per token and group of 32; W packed by `pack`
@@ -169,8 +178,8 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
     out = torch.empty(tokens, out_features, dtype=torch.float32)
     if tokens == 0:
         return out
-    groups = packed.shape[1] * (SUPER_GROUPS if layout else 1)
-    failed = library.specdec_q4_linear(isa, layout, torch.get_num_threads(), x.data_ptr(), tokens, width, groups,
+    failed = library.specdec_q4_linear(isa, layout, torch.get_num_threads(), x.data_ptr(), tokens, width,
+                                       packed_groups(packed, layout),
                                        packed.data_ptr(), None if bias is None else bias.data_ptr(), out_features,
                                        out.data_ptr())
     if failed:
