@@ -71,9 +71,9 @@ def block_parts(raw: np.ndarray, kind: int) -> tuple[torch.Tensor, ...]:
             torch.from_numpy(minimums.astype(np.float16).reshape(rows, -1)))
 
 
-def parts_weight(parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """(N, K) float32: the weights `block_parts`'s parts (either kind) hold."""
-    if len(parts) == 3:
+def parts_weight(kind: int, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """(N, K) float32: the weights `block_parts(raw, kind)`'s parts hold."""
+    if kind != Q4_K:
         return dequantize(*parts)
     levels, *scales = parts
     return dequantize(levels, *k_steps(*scales))
@@ -176,18 +176,19 @@ class GgufQ4Source:
 
     def layer(self, module_name: str, linear: torch.nn.Linear) -> Q4Linear | None:
         """The q4 layer for the Linear `module_name` made of the file's 4-bit blocks (a Q4KLinear for Q4_K), or
-        None (see `parts`)."""
-        parts = self.parts(module_name, linear.weight)
-        if parts is None:
+        None (see `_parts`)."""
+        found = self._parts(module_name, linear.weight)
+        if found is None:
             return None
-        if len(parts) == 3:
-            return Q4Linear.from_parts(*parts, linear.bias, linear.in_features)
-        return Q4KLinear.from_k_parts(*parts, linear.bias, linear.in_features)
+        kind, parts = found
+        if kind == Q4_K:
+            return Q4KLinear.from_k_parts(*parts, linear.bias, linear.in_features)
+        return Q4Linear.from_parts(*parts, linear.bias, linear.in_features)
 
-    def parts(self, module_name: str, weight: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-        """`block_parts` for the Linear `module_name` from the file's 4-bit blocks, rows in the order transformers
-        loaded them, or None (not Q4_0/Q4_1/Q4_K there, transformers changes more than the rows' order, or the
-        values do not match `weight`, the loaded one, on a sample of rows)."""
+    def _parts(self, module_name: str, weight: torch.Tensor) -> tuple[int, tuple[torch.Tensor, ...]] | None:
+        """(the file's type, `block_parts`) for the Linear `module_name` from the file's 4-bit blocks, rows in the
+        order transformers loaded them, or None (not Q4_0/Q4_1/Q4_K there, transformers changes more than the rows'
+        order, or the values do not match `weight`, the loaded one, on a sample of rows)."""
         gguf_name = self._names.get_name(module_name)
         found = None if gguf_name is None else self._table.blocks(gguf_name + ".weight")
         if found is None:
@@ -199,11 +200,11 @@ class GgufQ4Source:
         parts = block_parts(raw if np.array_equal(order, np.arange(len(order))) else raw[order], kind)
         sample = slice(None, None, max(1, weight.shape[0] // 64))  # ~64 rows: one out of place shows
         loaded = weight.detach()[sample].float()
-        error = torch.linalg.norm(parts_weight(tuple(part[sample] for part in parts)) - loaded)
+        error = torch.linalg.norm(parts_weight(kind, tuple(part[sample] for part in parts)) - loaded)
         if not error <= MATCH * torch.linalg.norm(loaded):  # NaN too
             return None
         self.taken += 1
-        return parts
+        return kind, parts
 
     def _row_order(self, gguf_name: str, rows: int) -> np.ndarray | None:
         """Which row of the file each loaded row is: transformers' own processing applied to a column of row
