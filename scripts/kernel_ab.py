@@ -131,7 +131,6 @@ def _kernels(library: tuple):
 
 @torch.inference_mode()
 def _generations(libraries: dict, count: int) -> dict:
-    from specdec_cli.engine import SamplingParams
     from specdec_cli.session import build_decoder
     from specdec_cli.settings import ModelOverrides, choose_models, load_choice
 
@@ -147,21 +146,34 @@ def _generations(libraries: dict, count: int) -> dict:
             for drafter in drafters:
                 decoder = build_decoder(target, draft, drafter, "auto")
                 with _kernels(libraries[which]):
-                    start = time.perf_counter()
-                    made = [token for event in decoder.stream(prompt, SamplingParams(), 128) for token in event.tokens]
-                    seconds[which][drafter] += time.perf_counter() - start
+                    made, spent = timed_generation(decoder, prompt)
+                seconds[which][drafter] += spent
                 tokens[which][drafter] += len(made)
                 outputs.append(made)
         if any(made != outputs[0] for made in outputs[1:]):
             raise SystemExit(f"prompt {index}: the outputs differ between libraries or drafters")
         print(f"prompt {index + 1}/{len(prompts)}: {len(outputs[0])} tokens", flush=True)
-    rates = {which: {drafter: tokens[which][drafter] / seconds[which][drafter] for drafter in drafters}
-             for which in libraries}
+    return generation_rates(seconds, tokens, choice.drafter, len(prompts))
+
+
+def timed_generation(decoder, prompt: list[int]) -> tuple[list[int], float]:
+    """The decoder's greedy tokens for `prompt` (128 at most) and the seconds they took."""
+    from specdec_cli.engine import SamplingParams
+
+    start = time.perf_counter()
+    made = [token for event in decoder.stream(prompt, SamplingParams(), 128) for token in event.tokens]
+    return made, time.perf_counter() - start
+
+
+def generation_rates(seconds: dict, tokens: dict, drafter: str, prompts: int) -> dict:
+    """Tokens/s of each way (`seconds[way][drafter]`, the target alone as "none"), printed a line a way, and the
+    record of them."""
+    rates = {which: {name: tokens[which][name] / seconds[which][name] for name in row} for which, row in seconds.items()}
     for which, row in rates.items():
-        print(f"{which:12}", " ".join(f"{drafter}: {rate:.1f} tok/s" for drafter, rate in row.items()),
-              f"(x{row[choice.drafter] / row['none']:.2f})")
-    return {"prompts": len(prompts), "max_new_tokens": 128, "drafter": choice.drafter, "seconds": seconds,
-            "tokens": tokens, "tokens_per_second": rates}
+        print(f"{which:12}", " ".join(f"{name}: {rate:.1f} tok/s" for name, rate in row.items()),
+              f"(x{row[drafter] / row['none']:.2f})")
+    return {"prompts": prompts, "max_new_tokens": 128, "drafter": drafter, "seconds": seconds, "tokens": tokens,
+            "tokens_per_second": rates}
 
 
 @torch.inference_mode()

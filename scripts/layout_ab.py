@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from kernel_ab import spec_bench_prompts
+from kernel_ab import generation_rates, spec_bench_prompts, timed_generation
 from specdec_cli.engine.kv import new_cache
 from specdec_cli.models.calibrate import machine
 from specdec_cli.models.q4 import Q4KLinear, Q4Linear
@@ -102,7 +102,6 @@ def _interleaved(models: dict, context: int, repeats: int) -> dict:
 def _generations(choice, target, draft, models: dict, count: int) -> dict:
     from dataclasses import replace
 
-    from specdec_cli.engine import SamplingParams
     from specdec_cli.session import build_decoder
 
     prompts = spec_bench_prompts(target.tokenizer, choice.profile.system, count)
@@ -114,22 +113,14 @@ def _generations(choice, target, draft, models: dict, count: int) -> dict:
         for which in list(models)[:: 1 if index % 2 == 0 else -1]:
             outputs = []
             for drafter in drafters:
-                decoder = build_decoder(targets[which], draft, drafter, "auto")
-                start = time.perf_counter()
-                made = [token for event in decoder.stream(prompt, SamplingParams(), 128) for token in event.tokens]
-                seconds[which][drafter] += time.perf_counter() - start
+                made, spent = timed_generation(build_decoder(targets[which], draft, drafter, "auto"), prompt)
+                seconds[which][drafter] += spent
                 tokens[which][drafter] += len(made)
                 outputs.append(made)
             if outputs[1] != outputs[0]:
                 raise SystemExit(f"prompt {index}, {which}: the drafter's output is not the target's")
         print(f"prompt {index + 1}/{len(prompts)}", flush=True)
-    rates = {which: {drafter: tokens[which][drafter] / seconds[which][drafter] for drafter in drafters}
-             for which in models}
-    for which, row in rates.items():
-        print(f"{which:9}", " ".join(f"{drafter}: {rate:.1f} tok/s" for drafter, rate in row.items()),
-              f"(x{row[choice.drafter] / row['none']:.2f})")
-    return {"prompts": len(prompts), "max_new_tokens": 128, "drafter": choice.drafter, "seconds": seconds,
-            "tokens": tokens, "tokens_per_second": rates}
+    return generation_rates(seconds, tokens, choice.drafter, len(prompts))
 
 
 if __name__ == "__main__":
