@@ -35,6 +35,8 @@
 #define Q4_GROUP 32     /* input channels per scale */
 #define Q4_GROUP_BYTES 320
 #define Q4K_SUPER_BYTES 2368 /* layout 1: 8 groups' values, sc and m, and their rows' d and dmin */
+#define Q4K_SC 2048          /* layout 1: where a superblock's sc lie (16 bytes a group); its m 128 bytes on */
+#define Q4K_D 2304           /* and its rows' d (float16); their dmin 32 bytes on */
 #define Q4_TILE 8       /* tokens held in registers at once (AVX512) */
 #define Q4_AVX2_TILE 4  /* and on AVX2 (16 registers) */
 #define Q4_CHUNK 32     /* groups per pass when there are more tokens than a tile: 10 KB of a block, in L1 */
@@ -139,8 +141,8 @@ static inline const uint8_t *q4_group(const uint8_t *w, int layout, int64_t g) {
 __attribute__((target("avx512f,f16c")))
 static inline void q4_super_vnni(const uint8_t *w, int64_t g, __m512 *super_d, __m512 *super_dmin) {
     const uint8_t *super = w + (g >> 3) * Q4K_SUPER_BYTES;
-    *super_d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(super + 2304)));
-    *super_dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(super + 2336)));
+    *super_d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(super + Q4K_D)));
+    *super_dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(super + Q4K_D + 32)));
 }
 
 __attribute__((target("avx512f,f16c")))
@@ -151,7 +153,7 @@ static inline void q4_steps_vnni(const uint8_t *w, int layout, int64_t g, const 
         *mins = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 288)));
         return;
     }
-    const uint8_t *sub = w + (g >> 3) * Q4K_SUPER_BYTES + 2048 + (g & 7) * 16;
+    const uint8_t *sub = w + (g >> 3) * Q4K_SUPER_BYTES + Q4K_SC + (g & 7) * 16;
     __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)sub)));
     __m512 m = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sub + 128))));
     *d = _mm512_mul_ps(super_d, sc);
@@ -163,8 +165,8 @@ static inline void q4_steps_vnni(const uint8_t *w, int layout, int64_t g, const 
 __attribute__((target("avx2,f16c")))
 static inline void q4_super_avx2(const uint8_t *w, int64_t g, int half, __m256 *super_d, __m256 *super_dmin) {
     const uint8_t *super = w + (g >> 3) * Q4K_SUPER_BYTES;
-    *super_d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(super + 2304 + half * 16)));
-    *super_dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(super + 2336 + half * 16)));
+    *super_d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(super + Q4K_D + half * 16)));
+    *super_dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(super + Q4K_D + 32 + half * 16)));
 }
 
 __attribute__((target("avx2,f16c")))
@@ -175,7 +177,7 @@ static inline void q4_steps_avx2(const uint8_t *w, int layout, int64_t g, const 
         *mins = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 288 + half * 16)));
         return;
     }
-    const uint8_t *sub = w + (g >> 3) * Q4K_SUPER_BYTES + 2048 + (g & 7) * 16 + half * 8;
+    const uint8_t *sub = w + (g >> 3) * Q4K_SUPER_BYTES + Q4K_SC + (g & 7) * 16 + half * 8;
     __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sub)));
     __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sub + 128))));
     *d = _mm256_mul_ps(super_d, sc);
