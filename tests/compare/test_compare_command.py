@@ -55,7 +55,8 @@ def test_the_table_has_a_row_per_configuration_then_a_group_per_category(compare
     assert all(row[-1] == "1/1" for row in rows[6:11] + rows[12:17])
     by_name = {row[0]: row for row in rows[:5]}
     assert by_name["target alone"][3] == "×1.00" and by_name["target alone"][7] == "×1.00"  # overall, decoding
-    assert float(by_name["model k=2"][5]) > 0 and float(by_name["model k=2"][6]) > 0  # 1st step s, decode tok/s
+    # 1st step s (a tiny model's first step may round to 0.00) and decode tok/s: measured, not dashes
+    assert float(by_name["model k=2"][5]) >= 0 and float(by_name["model k=2"][6]) > 0
     assert by_name["model k=2"][8] == "1.00"  # acceptance
     assert by_name["model k=2"][10] == "1.00/1.00/–/–"
     assert by_name["HF assisted"][5:9] == ["–"] * 4  # HF's generate does not say when its first token came
