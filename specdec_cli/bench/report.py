@@ -29,7 +29,8 @@ def _measurement_cells(row: dict) -> list[str]:
     return [
         escape(row["configuration"]), _fixed(row["tokens_per_second"]), _fixed(row["median_tokens_per_second"]),
         *_speedup(row), _fixed(row["first_step_seconds"], "{:.2f}"), _fixed(row["decode_tokens_per_second"]),
-        _fixed(row["decode_speedup"], "×{:.2f}"), _fixed(row["acceptance_rate"], "{:.2f}"), _fixed(row["tokens_per_step"], "{:.2f}"),
+        _fixed(row["decode_speedup"], "×{:.2f}"), _fixed(row["acceptance_rate"], "{:.2f}"),
+        _fixed(row["tokens_per_step"], "{:.2f}"),
         "–" if row["acceptance_rate"] is None else at, _fixed(row["draft_share"], "{:.0%}"),
         f"{row['memory_bytes'] / 2**20:,.0f}", identical,
     ]
@@ -38,8 +39,7 @@ def _measurement_cells(row: dict) -> list[str]:
 def measurement_table(benchmark: Benchmark, by_category: bool) -> Table:
     table = Table(
         "configuration", "tok/s", "median tok/s", "speedup", "range", "1st step s", "decode tok/s", "decode ×",
-        "accept", "tok/step", "accept @1/2/3/4",
-        "draft %", "memory MiB", "identical",
+        "accept", "tok/step", "accept @1/2/3/4", "draft %", "memory MiB", "identical",
         title=_title(benchmark), caption=_caption(benchmark), caption_justify="left",
     )
     for row in benchmark.summary():

@@ -62,7 +62,7 @@ def block_parts(raw: np.ndarray, kind: int) -> tuple[torch.Tensor, ...]:
         sub_scales, sub_minimums = Q4KBlocks.get_scale_min(blocks[:, 4:16])  # (B, 8) each, 0..63
         levels = _nibbles(blocks[:, 16:].reshape(-1, 4, 32))  # sub-block 2c in run c's low nibbles, 2c+1 high
         per_row = (levels, sub_scales.astype(np.uint8), sub_minimums.astype(np.uint8),
-                   blocks[:, 0:2].copy().view(np.float16), blocks[:, 2:4].copy().view(np.float16))
+                   _halves(blocks, 0).astype(np.float16), _halves(blocks, 2).astype(np.float16))
         return tuple(torch.from_numpy(np.ascontiguousarray(part).reshape(rows, -1)) for part in per_row)
     steps = _halves(blocks, 0)
     minimums = -8.0 * steps if kind == Q4_0 else _halves(blocks, 2)

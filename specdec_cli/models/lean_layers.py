@@ -48,16 +48,14 @@ STACK_CLASSES = ("LlamaModel", "Qwen2Model")  # their forward: embed, mask, rota
 def _fused(layers: list[torch.nn.Module]) -> torch.nn.Module:
     """One layer whose output rows are `layers`' rows side by side, computed the same way."""
     if all(isinstance(layer, Q4Linear) for layer in layers):
-        from specdec_cli.models.q4 import ROWS, Q4KLinear
-
         kind, bias, width = type(layers[0]), _fused_bias(layers), layers[0].in_features
         if all(type(layer) is kind for layer in layers):
-            if all(layer.out_features % ROWS == 0 for layer in layers):  # whole blocks of rows: the bytes, joined
+            if all(layer.out_features % q4.ROWS == 0 for layer in layers):  # whole blocks of rows: the bytes, joined
                 packed = torch.cat([layer.packed_weight for layer in layers])
                 return kind(packed, bias, width, sum(layer.out_features for layer in layers))
-            if kind is Q4KLinear:
+            if kind is q4.Q4KLinear:
                 parts = (torch.cat(tensors) for tensors in zip(*(layer.k_parts() for layer in layers)))
-                return Q4KLinear.from_k_parts(*parts, bias, width)
+                return q4.Q4KLinear.from_k_parts(*parts, bias, width)
         # Layout 0 for all (a .gguf's Q4_K q and k beside its Q6_K v: their steps rounded to float16)
         parts = (torch.cat(tensors) for tensors in zip(*(layer.q4_parts() for layer in layers)))
         return Q4Linear.from_parts(*parts, bias, width)

@@ -218,14 +218,19 @@ class Q4Linear(torch.nn.Module):
         if problem:
             levels, scales, minimums = unpack(self.packed_weight, self.out_features)
             return Q4Linear.from_parts(levels[rows], scales[rows], minimums[rows], bias, self.in_features)
-        chosen = rows.to(torch.int64).contiguous()
-        if len(chosen) and not 0 <= int(chosen.min()) <= int(chosen.max()) < self.out_features:
-            raise IndexError(f"rows outside 0..{self.out_features - 1}")
+        chosen = self._rows_within(rows)
         groups = self.packed_weight.shape[1]
         packed = torch.zeros(-(-len(chosen) // ROWS), groups, GROUP_BYTES, dtype=torch.uint8)
         library.specdec_q4_select_rows(torch.get_num_threads(), self.packed_weight.data_ptr(), groups,
                                        chosen.data_ptr(), len(chosen), packed.data_ptr())
         return Q4Linear(packed, bias, self.in_features, len(chosen))
+
+    def _rows_within(self, rows: torch.Tensor) -> torch.Tensor:
+        """`rows` as int64, refused (IndexError) where one is not a row of this layer."""
+        chosen = rows.to(torch.int64).contiguous()
+        if len(chosen) and not 0 <= int(chosen.min()) <= int(chosen.max()) < self.out_features:
+            raise IndexError(f"rows outside 0..{self.out_features - 1}")
+        return chosen
 
     def q4_parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(levels, scales, minimums) of layout 0 (`quantize_weight`'s three tensors) for this layer's rows."""
@@ -277,9 +282,7 @@ class Q4KLinear(Q4Linear):
 
     def select_rows(self, rows: torch.Tensor) -> "Q4KLinear":
         """A layer holding only output rows `rows`, in layout 1: the same values, so the same scores."""
-        chosen = rows.to(torch.int64)
-        if len(chosen) and not 0 <= int(chosen.min()) <= int(chosen.max()) < self.out_features:
-            raise IndexError(f"rows outside 0..{self.out_features - 1}")
+        chosen = self._rows_within(rows)
         bias = None if self.bias is None else self.bias[chosen]
         return Q4KLinear.from_k_parts(*(part[chosen] for part in self.k_parts()), bias, self.in_features)
 
@@ -290,8 +293,7 @@ class Q4KLinear(Q4Linear):
 def quantize_q4(model: torch.nn.Module, gguf_path=None) -> torch.nn.Module:
     """Every nn.Linear (the output layer too) to `Q4Linear`, in place (int8.replace_linears). With the `.gguf` file
     the model was loaded from, a layer that is Q4_0, Q4_1 or Q4_K there keeps the file's 4-bit values (gguf_q4.py;
-    Q4_K as a Q4KLinear);
-    the count of such layers goes to `model._specdec_q4_from_gguf` (taken, of all linears)."""
+    Q4_K as a Q4KLinear); the count of such layers goes to `model._specdec_q4_from_gguf` (taken, of all linears)."""
     from specdec_cli.models.gguf_q4 import gguf_q4_source
     from specdec_cli.models.int8 import replace_linears
 
