@@ -136,9 +136,20 @@ def test_cost_model_falls_back_to_plain_decoding_and_keeps_probing():
 
 
 def test_cost_model_prefers_shorter_drafts_when_drafting_is_expensive():
+    """Three drafts are always right, the fourth never: a cheap draft tries the fourth now and then, a dear one
+    does not (k averaged over steps: the probes and the decayed counts make it swing by one from step to step)."""
+    def mean_k(policy):
+        ks = []
+        for _ in range(24):
+            k = policy.next_k()
+            policy.update(k, min(k, 3), k * policy_cost[policy], 0.1)
+            ks.append(k)
+        return sum(ks) / len(ks)
+
     cheap = feed(CostModelK(), lambda k: min(k, 3), 0.002, 0.1)
     dear = feed(CostModelK(), lambda k: min(k, 3), 0.04, 0.1)
-    assert 0 < dear.next_k() < cheap.next_k()
+    policy_cost = {cheap: 0.002, dear: 0.04}
+    assert 0 < mean_k(dear) < mean_k(cheap)
 
 
 def test_draft_or_not_drafts_to_its_cap_while_drafting_pays_and_stops_when_it_does_not():
@@ -151,6 +162,27 @@ def test_draft_or_not_drafts_to_its_cap_while_drafting_pays_and_stops_when_it_do
         hopeless.update(k, 0, k * 0.05, 0.1)
         ks.append(k)
     assert ks.count(0) >= 8 and 20 in ks  # plain decoding, with a probe now and then
+
+
+def test_a_probes_catch_up_is_not_priced_as_drafting_so_the_gate_opens_again():
+    """A draft model that sat out some steps first feeds them all in one forward: a probe after a closed
+    stretch costs 3x a token's steady 10 ms. Priced as drafting, that kept the gate shut on a Spec-Bench coding
+    answer while the draft was right 2 times in 3; the gate must open again once acceptance pays, and a
+    draft token must stay priced at what it costs while drafting step after step."""
+    policy = DraftOrNot(max_k=20, rule=DraftRule(min_survival=0.3), verify_curve={1: 0.03, 2: 0.03, 4: 0.03, 8: 0.03})
+    drafted_before = False
+    drafting = []
+    for step in range(80):
+        k = policy.next_k()
+        drafted = min(k, 2)
+        accepted = 0 if step < 4 else drafted  # a bad start shuts the gate; then every draft is right
+        per_token = 0.010 if drafted_before else 0.030  # a draft after a step without one catches up first
+        policy.update(drafted, accepted, drafted * per_token, 0.03)
+        drafted_before = drafted > 0
+        drafting.append(drafted > 0)
+    assert not all(drafting[4:12])  # the bad start shut it
+    assert all(drafting[-20:])  # and it opened again and stayed open
+    assert policy.draft_cost.value == pytest.approx(0.010)
 
 
 def test_the_odds_cut_rises_with_what_a_draft_token_costs_and_never_falls_below_the_rule():
