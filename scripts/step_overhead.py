@@ -2,6 +2,7 @@
 forward, as a share of one verification forward.
 
     python scripts/step_overhead.py [--profile demo] [--drafter cascade] [--k auto] [--prompts 3] [--max-new-tokens 96]
+                                    [--temperature 0.7]   (sampling, with the profile's top-p and top-k; 0: greedy)
 
 Forward hooks on the target's and the draft's top-level modules (the draft's subset head where the drafter
 scores a subset of the vocabulary, as the demo's does) time every forward; everything
@@ -64,6 +65,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--draft-int8", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--temperature", type=float, default=0.0)
     args = parser.parse_args()
     choice = choose_models(ModelOverrides(profile=args.profile, drafter=args.drafter, draft_int8=args.draft_int8))
     target, draft = load_choice(choice)
@@ -74,7 +76,8 @@ def main() -> None:
     for prompt in prompts:
         decoder = build_decoder(target, draft, choice.drafter, parse_k(args.k))
         clocks += subset_head_clocks(draft, clocks)
-        stream = decoder.stream(prompt, SamplingParams(), args.max_new_tokens)
+        params = SamplingParams(args.temperature, choice.profile.top_k, choice.profile.top_p, seed=0)
+        stream = decoder.stream(prompt, params if args.temperature else SamplingParams(), args.max_new_tokens)
         next(stream)  # the first step also prefills: not a typical step
         for clock in clocks:
             clock.seconds, clock.calls = 0.0, 0

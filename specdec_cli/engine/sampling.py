@@ -60,18 +60,53 @@ def _top_k_probs(scores: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Top-k, then top-p among those k, computed over the k candidates only (sorting a 150k vocabulary for
     top-p cost ~5 ms a row on a CPU core; k candidates cost nothing) and scattered back to (..., V). A tie
     at the k-th score keeps every tied id, as a mask does: that rare case takes the whole-vocabulary path."""
-    values, indices = torch.topk(scores, params.top_k, dim=-1)  # (..., k), best first
-    kth_best = values[..., -1:]
-    if bool(((scores >= kth_best).sum(dim=-1) > params.top_k).any()):
+    values, indices = top_k(scores, params.top_k + 1)  # (..., k + 1), best first: the one past the k tells a tie
+    kth_best = values[..., params.top_k - 1: params.top_k]
+    if bool((values[..., -1:] == kth_best).any()):  # more than k ids score at least the k-th best
         masked = scores.masked_fill(scores < kth_best, float("-inf"))
         if params.top_p < 1.0:
             masked = _mask_outside_top_p(masked, params.top_p)
         return torch.softmax(masked, dim=-1)
+    values, indices = values[..., :-1], indices[..., :-1]
     if params.top_p < 1.0:
         candidate_probs = torch.softmax(values, dim=-1)
         mass_before = torch.cumsum(candidate_probs, dim=-1) - candidate_probs
         values = values.masked_fill(mass_before >= params.top_p, float("-inf"))
     return torch.zeros_like(scores).scatter_(-1, indices, torch.softmax(values, dim=-1))
+
+
+TOP_K_BLOCK = 64  # top_k reads a row's maximum per block of this many ids first
+
+
+def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk(scores, k, dim=-1) for a few rows of a large vocabulary, ~3x faster on a CPU (0.08 against 0.25 ms
+    for a 152k row): the k best ids lie in the blocks whose maximum is at least the k-th best block maximum (k
+    distinct ids score that much), so a pass of block maxima, then topk over those blocks' ids. The same values,
+    best first; among equal values the order may differ from torch.topk's (which does not promise one either)."""
+    width = scores.shape[-1]
+    if width < 16 * k * TOP_K_BLOCK:
+        return torch.topk(scores, k, dim=-1)
+    rows = scores.reshape(-1, width)
+    padding = -width % TOP_K_BLOCK
+    if padding:
+        rows = torch.nn.functional.pad(rows, (0, padding), value=float("-inf"))
+    blocks = rows.view(rows.shape[0], -1, TOP_K_BLOCK)  # (R, B, 64)
+    block_max = blocks.amax(dim=-1)  # (R, B)
+    least = torch.topk(block_max, k, dim=-1).values[:, -1]  # (R,)
+    offsets = torch.arange(TOP_K_BLOCK)
+    values, indices = [], []
+    for row in range(rows.shape[0]):
+        chosen = (block_max[row] >= least[row]).nonzero().flatten()  # at least k blocks (NaN compares false)
+        if len(chosen) < k:
+            row_values, place = torch.topk(rows[row], k)
+            values.append(row_values)
+            indices.append(place)
+            continue
+        row_values, place = torch.topk(blocks[row, chosen].flatten(), k)
+        values.append(row_values)
+        indices.append((chosen[:, None] * TOP_K_BLOCK + offsets).flatten()[place])
+    shape = (*scores.shape[:-1], k)
+    return torch.stack(values).view(shape), torch.stack(indices).view(shape)
 
 
 def _mask_outside_top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:

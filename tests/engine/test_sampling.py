@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from specdec_cli.engine.sampling import SamplingParams, logits_to_probs, make_generator, sample
+from specdec_cli.engine.sampling import SamplingParams, logits_to_probs, make_generator, sample, top_k
 
 LOGITS = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
 
@@ -57,3 +57,42 @@ def test_same_seed_same_draws():
     first = [sample(probs, g) for g in [make_generator(3)] for _ in range(20)]
     second = [sample(probs, g) for g in [make_generator(3)] for _ in range(20)]
     assert first == second and not math.isclose(len(set(first)), 1)
+
+
+@pytest.mark.parametrize("width", [151_936, 65_536, 100_003])
+def test_top_k_on_a_large_vocabulary_finds_what_torch_topk_finds(width):
+    """top_k reads block maxima first: the same k best values and ids, rows alone and in a batch, with a row's
+    best scattered over far blocks, a row of mostly -inf, and a width that is no multiple of the block."""
+    generator = torch.Generator().manual_seed(width)
+    rows = torch.randn(4, width, generator=generator) * 3
+    rows[1, torch.randint(0, width, (30,), generator=generator)] = 20.0 + torch.rand(30, generator=generator)
+    rows[2, :] = float("-inf")
+    rows[2, torch.randint(0, width, (40,), generator=generator)] = torch.randn(40, generator=generator)
+    for k in (1, 21, 41):
+        expected = torch.topk(rows, k, dim=-1)
+        values, indices = top_k(rows, k)
+        assert torch.equal(values, expected.values)
+        assert torch.equal(rows.gather(-1, indices), expected.values)  # ids holding those values
+        assert all(len(set(row.tolist())) == k for row in indices)
+        assert torch.equal(top_k(rows[3], k)[0], expected.values[3])
+
+
+def test_top_k_probs_on_a_large_vocabulary_equal_the_masked_softmax():
+    """The top-k path's candidates-only arithmetic against the whole-vocabulary definition (mask outside the k
+    best, then top-p, softmax), also where the k-th and the next score tie (then every tied id stays)."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 151_936, generator=generator) * 4
+    best = torch.topk(logits[2], 21).indices
+    logits[2, best[20]] = logits[2, best[19]]  # the 20th and 21st best tie
+    params = SamplingParams(temperature=0.7, top_k=20, top_p=0.8)
+    scores = logits / 0.7
+    kth = torch.topk(scores, 20, dim=-1).values[:, -1:]
+    masked = scores.masked_fill(scores < kth, float("-inf"))
+    sorted_scores, order = torch.sort(masked, dim=-1, descending=True)
+    sorted_probs = torch.softmax(sorted_scores, dim=-1)
+    drop = torch.zeros_like(sorted_probs, dtype=torch.bool).scatter(
+        -1, order, torch.cumsum(sorted_probs, -1) - sorted_probs >= 0.8)
+    expected = torch.softmax(masked.masked_fill(drop, float("-inf")), dim=-1)
+    probs = logits_to_probs(logits, params)
+    assert torch.allclose(probs, expected, atol=1e-6)
+    assert int((probs[2] > 0).sum()) == int((expected[2] > 0).sum())
