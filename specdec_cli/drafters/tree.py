@@ -45,6 +45,7 @@ from specdec_cli.engine.draft import EMPTY_DRAFT, Draft, DraftRule, Drafter
 from specdec_cli.drafters.subset_head import subset_head
 from specdec_cli.drafters.window import DraftWindow
 from specdec_cli.engine.kv import CachedModel
+from specdec_cli.drafters.model import draft_odds
 from specdec_cli.engine.sampling import logits_to_probs
 from specdec_cli.engine.tree import children_of
 
@@ -152,10 +153,11 @@ class TreeDrafter(Drafter):
             if room <= 0:
                 break
             logits = frontier_logits[i].float().cpu()
-            probs = torch.softmax(logits, -1) if params.greedy else logits_to_probs(logits, params)
+            odds = draft_odds(logits, params)  # what the path odds read (the model drafter's docstring says why)
+            probs = odds if params.greedy else logits_to_probs(logits, params)  # what sampling draws from
             parent = frontier[i]
             base = scores[parent] if parent >= 0 else 0.0
-            top = torch.topk(probs, min(self.branching, probs.shape[-1]))
+            top = torch.topk(odds, min(self.branching, odds.shape[-1]))
             count = min(self._children(top.values.tolist(), base), room)
             if params.greedy:
                 children = top.indices[:count].tolist()
@@ -166,7 +168,7 @@ class TreeDrafter(Drafter):
                 tree_ids.append(self.head.token_id(index) if self.head is not None else int(index))
                 parents.append(parent)
                 rows.append(row)
-                scores.append(base + math.log(max(float(probs[index]), 1e-30)))
+                scores.append(base + math.log(max(float(odds[index]), 1e-30)))
                 level.append(len(tree_ids) - 1)
         return level
 

@@ -92,6 +92,24 @@ def test_survival_cut_stops_right_after_the_token_whose_odds_cross_the_line(llam
     assert len(draft) == 6 or float(survival[-1]) < threshold
 
 
+@pytest.mark.parametrize("threshold", [0.3, 0.6])
+def test_sampled_survival_reads_the_drafts_odds_before_top_k_and_top_p(llama_near_draft, threshold):
+    """Sampling draws from the nucleus, but the odds the cut multiplies are the draft's softmax at the sampling
+    temperature before top-k/top-p: a top-p that leaves one token gives it probability 1, and with those odds
+    the draft never stopped."""
+    params = SamplingParams(temperature=0.7, top_p=0.05, top_k=5, seed=0)
+    draft = DraftModelDrafter(llama_near_draft, min_survival=threshold).propose(
+        PROMPT, 12, params, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = llama_near_draft(torch.tensor([PROMPT + draft.ids])).logits[0, len(PROMPT) - 1:]
+    assert draft.ids == logits[: len(draft)].argmax(-1).tolist()  # a nucleus of one: its best token
+    assert draft.probs.max(-1).values.tolist() == [1.0] * len(draft)  # what the acceptance rule gets: the nucleus
+    odds = torch.softmax(logits.float() / 0.7, -1).max(-1).values[: len(draft)]
+    survival = torch.cumprod(odds, 0)
+    assert bool((survival[:-1] >= threshold).all())
+    assert len(draft) < 12 and float(survival[-1]) < threshold
+
+
 def test_cascade_is_lossless_and_uses_both_drafters(llama_target, llama_near_draft, reference):
     drafter = CascadeDrafter(DraftModelDrafter(llama_near_draft))
     result = generate(llama_target, drafter, FixedK(4))
