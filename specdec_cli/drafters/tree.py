@@ -45,8 +45,7 @@ from specdec_cli.engine.draft import EMPTY_DRAFT, Draft, DraftRule, Drafter
 from specdec_cli.drafters.subset_head import subset_head
 from specdec_cli.drafters.window import DraftWindow
 from specdec_cli.engine.kv import CachedModel
-from specdec_cli.drafters.model import draft_odds
-from specdec_cli.engine.sampling import logits_to_probs
+from specdec_cli.engine.sampling import draft_odds, logits_to_probs
 from specdec_cli.engine.tree import children_of
 
 if TYPE_CHECKING:
