@@ -27,13 +27,13 @@ from pathlib import Path
 import torch
 
 from kernel_ab import spec_bench_prompts
+from levers import spec_bench  # scripts/levers.py: Spec-Bench questions, n per category, in the file's order
 from specdec_cli.engine import SamplingParams
 from specdec_cli.models.calibrate import machine
 from specdec_cli.session import AUTO_MAX_K, build_decoder, draft_rule, verify_curve
 from specdec_cli.settings import ModelOverrides, choose_models, load_choice
 
 ROOT = Path(__file__).resolve().parents[1]
-QUESTIONS = ROOT.parent / "shared/prompts/spec_bench_questions.jsonl"
 
 
 def base_module(revision: str, path: str, name: str):
@@ -58,15 +58,6 @@ def as_base(decoder, what: str, base: dict, curve) -> None:
     drafter = decoder.drafter.model_drafter  # the cascade's (tree or chain)
     drafter.__class__ = getattr(base["tree" if type(drafter).__name__ == "TreeDrafter" else "model"],
                                 type(drafter).__name__)
-
-
-def categories(count: int) -> list[str]:
-    seen: list[str] = []
-    for line in QUESTIONS.read_text().splitlines():
-        category = json.loads(line)["category"]
-        if category not in seen:
-            seen.append(category)
-    return seen[:count]
 
 
 def generation(decoder, prompt: list[int], params: SamplingParams) -> tuple[list[int], float, dict]:
@@ -102,7 +93,8 @@ def main() -> None:
     drafters = args.drafters.split(",")
     versions = [args.base, "working tree"]
     runs = []
-    for index, (category, prompt) in enumerate(zip(categories(len(prompts)), prompts)):
+    categories = [category for category, _question in spec_bench(1)]  # the categories of spec_bench_prompts's
+    for index, (category, prompt) in enumerate(zip(categories, prompts)):
         made, seconds, counts = generation(build_decoder(target, None, "none", 0), prompt, params)
         runs.append({"prompt": index, "category": category, "drafter": "none", "version": None,
                      "tokens": len(made), "seconds": seconds, **counts})

@@ -73,11 +73,12 @@ def main() -> None:
     prompts = [encode_chat(target.tokenizer, [{"role": "user", "content": q}]) for q in questions[:: 40][: args.prompts]]
     clocks = [ForwardClock(target.model)] + ([ForwardClock(draft.model)] if draft else [])
     profiler = cProfile.Profile()
+    params = (SamplingParams(args.temperature, choice.profile.top_k, choice.profile.top_p, seed=0)
+              if args.temperature else SamplingParams())
     for prompt in prompts:
         decoder = build_decoder(target, draft, choice.drafter, parse_k(args.k))
         clocks += subset_head_clocks(draft, clocks)
-        params = SamplingParams(args.temperature, choice.profile.top_k, choice.profile.top_p, seed=0)
-        stream = decoder.stream(prompt, params if args.temperature else SamplingParams(), args.max_new_tokens)
+        stream = decoder.stream(prompt, params, args.max_new_tokens)
         next(stream)  # the first step also prefills: not a typical step
         for clock in clocks:
             clock.seconds, clock.calls = 0.0, 0
