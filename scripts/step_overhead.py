@@ -3,6 +3,8 @@ forward, as a share of one verification forward.
 
     python scripts/step_overhead.py [--profile demo] [--drafter cascade] [--k auto] [--prompts 3] [--max-new-tokens 96]
                                     [--temperature 0.7]   (sampling, with the profile's top-p and top-k; 0: greedy)
+                                    [--row-kernels-ab]    (each prompt twice: sampling's C row kernels, then torch's)
+                                    [--json out.json]     (the per-prompt and total overheads, with the CPU's flags)
 
 Forward hooks on the target's and the draft's top-level modules (the draft's subset head where the drafter
 scores a subset of the vocabulary, as the demo's does) time every forward; everything
@@ -16,12 +18,13 @@ import argparse
 import cProfile
 import json
 import pstats
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from specdec_cli.engine import SamplingParams
+from specdec_cli.engine import SamplingParams, sampling
 from specdec_cli.session import build_decoder, encode_chat
 from specdec_cli.settings import ModelOverrides, choose_models, load_choice, parse_k
 
@@ -57,6 +60,15 @@ def subset_head_clocks(draft, clocks: list[ForwardClock]) -> list[ForwardClock]:
     return [ForwardClock(head) for head in heads if id(head) not in clocked]
 
 
+def cpu_flags() -> list[str]:
+    """The /proc/cpuinfo flags that decide the kernels' code: which CPU kind a figure came from."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return []
+    return sorted(set(flags.split()) & {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile"})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", default="demo")
@@ -66,6 +78,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--draft-int8", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--row-kernels-ab", action="store_true")
+    parser.add_argument("--json", default=None)
     args = parser.parse_args()
     choice = choose_models(ModelOverrides(profile=args.profile, drafter=args.drafter, draft_int8=args.draft_int8))
     target, draft = load_choice(choice)
@@ -75,7 +89,13 @@ def main() -> None:
     profiler = cProfile.Profile()
     params = (SamplingParams(args.temperature, choice.profile.top_k, choice.profile.top_p, seed=0)
               if args.temperature else SamplingParams())
-    for prompt in prompts:
+    installed = sampling._row_kernels
+    runs = [(prompt, kernels) for prompt in prompts for kernels in ((installed, None) if args.row_kernels_ab else
+                                                                     (installed,))]
+    totals: dict[str, list[float]] = {}
+    records: list[dict] = []
+    for prompt, kernels in runs:
+        sampling.use_row_kernels(kernels)
         decoder = build_decoder(target, draft, choice.drafter, parse_k(args.k))
         clocks += subset_head_clocks(draft, clocks)
         stream = decoder.stream(prompt, params, args.max_new_tokens)
@@ -90,9 +110,25 @@ def main() -> None:
         forward_seconds = sum(clock.seconds for clock in clocks)
         target_forward = clocks[0].seconds / max(clocks[0].calls, 1)
         per_step = (wall - forward_seconds) / max(steps, 1)
-        print(f"prompt: {steps} steps after the prefill, forwards {forward_seconds:.2f}s of {wall:.2f}s")
+        label = "" if not args.row_kernels_ab else (" (C row kernels)" if kernels else " (torch)")
+        overhead = totals.setdefault(label, [0.0, 0])
+        overhead[0] += wall - forward_seconds
+        overhead[1] += steps
+        records.append({"prompt": prompts.index(prompt), "label": label.strip(" ()") or "as installed",
+                        "steps": steps, "wall_seconds": wall, "forward_seconds": forward_seconds,
+                        "overhead_ms_per_step": 1000 * per_step, "target_forward_ms": 1000 * target_forward})
+        print(f"prompt{label}: {steps} steps after the prefill, forwards {forward_seconds:.2f}s of {wall:.2f}s")
         print(f"  overhead {1000 * per_step:.2f} ms/step = {100 * per_step / target_forward:.1f}% of a target "
               f"forward ({1000 * target_forward:.0f} ms)")
+    sampling.use_row_kernels(installed)
+    for label, (seconds, steps) in totals.items():
+        print(f"all prompts{label}: overhead {1000 * seconds / max(steps, 1):.2f} ms/step over {steps} steps")
+    if args.json:
+        summary = {label.strip(" ()") or "as installed": {"overhead_ms_per_step": 1000 * seconds / max(steps, 1),
+                                                          "steps": steps} for label, (seconds, steps) in totals.items()}
+        Path(args.json).write_text(json.dumps({"command": sys.argv, "cpu_flags": cpu_flags(), "torch": torch.__version__,
+                                               "temperature": args.temperature, "summary": summary, "runs": records},
+                                              indent=1))
     print("\nPython functions with the most own time (all prompts, forwards included):")
     pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
 

@@ -14,6 +14,8 @@ from types import SimpleNamespace
 
 import torch
 
+from specdec_cli.engine.sampling import nonzero_ids
+
 
 # A draft's default vocabulary: its 65,536 most frequent ids, for vocabularies of more than 1.5 times that (Qwen2.5's
 # 151,936, Llama 3's 128,256, Gemma's 256,000). On the demo pair (q4 draft and target, 13 Spec-Bench prompts, one
@@ -73,8 +75,13 @@ class SubsetHeadLM(torch.nn.Module):
         return int(self.token_ids[index])
 
     def on_full_vocabulary(self, probs: torch.Tensor) -> torch.Tensor:
-        """(|subset|,) probabilities as (V,): each id's mass in its own place, 0 outside the subset."""
-        return torch.zeros(self.full_vocab_size, dtype=probs.dtype).index_copy_(0, self.token_ids, probs.cpu())
+        """(|subset|,) probabilities as (V,): each id's mass in its own place, 0 outside the subset. Only the
+        ids with mass are copied (top-k leaves a handful of the subset's 65,536)."""
+        probs = probs.cpu()
+        with_mass = nonzero_ids(probs)
+        full = torch.zeros(self.full_vocab_size, dtype=probs.dtype)
+        full[self.token_ids[with_mass]] = probs[with_mass]
+        return full
 
     def forward(self, input_ids, cache=None, use_cache=True, logits_to_keep=0, attention_mask=None,
                 position_ids=None, **kwargs):

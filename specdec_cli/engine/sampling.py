@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -48,9 +49,9 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     """(..., V) logits -> (..., V) float32 probabilities after temperature, top-k and top-p."""
     if params.greedy:
         return _one_hot_argmax(logits)
+    if params.top_k and params.top_k < logits.shape[-1]:
+        return _top_k_probs(logits.float(), params)
     scores = logits.float() / params.temperature
-    if params.top_k and params.top_k < scores.shape[-1]:
-        return _top_k_probs(scores, params)
     if params.top_p < 1.0:
         scores = _mask_outside_top_p(scores, params.top_p)
     return torch.softmax(scores, dim=-1)
@@ -67,13 +68,18 @@ def draft_odds(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return torch.softmax(scores, dim=-1)
 
 
-def _top_k_probs(scores: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def _top_k_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Top-k, then top-p among those k, computed over the k candidates only (sorting a 150k vocabulary for
-    top-p cost ~5 ms a row on a CPU core; k candidates cost nothing) and scattered back to (..., V). A tie
-    at the k-th score keeps every tied id, as a mask does: that rare case takes the whole-vocabulary path."""
-    values, indices = top_k(scores, params.top_k + 1)  # (..., k + 1), best first: the one past the k tells a tie
+    top-p cost ~5 ms a row on a CPU core; k candidates cost nothing) and scattered back to (..., V). The
+    candidates are found on the float32 logits and only their values divided by the temperature: dividing by
+    a positive number keeps the order, so those are the k + 1 best scores, the same floats. A tie at the k-th
+    score (after the division) keeps every tied id, as a mask does: that rare case takes the
+    whole-vocabulary path."""
+    values, indices = top_k(logits, params.top_k + 1)  # (..., k + 1), best first: the one past the k tells a tie
+    values = values / params.temperature
     kth_best = values[..., params.top_k - 1: params.top_k]
     if bool((values[..., -1:] == kth_best).any()):  # more than k ids score at least the k-th best
+        scores = logits / params.temperature
         masked = scores.masked_fill(scores < kth_best, float("-inf"))
         if params.top_p < 1.0:
             masked = _mask_outside_top_p(masked, params.top_p)
@@ -83,7 +89,26 @@ def _top_k_probs(scores: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         candidate_probs = torch.softmax(values, dim=-1)
         mass_before = torch.cumsum(candidate_probs, dim=-1) - candidate_probs
         values = values.masked_fill(mass_before >= params.top_p, float("-inf"))
-    return torch.zeros_like(scores).scatter_(-1, indices, torch.softmax(values, dim=-1))
+    return torch.zeros_like(logits).scatter_(-1, indices, torch.softmax(values, dim=-1))
+
+
+class RowKernels(Protocol):
+    """Faster passes over vocabulary-wide rows (models/row_kernels.py: specdec's C ones). Each returns None where
+    it declines, and the torch code below decides."""
+
+    def top_k(self, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+    def support(self, probs: torch.Tensor) -> torch.Tensor | None: ...
+
+
+_row_kernels: RowKernels | None = None
+
+
+def use_row_kernels(kernels: RowKernels | None) -> None:
+    """Run top_k and sample's support through `kernels` from now on (None: torch's code). Installed when
+    specdec's kernel library loads; the results are the same either way (tested)."""
+    global _row_kernels
+    _row_kernels = kernels
 
 
 TOP_K_BLOCK = 64  # top_k reads a row's maximum per block of this many ids first
@@ -93,8 +118,14 @@ def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.topk(scores, k, dim=-1) for a few rows of a large vocabulary, ~3x faster on a CPU (0.08 against 0.25 ms
     for a 152k row): the k best ids lie in the blocks whose maximum is at least the k-th best block maximum (k
     distinct ids score that much), so a pass of block maxima, then topk over those blocks' ids. The same values,
-    best first; among equal values the order may differ from torch.topk's (which does not promise one either)."""
+    best first; among equal values the order may differ from torch.topk's (which does not promise one either).
+    With row kernels installed, one pass of C over each row instead."""
     width = scores.shape[-1]
+    if _row_kernels is not None:
+        found = _row_kernels.top_k(scores.reshape(-1, width), k)
+        if found is not None:
+            shape = (*scores.shape[:-1], k)
+            return found[0].view(shape), found[1].view(shape)
     if width < 16 * k * TOP_K_BLOCK:
         return torch.topk(scores, k, dim=-1)
     rows = scores.reshape(-1, width)
@@ -140,7 +171,17 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     the ids with mass take part (top-k leaves a handful): multinomial over a 150k vocabulary cost ~3 ms a
     draw on a CPU core, over its support next to nothing; the distribution is the same."""
     probs = probs.float().cpu()
-    support = probs.nonzero().flatten()  # (n,) ids with mass
+    support = nonzero_ids(probs)  # (n,) ids with mass
     if len(support) == probs.numel():
         return int(torch.multinomial(probs, 1, generator=generator))
     return int(support[torch.multinomial(probs[support], 1, generator=generator)])
+
+
+def nonzero_ids(probs: torch.Tensor) -> torch.Tensor:
+    """(n,) the ids of a (V,) distribution's nonzero entries, in order: torch.nonzero, or one C pass with row
+    kernels installed (0.19 ms for a 152k row a forward had pushed out of the caches)."""
+    if _row_kernels is not None:
+        found = _row_kernels.support(probs)
+        if found is not None:
+            return found
+    return probs.nonzero().flatten()

@@ -27,9 +27,11 @@ from pathlib import Path
 
 import torch
 
+from specdec_cli.models import row_kernels
 from specdec_cli.models.paths import atomic_folder, cache_dir
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("int8_gemm.c", "q4_gemm.c", "layer_kernels.c"))  # one library
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("int8_gemm.c", "q4_gemm.c", "layer_kernels.c",
+                                                                  "sampling_kernels.c"))  # one library
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off")  # no contraction: the exact float steps
 ISA_NAMES = {2: "AVX512-VNNI", 1: "AVX2"}
 BLOCK = 32  # output rows per packed block (int8_gemm.c)
@@ -57,6 +59,7 @@ def load_library() -> tuple[ctypes.CDLL | None, int, str | None]:
     isa = library.specdec_isa()
     if not isa:
         return None, 0, "this CPU has neither AVX512-VNNI nor AVX2"
+    row_kernels.install(library)
     return library, (1 if choice == "avx2" else isa), None
 
 
@@ -128,6 +131,10 @@ def _declare(library: ctypes.CDLL) -> None:
                                                 pointer, pointer, size, pointer, size, size, pointer, pointer,
                                                 pointer, size, size, size, ctypes.c_float, pointer, ctypes.c_float,
                                                 pointer]
+    library.specdec_top_k_rows.restype = size
+    library.specdec_top_k_rows.argtypes = [pointer, size, size, size, pointer, pointer]
+    library.specdec_support.restype = size
+    library.specdec_support.argtypes = [pointer, size, pointer]
     library.specdec_lean_mlp.restype = integer
     library.specdec_lean_mlp.argtypes = [integer, integer, pointer, pointer, size, size, pointer, pointer,
                                          ctypes.c_float, pointer, pointer, pointer]

@@ -1,13 +1,35 @@
 """The logits -> probabilities transform shared by draft and target."""
 
 import math
+import os
 
 import pytest
 import torch
 
-from specdec_cli.engine.sampling import SamplingParams, logits_to_probs, make_generator, sample, top_k
+from specdec_cli.engine import sampling
+from specdec_cli.engine.sampling import SamplingParams, logits_to_probs, make_generator, nonzero_ids, sample, top_k
+from specdec_cli.models import int8_kernel
+from specdec_cli.models.row_kernels import CRowKernels
 
 LOGITS = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
+
+
+def c_row_kernels() -> CRowKernels:
+    library, _, problem = int8_kernel._library()
+    if library is None and not os.environ.get("CI"):
+        pytest.skip(f"specdec's kernel library does not load here: {problem}")
+    assert library is not None, problem
+    return CRowKernels(library)
+
+
+@pytest.fixture(params=["torch", "C"])
+def row_kernels(request):
+    """Each test that takes it runs on sampling's torch code and on the C row kernels that a loaded kernel
+    library installs (the process-wide choice is put back after)."""
+    before = sampling._row_kernels
+    sampling.use_row_kernels(c_row_kernels() if request.param == "C" else None)
+    yield request.param
+    sampling.use_row_kernels(before)
 
 
 def test_temperature_one_is_softmax():
@@ -60,7 +82,7 @@ def test_same_seed_same_draws():
 
 
 @pytest.mark.parametrize("width", [151_936, 65_536, 100_003])
-def test_top_k_on_a_large_vocabulary_finds_what_torch_topk_finds(width):
+def test_top_k_on_a_large_vocabulary_finds_what_torch_topk_finds(width, row_kernels):
     """top_k reads block maxima first: the same k best values and ids, rows alone and in a batch, with a row's
     best scattered over far blocks, a row of mostly -inf, and a width that is no multiple of the block."""
     generator = torch.Generator().manual_seed(width)
@@ -77,7 +99,7 @@ def test_top_k_on_a_large_vocabulary_finds_what_torch_topk_finds(width):
         assert torch.equal(top_k(rows[3], k)[0], expected.values[3])
 
 
-def test_top_k_probs_on_a_large_vocabulary_equal_the_masked_softmax():
+def test_top_k_probs_on_a_large_vocabulary_equal_the_masked_softmax(row_kernels):
     """The top-k path's candidates-only arithmetic against the whole-vocabulary definition (mask outside the k
     best, then top-p, softmax), also where the k-th and the next score tie (then every tied id stays)."""
     generator = torch.Generator().manual_seed(0)
@@ -96,3 +118,71 @@ def test_top_k_probs_on_a_large_vocabulary_equal_the_masked_softmax():
     probs = logits_to_probs(logits, params)
     assert torch.allclose(probs, expected, atol=1e-6)
     assert int((probs[2] > 0).sum()) == int((expected[2] > 0).sum())
+
+
+@pytest.mark.parametrize("width", [37, 1000, 65_536, 151_936])
+def test_c_top_k_gives_torch_topks_values_and_ids(width):
+    """The C pass against torch.topk: the same values best first, ids holding them, on widths that are and are
+    not multiples of its 32 floats a comparison, with the best ids in the last partial stretch too."""
+    kernels = c_row_kernels()
+    generator = torch.Generator().manual_seed(width)
+    rows = torch.randn(3, width, generator=generator) * 3
+    rows[1, -3:] = 50.0 + torch.arange(3.0)  # the best three at the very end
+    for k in (1, 2, 21, 33):
+        values, ids = kernels.top_k(rows, k)
+        expected = torch.topk(rows, k, dim=-1)
+        assert torch.equal(values, expected.values)
+        assert torch.equal(rows.gather(-1, ids), values)
+        assert all(len(set(row.tolist())) == k for row in ids)
+    assert kernels.top_k(rows, 129) is None  # more candidates than its sorted slots: torch decides
+
+
+def test_c_top_k_declines_nan_and_rows_short_of_k_finite_scores(row_kernels):
+    """A NaN (torch.topk puts it first) or fewer than k scores above -inf (torch.topk fills with -inf ids of its
+    choosing): the kernel declines and top_k still returns torch.topk's values."""
+    kernels = c_row_kernels()
+    short = torch.full((2, 5000), float("-inf"))
+    short[0, 7], short[1, 9], short[1, 4000] = 1.0, 2.0, 3.0
+    with_nan = torch.randn(1, 5000)
+    with_nan[0, 4990] = float("nan")
+    for rows in (short, with_nan):
+        assert kernels.top_k(rows, 3) is None
+        values, _ = top_k(rows, 3)
+        assert torch.equal(values.nan_to_num(7.0), torch.topk(rows, 3).values.nan_to_num(7.0))
+
+
+def test_c_support_is_torch_nonzero():
+    kernels = c_row_kernels()
+    generator = torch.Generator().manual_seed(1)
+    for width in (5, 32, 100_003, 151_936):
+        probs = torch.zeros(width)
+        probs[torch.randint(0, width, (min(width, 20),), generator=generator)] = 0.05
+        probs[-1] = 0.5
+        if width > 40:
+            probs[33] = float("nan")  # torch.nonzero counts a NaN
+            probs[34] = -0.0  # and not a negative zero
+        assert torch.equal(kernels.support(probs), probs.nonzero().flatten())
+    assert kernels.support(torch.zeros(64)).numel() == 0
+    assert kernels.support(torch.zeros(64, dtype=torch.float64)) is None
+
+
+def test_sampled_probabilities_and_draws_are_the_same_with_the_c_row_kernels():
+    """What the kernels change is speed only: logits_to_probs gives the same floats (also with a tie at the k-th
+    score and at temperatures whose division could round two scores together) and sample the same draws."""
+    generator = torch.Generator().manual_seed(2)
+    logits = torch.randn(4, 151_936, generator=generator) * 4
+    best = torch.topk(logits[3], 21).indices
+    logits[3, best[20]] = logits[3, best[19]]
+    before = sampling._row_kernels
+    try:
+        results = []
+        for kernels in (None, c_row_kernels()):
+            sampling.use_row_kernels(kernels)
+            probs = [logits_to_probs(logits, SamplingParams(t, 20, p)) for t in (0.7, 1.0, 0.3) for p in (0.8, 1.0)]
+            draws = [sample(row, make_generator(5)) for batch in probs for row in batch]
+            results.append((probs, draws, nonzero_ids(probs[0][0])))
+    finally:
+        sampling.use_row_kernels(before)
+    (torch_probs, torch_draws, torch_ids), (c_probs, c_draws, c_ids) = results
+    assert all(torch.equal(a, b) for a, b in zip(torch_probs, c_probs))
+    assert torch_draws == c_draws and torch.equal(torch_ids, c_ids)
