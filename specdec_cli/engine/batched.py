@@ -37,7 +37,8 @@ from specdec_cli.engine.decode import (
 )
 from specdec_cli.engine.draft import Draft
 from specdec_cli.engine.packed import PackedCache
-from specdec_cli.engine.sampling import SamplingParams, logits_to_probs, make_generator, sample
+from specdec_cli.engine.sampling import (SamplingParams, draft_odds, logits_to_probs, make_generator, nonzero_ids,
+                                         sample)
 from specdec_cli.engine.stats import GenerationStats
 from specdec_cli.errors import PromptTooLongError
 
@@ -230,16 +231,17 @@ class BatchedDecoder:
                 params, row_logits = live[index].request.params, logits[index][-1]
                 if params.greedy:
                     choice = int(row_logits.argmax())
-                    confidence = float(torch.softmax(row_logits.float(), -1)[choice]) if self.min_survival else 1.0
                 else:
                     probs = logits_to_probs(row_logits, params)
                     choice = sample(probs, live[index].generator)
-                    confidence = float(probs[choice])
                     rows_of_probs[index].append(self._on_draft_vocabulary(probs))
                 token = choice if self.draft_ids is None else int(self.draft_ids[choice])
                 drafted[index].append(token)
-                survival[index] *= confidence
-                if len(drafted[index]) < ks[index] and survival[index] >= self.min_survival:
+                if len(drafted[index]) == ks[index]:
+                    continue
+                # the draft's odds before top-k and top-p, as the one-sequence drafter reads them (sampling.draft_odds)
+                survival[index] *= float(draft_odds(row_logits, params)[choice]) if self.min_survival else 1.0
+                if survival[index] >= self.min_survival:
                     still.append(index)
             active = still
         return {index: Draft(drafted[index], torch.stack(rows_of_probs[index]) if rows_of_probs[index] else None)
@@ -249,8 +251,11 @@ class BatchedDecoder:
         """(V,) probabilities over the draft's own ids: a subset head's scattered back (0 off the subset)."""
         if self.draft_ids is None:
             return probs
+        probs = probs.cpu()
+        with_mass = nonzero_ids(probs)  # top-k leaves a handful of the subset's ids
         whole = torch.zeros(self.draft_width, dtype=probs.dtype)
-        return whole.index_copy_(0, self.draft_ids, probs.cpu())
+        whole[self.draft_ids[with_mass]] = probs[with_mass]
+        return whole
 
     def _advance(self, row: _Row, draft: Draft, verdict: Verdict, draft_seconds: float, verify_seconds: float) -> None:
         """The row takes the step's tokens, cut at EOS, the budget or its stop callback."""

@@ -62,8 +62,9 @@ def draft_odds(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     the sampling temperature, before top-k and top-p (greedy: at temperature 1); drafters/model.py says why. Measured,
     demo pair, 13 Spec-Bench prompts x 128 tokens at 0.7 / 0.8 / 20, interleaved: cascade x1.14 -> x1.22 over the
     target alone with these odds instead of the nucleus's renormalised probabilities (831/1450 -> 817/1196 drafted
-    tokens accepted; benchmarks/2026-12-05-drafters-ab-sampled-odds-avx512-q4.json). The batched engine still reads
-    the nucleus's (engine/batched.py): not measured there."""
+    tokens accepted; benchmarks/2026-12-05-drafters-ab-sampled-odds-avx512-q4.json). The batched engine reads the same
+    odds (engine/batched.py); at batch size 2 its rows drafted the same either way, as its cost model kept their drafts
+    too short for the cut to decide (benchmarks/2026-12-05-batched-ab-draft-odds-b2-avx512-q4-sampled.json)."""
     scores = logits.float() if params.greedy else logits.float() / params.temperature
     return torch.softmax(scores, dim=-1)
 

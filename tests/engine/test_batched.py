@@ -233,3 +233,24 @@ def test_a_subset_head_and_a_window_draft_in_a_batch_as_the_drafter_alone(target
         assert (result.tokens, result.stats.drafted, result.stats.accepted) == (
             single.tokens, single.stats.drafted, single.stats.accepted)
         assert result.stats.accepted > 0
+
+
+@pytest.mark.parametrize("threshold", [0.3, 0.6])
+def test_a_sampled_rows_survival_reads_the_drafts_odds_before_top_k_and_top_p(target, near_draft, threshold):
+    """As the one-sequence drafter: a row's draft stops where the product of the draft's own odds (its softmax at
+    the sampling temperature, before top-k and top-p) falls below the cut, while the acceptance rule still gets
+    the nucleus's probabilities. A top-p that leaves one token gives it probability 1: cut on those, the row
+    drafted all 12."""
+    params = SamplingParams(temperature=0.7, top_p=0.05, top_k=5, seed=0)
+    decoder = BatchedDecoder(target, near_draft, "model", batch_size=2, k=12)
+    decoder.min_survival = threshold  # as k = auto sets it, with the length fixed at 12
+    prompt = prompts(1, seed=3)[0]
+    row = decoder._admit(0, RowRequest(prompt, params, 40))
+    draft = decoder._draft_with_model({0: 12}, {0: row})[0]
+    with torch.no_grad():
+        logits = near_draft(torch.tensor([prompt + draft.ids])).logits[0, len(prompt) - 1:]
+    assert draft.ids == logits[: len(draft)].argmax(-1).tolist()  # a nucleus of one: its best token
+    assert draft.probs.max(-1).values.tolist() == [1.0] * len(draft)
+    survival = torch.cumprod(torch.softmax(logits.float() / 0.7, -1).max(-1).values[: len(draft)], 0)
+    assert bool((survival[:-1] >= threshold).all())
+    assert len(draft) < 12 and float(survival[-1]) < threshold
