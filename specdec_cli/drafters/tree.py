@@ -45,7 +45,7 @@ from specdec_cli.engine.draft import EMPTY_DRAFT, Draft, DraftRule, Drafter
 from specdec_cli.drafters.subset_head import subset_head
 from specdec_cli.drafters.window import DraftWindow
 from specdec_cli.engine.kv import CachedModel
-from specdec_cli.engine.sampling import draft_odds, logits_to_probs
+from specdec_cli.engine.sampling import draft_odds, logits_to_probs, nonzero_ids, top_k
 from specdec_cli.engine.tree import children_of
 
 if TYPE_CHECKING:
@@ -156,12 +156,14 @@ class TreeDrafter(Drafter):
             probs = odds if params.greedy else logits_to_probs(logits, params)  # what sampling draws from
             parent = frontier[i]
             base = scores[parent] if parent >= 0 else 0.0
-            top = torch.topk(odds, min(self.branching, odds.shape[-1]))
-            count = min(self._children(top.values.tolist(), base), room)
+            top_odds, top_ids = top_k(odds, min(self.branching, odds.shape[-1]))
+            count = min(self._children(top_odds.tolist(), base), room)
             if params.greedy:
-                children = top.indices[:count].tolist()
-            else:
-                children = torch.multinomial(probs, count, replacement=True, generator=generator).tolist()
+                children = top_ids[:count].tolist()
+            else:  # drawn among the ids with mass only: over a 65,536-id row torch.multinomial took ~1 ms a call
+                with_mass = nonzero_ids(probs)
+                draws = torch.multinomial(probs[with_mass], count, replacement=True, generator=generator)
+                children = with_mass[draws].tolist()
             row = probs if params.greedy or self.head is None else self.head.on_full_vocabulary(probs)
             for index in children:
                 tree_ids.append(self.head.token_id(index) if self.head is not None else int(index))

@@ -242,8 +242,10 @@ class SpeculativeDecoder:
         if params.greedy:
             tree_verdict = greedy_tree_verdict(draft.ids, draft.parents, target_logits)
         else:
-            target_probs = logits_to_probs(target_logits, params)
-            tree_verdict = sampling_tree_verdict(draft.ids, draft.probs, draft.parents, target_probs, generator)
+            def target_row(row: int) -> torch.Tensor:  # only the rows the walk reaches
+                return logits_to_probs(target_logits[row], params)
+
+            tree_verdict = sampling_tree_verdict(draft.ids, draft.probs, draft.parents, target_row, generator)
         return tree_verdict.path, Verdict(len(tree_verdict.path), tree_verdict.next_token, tree_verdict.is_bonus)
 
 def trim_step(

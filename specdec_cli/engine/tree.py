@@ -16,6 +16,7 @@ Acceptance walks the tree from the sequence:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -121,18 +122,19 @@ def sampling_tree_verdict(
     draft_ids: list[int],
     draft_probs: torch.Tensor | None,
     parents: list[int],
-    target_probs: torch.Tensor,
+    target_probs: "torch.Tensor | Callable[[int], torch.Tensor]",
     generator: torch.Generator,
 ) -> TreeVerdict:
     """draft_probs: (T, V_draft), row i the distribution node i was drawn from, or None when every node
     was chosen deterministically (point masses); target_probs: (T+1, V_target), rows as in
-    `greedy_tree_verdict`."""
-    target_probs = target_probs.float().cpu()
+    `greedy_tree_verdict`, or a function giving row i of it (the decoder computes only the rows the walk
+    reaches: a few of a tree's T+1, each 152k wide on the demo target)."""
+    target_row = target_probs if callable(target_probs) else target_probs.__getitem__
     draft_probs = None if draft_probs is None else draft_probs.float().cpu()
-    width = target_probs.shape[-1]
 
     def choose(node: int, kids: list[int]) -> tuple[int | None, int | None]:
-        residual = target_probs[node + 1]
+        residual = target_row(node + 1).float().cpu()
+        width = residual.shape[-1]
         for child in kids:
             token = draft_ids[child]
             draft_row = _draft_row(token, draft_probs, child, width)
