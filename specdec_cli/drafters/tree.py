@@ -8,10 +8,15 @@ children each, and each gets its children, most probable parent first, until `bu
 (possibly in the middle of a level) or the depth limit is reached. The depth limit is the policy's k (and
 `max_depth`): a step emits at most depth + 1 tokens.
 
-Children: greedy decoding takes each node's top-`branching` tokens; sampling draws `branching` children
-i.i.d. from the draft's distribution (shaped like the target's) and reports that distribution for each,
-as multi-candidate rejection needs (see engine/tree.py). A repeated draw stays in the tree (dropping it
-would bias the result) but is never expanded: its subtree would repeat its twin's.
+Children: greedy decoding takes each node's top-`branching` tokens; sampling draws `branching` distinct
+children from the draft's distribution (shaped like the target's), each from that distribution less the
+siblings drawn before it, and reports for each the distribution it was drawn from, as multi-candidate
+rejection needs (see engine/tree.py: a sibling is accepted with min(1, r/q) against the residual r its
+elder siblings' rejections left, q being its own distribution; that stays exact whatever each q is, since a
+rejection leaves a residual that does not depend on the rejected id). Drawn i.i.d. instead, as until 5
+December, a second child repeated the first more often than not at the chat defaults, and a repeat can never
+be accepted: its id's residual is 0 once its twin was rejected. Should two siblings still name the same id,
+the second is never expanded: its subtree would repeat its twin's.
 
 After the step, `update` keeps the accepted branch's entries in the draft's cache (`keep_path`). With a
 `window` the draft reads only the window's tokens of the sequence (window.py), as the model drafter does.
@@ -30,7 +35,7 @@ cut: what one more node adds to the verify, in the tokens it must return. A node
 level's forward) where its path's odds reach the rule's `min_survival`, exactly as a chain drafts its next token;
 so without branches the tree is the chain the model drafter drafts, and the branches go where the draft
 hesitates. Sampling decides how many children a node gets from the draft's sorted probabilities before it
-draws them, so the draws stay i.i.d. as multi-candidate rejection needs."""
+draws them, so each draw's distribution is known before it is made, as multi-candidate rejection needs."""
 
 from __future__ import annotations
 
@@ -160,15 +165,13 @@ class TreeDrafter(Drafter):
             count = min(self._children(top_odds.tolist(), base), room)
             if params.greedy:
                 children = top_ids[:count].tolist()
-            else:  # drawn among the ids with mass only: over a 65,536-id row torch.multinomial took ~1 ms a call
-                with_mass = nonzero_ids(probs)
-                draws = torch.multinomial(probs[with_mass], count, replacement=True, generator=generator)
-                children = with_mass[draws].tolist()
-            row = probs if params.greedy or self.head is None else self.head.on_full_vocabulary(probs)
-            for index in children:
+                child_rows = [probs] * count
+            else:
+                children, child_rows = _draw_distinct(probs, count, generator)
+            for index, row in zip(children, child_rows):
                 tree_ids.append(self.head.token_id(index) if self.head is not None else int(index))
                 parents.append(parent)
-                rows.append(row)
+                rows.append(row if params.greedy or self.head is None else self.head.on_full_vocabulary(row))
                 scores.append(base + math.log(max(float(odds[index]), 1e-30)))
                 level.append(len(tree_ids) - 1)
         return level
@@ -217,6 +220,21 @@ class TreeDrafter(Drafter):
         self.runner.reset()
         self.window.reset()
         self._proposed = None
+
+
+def _draw_distinct(probs: torch.Tensor, count: int, generator: torch.Generator) -> tuple[list[int], list[torch.Tensor]]:
+    """Up to `count` distinct ids drawn one after the other, each from `probs` less the ids drawn before it
+    (renormalised), and that distribution for each: what multi-candidate rejection must divide by (module
+    docstring). Drawn among the ids with mass only (over a 65,536-id row torch.multinomial took ~1 ms a call)."""
+    with_mass = nonzero_ids(probs)
+    count = min(count, len(with_mass))
+    children = with_mass[torch.multinomial(probs[with_mass], count, replacement=False, generator=generator)].tolist()
+    rows = [probs]
+    for drawn in children[:-1]:
+        remaining = rows[-1].clone()
+        remaining[drawn] = 0.0
+        rows.append(remaining / remaining.sum())
+    return children, rows
 
 
 def _first_of_twins(level: list[int], tree_ids: list[int], parents: list[int]) -> list[int]:

@@ -12,7 +12,9 @@ Acceptance walks the tree from the sequence:
   p <- normalise(max(0, p - q)). When every child is rejected the next token is drawn from what is left
   of p. Each try is one ordinary speculative-sampling step towards the current residual, so the token
   emitted at a node is distributed exactly as the target's p, provided every child was drawn
-  independently of the verification (i.i.d. from q, or chosen deterministically)."""
+  independently of the verification from the q it is reported with (which may depend on its elder
+  siblings: the tree drafter draws distinct children, each from q less the ids before it), or chosen
+  deterministically."""
 
 from __future__ import annotations
 

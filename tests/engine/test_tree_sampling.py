@@ -3,14 +3,15 @@ catches a wrong residual (power check).
 
 The harness of test_decode_sampling (20,000 seeded generations, every one of the first 3 tokens
 compared with the target's exact marginals, chi-square and a TV ceiling), with the trigram LMs taught
-to read a tree mask. Trees have >= 2 children per node: sampled i.i.d. from the draft (the tree
-drafter) and, separately, chosen deterministically (point masses)."""
+to read a tree mask. Trees have >= 2 children per node: distinct draws from the draft, each reported with the distribution it
+was drawn from (the tree drafter), and, separately, chosen deterministically (point masses)."""
 
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from specdec_cli.drafters import tree as tree_drafter
 from specdec_cli.drafters.tree import TreeDrafter
 from specdec_cli.engine import SamplingParams
 from specdec_cli.engine import tree as tree_module
@@ -95,4 +96,19 @@ def test_a_wrong_residual_is_caught(pair, monkeypatch):
     """Power check: keep the target's distribution after a rejection instead of subtracting the draft's."""
     monkeypatch.setattr(tree_module, "next_residual", lambda residual, draft_row: residual)
     case = CASES["point-mass tree"]
+    assert failures(pair, case, sample_case(pair, case)) != []
+
+
+@pytest.mark.slow
+def test_siblings_reported_with_the_undivided_distribution_are_caught(pair, monkeypatch):
+    """Power check: siblings drawn without replacement but each reported as drawn from the draft's whole
+    distribution (the second's q without the first's id left out and renormalised) skew the output."""
+    draw_distinct = tree_drafter._draw_distinct
+
+    def undivided(probs, count, generator):
+        children, _rows = draw_distinct(probs, count, generator)
+        return children, [probs] * len(children)
+
+    monkeypatch.setattr(tree_drafter, "_draw_distinct", undivided)
+    case = CASES["sampled tree, 6 nodes, 2 children"]
     assert failures(pair, case, sample_case(pair, case)) != []
