@@ -33,7 +33,7 @@ from specdec_cli.drafters.subset_head import subset_head
 from specdec_cli.drafters.window import DraftWindow
 from specdec_cli.engine.context import context_length
 from specdec_cli.engine.kv import CachedModel
-from specdec_cli.engine.sampling import draft_odds, logits_to_probs, sample
+from specdec_cli.engine.sampling import argmax_ids, draft_odds, logits_to_probs, sample
 
 if TYPE_CHECKING:
     from specdec_cli.engine.sampling import SamplingParams
@@ -66,7 +66,7 @@ class DraftModelDrafter(Drafter):
         survival = 1.0
         for position in range(k):
             if params.greedy:
-                index = int(logits.argmax())
+                index = argmax_ids(logits)[0]
                 check = self.min_survival or (self.min_confidence and position)
                 confidence = float(draft_odds(logits, params)[index]) if check else 1.0
             else:

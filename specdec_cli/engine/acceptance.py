@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec_cli.engine.sampling import sample
+from specdec_cli.engine.sampling import argmax_ids, sample
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class Verdict:
 
 def greedy_verdict(draft_ids: list[int], target_logits: torch.Tensor) -> Verdict:
     """target_logits: (k+1, V_target), row i scores the token after draft_ids[:i]."""
-    target_argmax = target_logits.argmax(dim=-1).tolist()  # (k+1,)
+    target_argmax = argmax_ids(target_logits)  # (k+1,)
     accepted = 0
     for drafted, wanted in zip(draft_ids, target_argmax):
         if drafted != wanted:

@@ -37,8 +37,8 @@ from specdec_cli.engine.decode import (
 )
 from specdec_cli.engine.draft import Draft
 from specdec_cli.engine.packed import PackedCache
-from specdec_cli.engine.sampling import (SamplingParams, draft_odds, logits_to_probs, make_generator, nonzero_ids,
-                                         sample)
+from specdec_cli.engine.sampling import (SamplingParams, argmax_ids, draft_odds, logits_to_probs, make_generator,
+                                         nonzero_ids, sample)
 from specdec_cli.engine.stats import GenerationStats
 from specdec_cli.errors import PromptTooLongError
 
@@ -230,7 +230,7 @@ class BatchedDecoder:
             for index in active:
                 params, row_logits = live[index].request.params, logits[index][-1]
                 if params.greedy:
-                    choice = int(row_logits.argmax())
+                    choice = argmax_ids(row_logits)[0]
                 else:
                     probs = logits_to_probs(row_logits, params)
                     choice = sample(probs, live[index].generator)

@@ -178,6 +178,18 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int(support[torch.multinomial(probs[support], 1, generator=generator)])
 
 
+def argmax_ids(logits: torch.Tensor) -> list[int]:
+    """The argmax of each row of (..., V) logits, flattened to a list (the first of equal maxima, as torch.argmax
+    gives): one C pass a row with row kernels installed (a greedy verify's 3 target rows, cold after the forward,
+    took 0.3 ms through torch.argmax)."""
+    width = logits.shape[-1]
+    if _row_kernels is not None:
+        found = _row_kernels.top_k(logits.reshape(-1, width), 1)
+        if found is not None:
+            return found[1].flatten().tolist()
+    return logits.reshape(-1, width).argmax(dim=-1).tolist()
+
+
 def nonzero_ids(probs: torch.Tensor) -> torch.Tensor:
     """(n,) the ids of a (V,) distribution's nonzero entries, in order: torch.nonzero, or one C pass with row
     kernels installed (0.19 ms for a 152k row a forward had pushed out of the caches)."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec_cli.engine.acceptance import _draft_row_on_target_range as _draft_row
-from specdec_cli.engine.sampling import sample
+from specdec_cli.engine.sampling import argmax_ids, sample
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ def first_child_chain(parents: list[int]) -> list[int]:
 def greedy_tree_verdict(draft_ids: list[int], parents: list[int], target_logits: torch.Tensor) -> TreeVerdict:
     """target_logits: (T+1, V_target); row 0 scores the token after the sequence, row i+1 the token
     after node i's path."""
-    target_argmax = target_logits.argmax(dim=-1).tolist()  # (T+1,)
+    target_argmax = argmax_ids(target_logits)  # (T+1,)
 
     def choose(node: int, kids: list[int]) -> tuple[int | None, int | None]:
         wanted = target_argmax[node + 1]

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from specdec_cli.engine import sampling
-from specdec_cli.engine.sampling import SamplingParams, logits_to_probs, make_generator, nonzero_ids, sample, top_k
+from specdec_cli.engine.sampling import (SamplingParams, argmax_ids, logits_to_probs, make_generator, nonzero_ids, sample,
+                                         top_k)
 from specdec_cli.models import int8_kernel
 from specdec_cli.models.row_kernels import CRowKernels
 
@@ -186,3 +187,16 @@ def test_sampled_probabilities_and_draws_are_the_same_with_the_c_row_kernels():
     (torch_probs, torch_draws, torch_ids), (c_probs, c_draws, c_ids) = results
     assert all(torch.equal(a, b) for a, b in zip(torch_probs, c_probs))
     assert torch_draws == c_draws and torch.equal(torch_ids, c_ids)
+
+
+def test_argmax_ids_is_torch_argmax_also_on_ties(row_kernels):
+    """Greedy decoding's argmax, on either path: the first of equal maxima, as torch.argmax gives it; a NaN or a row
+    of -inf goes to torch.argmax itself."""
+    generator = torch.Generator().manual_seed(4)
+    logits = torch.randn(5, 151_936, generator=generator)
+    logits[1, 90_000] = logits[1, 7] = 9.0  # a tie: the first one counts
+    logits[2, -1] = 9.0  # the best at the very end
+    logits[3] = float("-inf")
+    logits[4, 5] = float("nan")
+    assert argmax_ids(logits) == logits.argmax(dim=-1).tolist() == [argmax_ids(row)[0] for row in logits]
+    assert argmax_ids(logits)[1] == 7
