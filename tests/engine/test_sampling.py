@@ -200,3 +200,16 @@ def test_argmax_ids_is_torch_argmax_also_on_ties(row_kernels):
     logits[4, 5] = float("nan")
     assert argmax_ids(logits) == logits.argmax(dim=-1).tolist() == [argmax_ids(row)[0] for row in logits]
     assert argmax_ids(logits)[1] == 7
+
+
+def test_loading_the_kernel_library_installs_the_row_kernels():
+    """What a q4 or int8 model's first use does: the library's load hands sampling its C passes."""
+    before = sampling._row_kernels
+    try:
+        sampling.use_row_kernels(None)
+        library, _, problem = int8_kernel.load_library()
+        if library is None and not os.environ.get("CI"):
+            pytest.skip(f"specdec's kernel library does not load here: {problem}")
+        assert isinstance(sampling._row_kernels, CRowKernels)
+    finally:
+        sampling.use_row_kernels(before)
