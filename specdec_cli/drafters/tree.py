@@ -14,8 +14,8 @@ siblings drawn before it, and reports for each the distribution it was drawn fro
 rejection needs (see engine/tree.py: a sibling is accepted with min(1, r/q) against the residual r its
 elder siblings' rejections left, q being its own distribution; that stays exact whatever each q is, since a
 rejection leaves a residual that does not depend on the rejected id). Drawn i.i.d. instead, as until 5
-December, a second child repeated the first nearly half the time at the chat defaults (52 of 113 branching
-nodes on 8 Spec-Bench prompts), and a repeat can never be accepted: its id's residual is 0 once its twin was
+December, a second child repeated the first about half the time at the chat defaults (scripts/sibling_repeats.py:
+48 of 95 branching nodes on 8 Spec-Bench prompts), and a repeat can never be accepted: its id's residual is 0 once its twin was
 rejected. Should two siblings still name the same id, the second is never expanded: its subtree would repeat
 its twin's.
 
