@@ -22,12 +22,11 @@ from pathlib import Path
 import torch
 
 from kernel_ab import spec_bench_prompts
-from policy_ab import ROOT, base_module
+from policy_ab import ROOT, base_and_demo_pair
 from specdec_cli.engine import SamplingParams
 from specdec_cli.engine.batched import RowRequest
 from specdec_cli.models.calibrate import machine
 from specdec_cli.session import build_batched_decoder
-from specdec_cli.settings import ModelOverrides, choose_models, load_choice
 
 
 def batch(decoder, requests: list[RowRequest]) -> dict:
@@ -50,9 +49,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", default="")
     args = parser.parse_args()
-    base = base_module(args.base, "specdec_cli/engine/batched.py", "base_batched")
-    choice = choose_models(ModelOverrides(profile="demo"))
-    target, draft = load_choice(choice)
+    base, choice, target, draft = base_and_demo_pair(args.base, "specdec_cli/engine/batched.py", "base_batched")
     profile = choice.profile
     params = (SamplingParams(args.temperature, profile.top_k, profile.top_p, seed=0) if args.temperature
               else SamplingParams())

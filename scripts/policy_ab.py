@@ -49,6 +49,15 @@ def base_module(revision: str, path: str, name: str):
     return module
 
 
+def base_and_demo_pair(revision: str, path: str, name: str):
+    """The module at `path` as it was at `revision` (imported as `name`), the demo profile's choice, and its loaded
+    target and draft: what each A/B script here starts from."""
+    base = base_module(revision, path, name)
+    choice = choose_models(ModelOverrides(profile="demo"))
+    target, draft = load_choice(choice)
+    return base, choice, target, draft
+
+
 def as_base(decoder, what: str, base: dict, curve) -> None:
     """Make `decoder` run the base revision's policy, or its drafters (the same object, the base's class)."""
     if what == "policy":

@@ -13,11 +13,10 @@ import json
 from pathlib import Path
 
 from kernel_ab import spec_bench_prompts
-from policy_ab import base_module
+from policy_ab import base_and_demo_pair
 from specdec_cli.engine import SamplingParams
 from specdec_cli.models.calibrate import machine
 from specdec_cli.session import build_decoder
-from specdec_cli.settings import ModelOverrides, choose_models, load_choice
 
 
 def counting(drafter, counts: dict[str, int]):
@@ -44,9 +43,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--json", default="")
     args = parser.parse_args()
-    base = base_module(args.base, "specdec_cli/drafters/tree.py", "base_tree")
-    choice = choose_models(ModelOverrides(profile="demo"))
-    target, draft = load_choice(choice)
+    base, choice, target, draft = base_and_demo_pair(args.base, "specdec_cli/drafters/tree.py", "base_tree")
     params = SamplingParams(0.7, choice.profile.top_k, choice.profile.top_p, seed=0)
     counts = {"branching": 0, "repeats": 0}
     for prompt in spec_bench_prompts(target.tokenizer, choice.profile.system, 13)[: args.prompts]:
