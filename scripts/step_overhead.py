@@ -4,7 +4,7 @@ forward, as a share of one verification forward.
     python scripts/step_overhead.py [--profile demo] [--drafter cascade] [--k auto] [--prompts 3] [--max-new-tokens 96]
                                     [--temperature 0.7]   (sampling, with the profile's top-p and top-k; 0: greedy)
                                     [--row-kernels-ab]    (each prompt twice: sampling's C row kernels, then torch's)
-                                    [--json out.json]     (the per-prompt and total overheads, with the CPU's flags)
+                                    [--json out.json]     (the per-prompt and total overheads, with the machine: CPU flags, versions)
 
 Forward hooks on the target's and the draft's top-level modules (the draft's subset head where the drafter
 scores a subset of the vocabulary, as the demo's does) time every forward; everything
@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from specdec_cli.engine import SamplingParams, sampling
+from specdec_cli.models.calibrate import machine
 from specdec_cli.session import build_decoder, encode_chat
 from specdec_cli.settings import ModelOverrides, choose_models, load_choice, parse_k
 
@@ -58,15 +59,6 @@ def subset_head_clocks(draft, clocks: list[ForwardClock]) -> list[ForwardClock]:
     clocked = {id(clock.module) for clock in clocks}
     heads = draft.model.__dict__.get("_specdec_subset_heads", {}).values()
     return [ForwardClock(head) for head in heads if id(head) not in clocked]
-
-
-def cpu_flags() -> list[str]:
-    """The /proc/cpuinfo flags that decide the kernels' code: which CPU kind a figure came from."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return []
-    return sorted(set(flags.split()) & {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile"})
 
 
 def main() -> None:
@@ -126,7 +118,7 @@ def main() -> None:
     if args.json:
         summary = {label.strip(" ()") or "as installed": {"overhead_ms_per_step": 1000 * seconds / max(steps, 1),
                                                           "steps": steps} for label, (seconds, steps) in totals.items()}
-        Path(args.json).write_text(json.dumps({"command": sys.argv, "cpu_flags": cpu_flags(), "torch": torch.__version__,
+        Path(args.json).write_text(json.dumps({"command": sys.argv, "machine": machine(),
                                                "temperature": args.temperature, "summary": summary, "runs": records},
                                               indent=1))
     print("\nPython functions with the most own time (all prompts, forwards included):")

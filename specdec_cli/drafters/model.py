@@ -67,12 +67,11 @@ class DraftModelDrafter(Drafter):
         for position in range(k):
             if params.greedy:
                 index = argmax_ids(logits)[0]
-                check = self.min_survival or (self.min_confidence and position)
-                confidence = float(draft_odds(logits, params)[index]) if check else 1.0
             else:
                 probs = logits_to_probs(logits, params)
                 index = sample(probs, generator)
-                confidence = float(draft_odds(logits, params)[index])
+            check = self.min_survival or (self.min_confidence and position)  # else the odds decide nothing
+            confidence = float(draft_odds(logits, params)[index]) if check else 1.0
             if position and confidence < self.min_confidence:
                 break
             drafted.append(self._token_id(index))

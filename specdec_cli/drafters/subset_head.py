@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import torch
 
-from specdec_cli.engine.sampling import nonzero_ids
+from specdec_cli.engine.sampling import spread
 
 
 # A draft's default vocabulary: its 65,536 most frequent ids, for vocabularies of more than 1.5 times that (Qwen2.5's
@@ -75,13 +75,8 @@ class SubsetHeadLM(torch.nn.Module):
         return int(self.token_ids[index])
 
     def on_full_vocabulary(self, probs: torch.Tensor) -> torch.Tensor:
-        """(|subset|,) probabilities as (V,): each id's mass in its own place, 0 outside the subset. Only the
-        ids with mass are copied (top-k leaves a handful of the subset's 65,536)."""
-        probs = probs.cpu()
-        with_mass = nonzero_ids(probs)
-        full = torch.zeros(self.full_vocab_size, dtype=probs.dtype)
-        full[self.token_ids[with_mass]] = probs[with_mass]
-        return full
+        """(|subset|,) probabilities as (V,): each id's mass in its own place, 0 outside the subset."""
+        return spread(probs, self.token_ids, self.full_vocab_size)
 
     def forward(self, input_ids, cache=None, use_cache=True, logits_to_keep=0, attention_mask=None,
                 position_ids=None, **kwargs):

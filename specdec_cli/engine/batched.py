@@ -38,7 +38,7 @@ from specdec_cli.engine.decode import (
 from specdec_cli.engine.draft import Draft
 from specdec_cli.engine.packed import PackedCache
 from specdec_cli.engine.sampling import (SamplingParams, argmax_ids, draft_odds, logits_to_probs, make_generator,
-                                         nonzero_ids, sample)
+                                         sample, spread)
 from specdec_cli.engine.stats import GenerationStats
 from specdec_cli.errors import PromptTooLongError
 
@@ -251,11 +251,7 @@ class BatchedDecoder:
         """(V,) probabilities over the draft's own ids: a subset head's scattered back (0 off the subset)."""
         if self.draft_ids is None:
             return probs
-        probs = probs.cpu()
-        with_mass = nonzero_ids(probs)  # top-k leaves a handful of the subset's ids
-        whole = torch.zeros(self.draft_width, dtype=probs.dtype)
-        whole[self.draft_ids[with_mass]] = probs[with_mass]
-        return whole
+        return spread(probs, self.draft_ids, self.draft_width)
 
     def _advance(self, row: _Row, draft: Draft, verdict: Verdict, draft_seconds: float, verify_seconds: float) -> None:
         """The row takes the step's tokens, cut at EOS, the budget or its stop callback."""
