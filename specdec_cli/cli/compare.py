@@ -26,6 +26,7 @@ from specdec_cli.cli.options import (
 )
 from specdec_cli.errors import InputError, MissingExtraError
 from specdec_cli.models import load_model
+from specdec_cli.profiles import DRAFTERS
 from specdec_cli.prompts import builtin_prompts, read_prompt_file, select_prompts
 from specdec_cli.session import tree_nodes
 from specdec_cli.settings import (
@@ -91,7 +92,7 @@ def compare_command(
     """Benchmark speculative configurations against the target alone on the same prompts, with the
     theory's expected speedup beside each measurement. Greedy unless --temperature; 128 new tokens
     unless --max-new-tokens."""
-    drafters = _split(drafter)
+    drafters = _drafter_names(drafter)
     _check_batch_size(batch_size, with_hf=with_hf, by_category=by_category, plot=plot)
     if batch_size is not None:
         bench.check_batched_drafters(drafters)  # before choose_models, which may ask for a draft the tree needs
@@ -146,6 +147,15 @@ def compare_command(
 
 def _split(values: str | None) -> list[str]:
     return [value.strip() for value in (values or "").split(",") if value.strip()]
+
+
+def _drafter_names(drafter: str | None) -> list[str]:
+    """--drafter as a list of known drafters, refused before any model loads (a typo cost the load, ~10 s)."""
+    names = _split(drafter)
+    unknown = [name for name in names if name not in DRAFTERS]
+    if unknown:
+        raise InputError(f"unknown drafter {unknown[0]!r}", f"use one or more of {', '.join(DRAFTERS)}, comma-separated")
+    return names
 
 
 def _drafter_for_choice(drafters: list[str]) -> str | None:

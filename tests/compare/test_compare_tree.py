@@ -25,6 +25,19 @@ def test_tree_size_without_the_tree_drafter_is_refused(tiny_pair, tmp_path):
     assert result.exit_code == 2 and "--tree-size needs --drafter tree" in result.output
 
 
+def test_an_unknown_drafter_in_the_list_is_refused_before_any_model_loads(tiny_pair, tmp_path, monkeypatch):
+    from specdec_cli.cli import compare
+
+    def load_choice(*args, **kwargs):
+        raise AssertionError("a model was loaded before the drafter list was checked")
+
+    monkeypatch.setattr(compare, "load_choice", load_choice)
+    result = invoke("--target", tiny_pair.target, "--draft", tiny_pair.draft, "--drafter", "model,forest",
+                    env={"SPECDEC_HOME": str(tmp_path / "home")})
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output  # no other exception
+    assert "unknown drafter 'forest'" in result.output and "model, ngram, cascade, tree" in result.output
+
+
 def test_a_bad_tree_size_is_refused(tiny_pair, tmp_path):
     result = invoke("--target", tiny_pair.target, "--draft", tiny_pair.draft, "--drafter", "tree",
                     "--tree-size", "8,x", env={"SPECDEC_HOME": str(tmp_path / "home")})
