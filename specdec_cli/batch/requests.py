@@ -131,7 +131,17 @@ def _plain_fields(value: dict) -> dict:
         raise BadRecord('no "prompt" or "messages"')
     if prompt is not None and messages is not None:
         raise BadRecord('both "prompt" and "messages": give one')
-    return {**_input_fields(prompt, messages), **_sampling_fields(value, value.get("max_new_tokens"), "max_new_tokens")}
+    limit_key = _plain_limit_key(value)
+    return {**_input_fields(prompt, messages), **_sampling_fields(value, value.get(limit_key), limit_key)}
+
+
+def _plain_limit_key(value: dict) -> str:
+    """Which key holds a plain line's token limit: transformers' max_new_tokens or vLLM's and OpenAI's max_tokens
+    (ignored as an unknown key until 5 December: such a line ran to the command's limit), not both."""
+    given = [key for key in ("max_new_tokens", "max_tokens") if value.get(key) is not None]
+    if len(given) == 2:
+        raise BadRecord('both "max_new_tokens" and "max_tokens": give one')
+    return given[0] if given else "max_new_tokens"
 
 
 def _openai_fields(value: dict) -> dict:

@@ -27,6 +27,14 @@ def test_a_messages_record_and_unset_options():
     assert request == Request(1, 7, openai=False, chat=True, messages=({"role": "user", "content": "Hi"},), stop=("x",))
 
 
+def test_a_prompt_records_limit_may_be_named_max_tokens_as_vllm_names_it():
+    assert parse({"id": "a", "prompt": "x", "max_tokens": 9}).max_new_tokens == 9
+    assert parse({"prompt": "x", "max_tokens": 0}).error == 'line 1: "max_tokens" must be at least 1, got 0'
+    assert parse({"prompt": "x", "max_tokens": 3, "max_new_tokens": 3}).error == (
+        'line 1: both "max_new_tokens" and "max_tokens": give one')
+    assert parse({"prompt": "x", "max_tokens": None, "max_new_tokens": 4}).max_new_tokens == 4  # null is unset
+
+
 def test_an_openai_chat_line_maps_its_body():
     request = parse(openai_line(model="gpt-4o", messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
                                 max_tokens=5, temperature=0, top_p=1, seed=9, stop="\n", n=1, presence_penalty=0.1))
