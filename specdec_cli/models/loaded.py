@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdec_cli.errors import ModelLoadError
-from specdec_cli.models import preflight
+from specdec_cli.models import preflight, q4_cache
 from specdec_cli.models.device import dtype_name, resolve_device, resolve_dtype
 from specdec_cli.models.progress import library_bars, status
 from specdec_cli.models.quant import check_quantization, compute_dtype, precision, quantization_config, quantize, resolve_auto
@@ -151,7 +151,7 @@ def _load_weights(plan: _Plan, tokenizer) -> LoadedModel:
     if plan.quantization in ("int8", "int4", "q4"):
         with status(f"quantising {plan.source.spec} to {plan.quantization} ...", plan.progress):
             model = quantize(model, plan.quantization, exact_rows=plan.role == "target",
-                             gguf_path=plan.source.gguf_path)
+                             gguf_path=plan.source.gguf_path, q4_cache=_q4_cache(plan, folder))
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -163,6 +163,14 @@ def _load_weights(plan: _Plan, tokenizer) -> LoadedModel:
         eos_token_ids=eos_token_ids(model, tokenizer),
         vocab_size=output_rows(model),
     )
+
+
+def _q4_cache(plan: _Plan, folder: Path) -> tuple[str, str] | None:
+    """(key, label) of the model's stored q4 layers (q4_cache.py), for a q4 load; None otherwise."""
+    if plan.quantization != "q4":
+        return None
+    key = q4_cache.entry_key(folder, plan.source.gguf_path, plan.dtype)
+    return None if key is None else (key, plan.source.spec)
 
 
 def load_model(

@@ -1,0 +1,143 @@
+"""A model's q4 layers stored under the specdec home and read back on the next load (models/q4_cache.py): the same
+layers and logits bit for bit, the .gguf's note kept, a new entry when a model file changes, and a load that goes
+on as before where the entry is damaged, does not fit, or cannot be written."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from specdec_cli.models import load_model, q4, q4_cache
+from specdec_cli.models.q4 import Q4KLinear, Q4Linear
+from tests.models.test_q4_kernel import needs_kernel
+from tests.tiny import build_4bit_gguf
+
+pytestmark = needs_kernel
+
+
+@pytest.fixture(scope="module")
+def q4k_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-q4k-cache") / "tiny-qwen2-q4k.gguf"
+    build_4bit_gguf(path, arch="qwen2", kind="Q4_K")
+    return path
+
+
+def _entries(home) -> list:
+    return sorted((home / "q4").glob("*.safetensors")) if (home / "q4").is_dir() else []
+
+
+def _layers(model) -> dict:
+    return {name: module for name, module in model.named_modules() if isinstance(module, Q4Linear)}
+
+
+def _made_again(monkeypatch) -> list:
+    """Counts the loads that make the layers (instead of reading them)."""
+    made = []
+    making = q4._quantize_q4
+
+    def counted(*args, **kwargs):
+        made.append(1)
+        return making(*args, **kwargs)
+
+    monkeypatch.setattr(q4, "_quantize_q4", counted)
+    return made
+
+
+def _same_layers(first, second) -> None:
+    ours, theirs = _layers(first), _layers(second)
+    assert ours.keys() == theirs.keys() and ours
+    for name, layer in ours.items():
+        other = theirs[name]
+        assert type(layer) is type(other) and torch.equal(layer.packed_weight, other.packed_weight), name
+        assert (layer.bias is None) == (other.bias is None) and (layer.bias is None or torch.equal(layer.bias, other.bias))
+
+
+def _logits(model) -> torch.Tensor:
+    return model(input_ids=torch.tensor([[5, 6, 7, 8]])).logits
+
+
+def test_a_gguf_models_layers_are_read_back_the_same_with_its_note(q4k_gguf, specdec_home, monkeypatch):
+    made = _made_again(monkeypatch)
+    first = load_model(str(q4k_gguf), quantization="q4", progress=False)
+    assert len(made) == 1 and len(_entries(specdec_home)) == 1
+    second = load_model(str(q4k_gguf), quantization="q4", progress=False)
+    assert len(made) == 1  # read, not made
+    _same_layers(first.model, second.model)
+    assert any(type(layer) is Q4KLinear for layer in _layers(second.model).values())
+    assert second.model._specdec_q4_from_gguf == first.model._specdec_q4_from_gguf == (15, 15)
+    assert second.describe("target") == first.describe("target")
+    assert torch.equal(_logits(first.model), _logits(second.model))
+
+
+def test_a_folder_models_layers_are_read_back_the_same(tiny_pair, specdec_home, monkeypatch):
+    made = _made_again(monkeypatch)
+    first = load_model(tiny_pair.target, quantization="q4", dtype="float32", progress=False)
+    second = load_model(tiny_pair.target, quantization="q4", dtype="float32", progress=False)
+    assert len(made) == 1 and len(_entries(specdec_home)) == 1
+    _same_layers(first.model, second.model)
+    assert torch.equal(_logits(first.model), _logits(second.model))
+
+
+def test_a_changed_model_file_makes_a_new_entry_in_place_of_the_old(q4k_gguf, tmp_path, specdec_home, monkeypatch):
+    path = tmp_path / q4k_gguf.name
+    shutil.copy(q4k_gguf, path)
+    made = _made_again(monkeypatch)
+    load_model(str(path), quantization="q4", progress=False)
+    before = _entries(specdec_home)
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # the same name, touched: another file
+    load_model(str(path), quantization="q4", progress=False)
+    after = _entries(specdec_home)
+    assert len(made) == 2 and len(before) == len(after) == 1 and before != after
+
+
+def test_a_damaged_entry_is_made_again(q4k_gguf, specdec_home, monkeypatch):
+    first = load_model(str(q4k_gguf), quantization="q4", progress=False)
+    (entry,) = _entries(specdec_home)
+    entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2])  # cut short, as a crash of another writer might
+    made = _made_again(monkeypatch)
+    second = load_model(str(q4k_gguf), quantization="q4", progress=False)
+    assert len(made) == 1
+    _same_layers(first.model, second.model)
+
+
+def test_an_entry_that_does_not_fit_the_modules_is_not_used(q4k_gguf, specdec_home, monkeypatch):
+    load_model(str(q4k_gguf), quantization="q4", progress=False)
+    reading = q4_cache.read
+
+    def other_modules(key, label, names, linears):  # the same entry asked for a model whose first layer is wider
+        name = names[0]
+        wider = torch.nn.Linear(linears[name].in_features + 256, linears[name].out_features, bias=False)
+        return reading(key, label, names, {**linears, name: wider})
+
+    monkeypatch.setattr(q4_cache, "read", other_modules)
+    made = _made_again(monkeypatch)
+    load_model(str(q4k_gguf), quantization="q4", progress=False)
+    assert len(made) == 1
+
+
+def test_a_short_disk_only_means_no_entry(q4k_gguf, specdec_home, monkeypatch):
+    monkeypatch.setattr(q4_cache.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 1000))
+    loaded = load_model(str(q4k_gguf), quantization="q4", progress=False)
+    assert _entries(specdec_home) == [] and torch.isfinite(_logits(loaded.model)).all()
+
+
+def test_a_failed_write_leaves_no_partial_entry(q4k_gguf, specdec_home, monkeypatch):
+    import safetensors.torch
+
+    def full_disk(tensors, filename, metadata=None):
+        with open(filename, "wb") as handle:
+            handle.write(b"\0" * 100)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    loaded = load_model(str(q4k_gguf), quantization="q4", progress=False)
+    assert list((specdec_home / "q4").iterdir()) == [] and torch.isfinite(_logits(loaded.model)).all()
+
+
+def test_other_formats_store_nothing(tiny_pair, specdec_home):
+    load_model(tiny_pair.target, quantization="int8", dtype="float32", progress=False)
+    assert _entries(specdec_home) == []
