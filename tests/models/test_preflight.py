@@ -27,6 +27,32 @@ def test_a_padded_vocabulary_pair_loads(qwen2_padded_folder, llama_folder):
     assert target.eos_token_ids == draft.eos_token_ids
 
 
+def _copy_of(folder, destination):
+    import shutil
+
+    shutil.copytree(folder, destination)
+    return destination
+
+
+def test_a_draft_with_the_targets_tokenizer_files_shares_its_tokenizer(llama_folder, tmp_path):
+    """As the demo pair: the same tokenizer files, another chat template (which the draft never applies)."""
+    draft = _copy_of(llama_folder, tmp_path / "draft")
+    (draft / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    target, loaded_draft = load_pair(str(llama_folder), str(draft), device="cpu", progress=False)
+    assert loaded_draft.tokenizer is target.tokenizer
+
+
+def test_a_draft_whose_tokenizer_files_differ_loads_its_own(llama_folder, tmp_path):
+    import json
+
+    draft = _copy_of(llama_folder, tmp_path / "draft")
+    config = json.loads((draft / "tokenizer_config.json").read_text())
+    (draft / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 12345}))
+    target, loaded_draft = load_pair(str(llama_folder), str(draft), device="cpu", progress=False)
+    assert loaded_draft.tokenizer is not target.tokenizer
+    assert loaded_draft.tokenizer.model_max_length == 12345 != target.tokenizer.model_max_length
+
+
 def test_without_a_draft_only_the_target_loads(llama_folder):
     target, draft = load_pair(str(llama_folder), None, device="cpu", progress=False)
     assert draft is None and target.vocab_size == 300
