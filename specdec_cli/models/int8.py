@@ -86,6 +86,23 @@ class PerTokenInt8Linear(torch.nn.Module):
     def from_linear(cls, linear: torch.nn.Linear, bits: int | None = None) -> "PerTokenInt8Linear":
         return cls(*quantize_weight_fast(linear.weight), linear.bias, bits)
 
+    @classmethod
+    def from_packed(cls, blocks: torch.Tensor, row_sums: torch.Tensor, weight_scales: torch.Tensor,
+                    bias: torch.Tensor | None, bits: int, in_features: int) -> "PerTokenInt8Linear | None":
+        """A layer of specdec's kernel's packed weight as `pack` made it (stored_layers.py reads them back), or
+        None where that kernel does not run here for `bits`-bit activations."""
+        if int8_kernel.kernel_problem(bits) is not None:
+            return None
+        layer = cls.__new__(cls)
+        torch.nn.Module.__init__(layer)
+        layer.out_features, layer.in_features, layer.bits, layer.own_kernel = len(row_sums), in_features, bits, True
+        layer.register_buffer("packed_weight", blocks)
+        layer.register_buffer("row_sums", row_sums)
+        layer.register_buffer("weight_scales", weight_scales.float().contiguous())
+        layer.register_buffer("bias", None if bias is None else bias.float())
+        layer._zero_points = torch.zeros(1, dtype=torch.int64)
+        return layer
+
     def int8_weight(self) -> torch.Tensor:
         """(N, K) int8, read back from the packed layout."""
         if self.own_kernel:
@@ -141,9 +158,12 @@ def int8_kernel_problem() -> str | None:
     return None
 
 
-def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
-    """Every nn.Linear (the output layer too) to `PerTokenInt8Linear`, in place (`replace_linears`)."""
-    return replace_linears(model, PerTokenInt8Linear.from_linear)
+def quantize_int8(model: torch.nn.Module, store: tuple[str, str] | None = None) -> torch.nn.Module:
+    """Every nn.Linear (the output layer too) to `PerTokenInt8Linear`, in place (`replace_linears`). store: (key,
+    label) of the model's entry in stored_layers.py: its layers where it has them, else made and stored."""
+    from specdec_cli.models.stored_layers import replace_linears_stored
+
+    return replace_linears_stored(model, store, lambda whole: replace_linears(whole, PerTokenInt8Linear.from_linear))
 
 
 def replace_linears(model: torch.nn.Module, quantised) -> torch.nn.Module:

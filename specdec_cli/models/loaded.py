@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdec_cli.errors import ModelLoadError
-from specdec_cli.models import preflight, q4_cache
+from specdec_cli.models import preflight, stored_layers
 from specdec_cli.models.device import dtype_name, resolve_device, resolve_dtype
 from specdec_cli.models.progress import library_bars, status
 from specdec_cli.models.quant import check_quantization, compute_dtype, precision, quantization_config, quantize, resolve_auto
@@ -171,7 +171,7 @@ def _load_weights(plan: _Plan, tokenizer) -> LoadedModel:
     if plan.quantization in ("int8", "int4", "q4"):
         with status(f"quantising {plan.source.spec} to {plan.quantization} ...", plan.progress):
             model = quantize(model, plan.quantization, exact_rows=plan.role == "target",
-                             gguf_path=plan.source.gguf_path, q4_cache=_q4_cache(plan, folder))
+                             gguf_path=plan.source.gguf_path, store=_store(plan, folder))
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -185,11 +185,11 @@ def _load_weights(plan: _Plan, tokenizer) -> LoadedModel:
     )
 
 
-def _q4_cache(plan: _Plan, folder: Path) -> tuple[str, str] | None:
-    """(key, label) of the model's stored q4 layers (q4_cache.py), for a q4 load; None otherwise."""
-    if plan.quantization != "q4":
+def _store(plan: _Plan, folder: Path) -> tuple[str, str] | None:
+    """(key, label) of the model's stored layers (stored_layers.py), for an int8 or q4 load; None otherwise."""
+    if plan.quantization not in ("int8", "q4"):
         return None
-    key = q4_cache.entry_key(folder, plan.source.gguf_path, plan.dtype)
+    key = stored_layers.entry_key(folder, plan.source.gguf_path, plan.dtype, plan.quantization)
     return None if key is None else (key, plan.source.spec)
 
 

@@ -290,27 +290,16 @@ class Q4KLinear(Q4Linear):
         return super().extra_repr() + ", a .gguf's Q4_K blocks as they are"
 
 
-def quantize_q4(model: torch.nn.Module, gguf_path=None, cache: tuple[str, str] | None = None) -> torch.nn.Module:
+def quantize_q4(model: torch.nn.Module, gguf_path=None, store: tuple[str, str] | None = None) -> torch.nn.Module:
     """Every nn.Linear (the output layer too) to `Q4Linear`, in place (int8.replace_linears). With the `.gguf` file
     the model was loaded from, a layer that is Q4_0, Q4_1 or Q4_K there keeps the file's 4-bit values (gguf_q4.py;
     Q4_K as a Q4KLinear); the count of such layers goes to `model._specdec_q4_from_gguf` (taken, of all linears).
-    cache: (key, label) of the model's entry in q4_cache.py: its layers where it has them, else made and stored."""
-    from specdec_cli.models import q4_cache
-    from specdec_cli.models.int8 import replace_linears
+    store: (key, label) of the model's entry in stored_layers.py: its layers where it has them, else made and
+    stored."""
+    from specdec_cli.models.stored_layers import replace_linears_stored
 
     names = {id(module): name for name, module in model.named_modules()}
-    linears = {name: module for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
-    stored = None if cache is None else q4_cache.read(*cache, list(linears), linears)
-    if stored is not None:
-        model = replace_linears(model, lambda linear: stored["layers"][names[id(linear)]])
-        if stored["from_gguf"] is not None:
-            model._specdec_q4_from_gguf = tuple(stored["from_gguf"])
-        return model
-    model = _quantize_q4(model, gguf_path, names)
-    if cache is not None:
-        layers = {name: model.get_submodule(name) for name in linears}
-        q4_cache.write(*cache, layers, list(getattr(model, "_specdec_q4_from_gguf", ())) or None)
-    return model
+    return replace_linears_stored(model, store, lambda whole: _quantize_q4(whole, gguf_path, names))
 
 
 def _quantize_q4(model: torch.nn.Module, gguf_path, names: dict[int, str]) -> torch.nn.Module:

@@ -174,16 +174,16 @@ def quantization_config(quantization: str | None):
 
 
 def quantize(model: torch.nn.Module, quantization: str | None, exact_rows: bool = True,
-             gguf_path: Path | None = None, q4_cache: tuple[str, str] | None = None) -> torch.nn.Module:
+             gguf_path: Path | None = None, store: tuple[str, str] | None = None) -> torch.nn.Module:
     """Apply int8, int4 or q4 to a loaded model in place (the others are applied while loading). exact_rows: also
     compute attention row by row, so a k-token forward gives k one-token forwards' logits bit for bit — what
     a target needs for speculation to reproduce it; a draft does not (the target checks every draft token),
     and row-wise attention makes its multi-token catch-up forwards dearer (int8 0.5B, 8 tokens: 78 vs 55 ms).
     gguf_path: the `.gguf` the model was loaded from, whose 4-bit layers q4 then takes as they are (gguf_q4.py);
-    q4_cache: (key, label) of the model's stored q4 layers (q4_cache.py), read or made and stored."""
+    store: (key, label) of the model's stored int8 or q4 layers (stored_layers.py), read or made and stored."""
     name = canonical(quantization)
     if name == "int8":
-        return quantize_int8_dynamic(model, exact_rows)
+        return quantize_int8_dynamic(model, exact_rows, store)
     if name == "int4":
         from specdec_cli.models.int4 import quantize_int4
 
@@ -192,17 +192,18 @@ def quantize(model: torch.nn.Module, quantization: str | None, exact_rows: bool 
         from specdec_cli.models.lean_layers import use_lean_layers
         from specdec_cli.models.q4 import quantize_q4
 
-        return _rows(use_lean_layers(quantize_q4(model, gguf_path, q4_cache)), exact_rows)
+        return _rows(use_lean_layers(quantize_q4(model, gguf_path, store)), exact_rows)
     return model
 
 
-def quantize_int8_dynamic(model: torch.nn.Module, exact_rows: bool = True) -> torch.nn.Module:
+def quantize_int8_dynamic(model: torch.nn.Module, exact_rows: bool = True,
+                          store: tuple[str, str] | None = None) -> torch.nn.Module:
     """Every nn.Linear to int8 weights with int8 activations quantised per token on the fly, in place,
     CPU only; the rest in float32 (see int8.py); attention row by row when `exact_rows` (rowwise_attention.py)."""
     from specdec_cli.models.int8 import quantize_int8
     from specdec_cli.models.lean_layers import use_lean_layers
 
-    return _rows(use_lean_layers(quantize_int8(model)), exact_rows)
+    return _rows(use_lean_layers(quantize_int8(model, store)), exact_rows)
 
 
 def computes_rows_alone(model: torch.nn.Module) -> bool:

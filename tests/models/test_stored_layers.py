@@ -1,5 +1,5 @@
-"""A model's q4 layers stored under the specdec home and read back on the next load (models/q4_cache.py): the same
-layers and logits bit for bit, the .gguf's note kept, a new entry when a model file changes, and a load that goes
+"""A model's quantised layers (q4, int8) stored under the specdec home and read back on the next load
+(models/stored_layers.py): the same layers and logits bit for bit, the .gguf's note kept, a new entry when a model file changes, and a load that goes
 on as before where the entry is damaged, does not fit, or cannot be written."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import shutil
 import pytest
 import torch
 
-from specdec_cli.models import load_model, q4, q4_cache
+from specdec_cli.models import int8, load_model, stored_layers
+from specdec_cli.models.int8 import PerTokenInt8Linear
 from specdec_cli.models.q4 import Q4KLinear, Q4Linear
 from tests.models.test_q4_kernel import needs_kernel
 from tests.tiny import build_4bit_gguf
@@ -26,23 +27,27 @@ def q4k_gguf(tmp_path_factory):
 
 
 def _entries(home) -> list:
-    return sorted((home / "q4").glob("*.safetensors")) if (home / "q4").is_dir() else []
+    folder = home / stored_layers.KIND
+    return sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
 
 
 def _layers(model) -> dict:
-    return {name: module for name, module in model.named_modules() if isinstance(module, Q4Linear)}
+    return {name: module for name, module in model.named_modules() if isinstance(module, (Q4Linear, PerTokenInt8Linear))}
 
 
 def _made_again(monkeypatch) -> list:
     """Counts the loads that make the layers (instead of reading them)."""
     made = []
-    making = q4._quantize_q4
+    replacing = stored_layers.replace_linears_stored
 
-    def counted(*args, **kwargs):
-        made.append(1)
-        return making(*args, **kwargs)
+    def counted(model, store, make):
+        def counted_make(whole):
+            made.append(1)
+            return make(whole)
 
-    monkeypatch.setattr(q4, "_quantize_q4", counted)
+        return replacing(model, store, counted_make)
+
+    monkeypatch.setattr(stored_layers, "replace_linears_stored", counted)
     return made
 
 
@@ -52,6 +57,8 @@ def _same_layers(first, second) -> None:
     for name, layer in ours.items():
         other = theirs[name]
         assert type(layer) is type(other) and torch.equal(layer.packed_weight, other.packed_weight), name
+        for part in ("row_sums", "weight_scales"):
+            assert torch.equal(getattr(layer, part, torch.zeros(0)), getattr(other, part, torch.zeros(0))), name
         assert (layer.bias is None) == (other.bias is None) and (layer.bias is None or torch.equal(layer.bias, other.bias))
 
 
@@ -72,13 +79,31 @@ def test_a_gguf_models_layers_are_read_back_the_same_with_its_note(q4k_gguf, spe
     assert torch.equal(_logits(first.model), _logits(second.model))
 
 
-def test_a_folder_models_layers_are_read_back_the_same(tiny_pair, specdec_home, monkeypatch):
+@pytest.mark.parametrize("quantization", ["q4", "int8"])
+def test_a_folder_models_layers_are_read_back_the_same(tiny_pair, specdec_home, monkeypatch, quantization):
     made = _made_again(monkeypatch)
-    first = load_model(tiny_pair.target, quantization="q4", dtype="float32", progress=False)
-    second = load_model(tiny_pair.target, quantization="q4", dtype="float32", progress=False)
+    first = load_model(tiny_pair.target, quantization=quantization, dtype="float32", progress=False)
+    second = load_model(tiny_pair.target, quantization=quantization, dtype="float32", progress=False)
     assert len(made) == 1 and len(_entries(specdec_home)) == 1
     _same_layers(first.model, second.model)
     assert torch.equal(_logits(first.model), _logits(second.model))
+
+
+def test_each_format_keeps_its_own_entry(tiny_pair, specdec_home, monkeypatch):
+    for quantization in ("q4", "int8", "q4"):
+        load_model(tiny_pair.target, quantization=quantization, dtype="float32", progress=False)
+    made = _made_again(monkeypatch)
+    load_model(tiny_pair.target, quantization="int8", dtype="float32", progress=False)
+    assert len(_entries(specdec_home)) == 2 and made == []
+
+
+def test_int8_layers_on_another_activation_width_are_made_again(tiny_pair, specdec_home, monkeypatch):
+    """An AVX2-only CPU's int8 takes 7-bit activations: layers stored for 8 bits are not its."""
+    load_model(tiny_pair.target, quantization="int8", dtype="float32", progress=False)
+    monkeypatch.setattr(int8, "activation_bits", lambda: 7)
+    made = _made_again(monkeypatch)
+    loaded = load_model(tiny_pair.target, quantization="int8", dtype="float32", progress=False)
+    assert made and {layer.bits for layer in _layers(loaded.model).values()} == {7}
 
 
 def test_a_changed_model_file_makes_a_new_entry_in_place_of_the_old(q4k_gguf, tmp_path, specdec_home, monkeypatch):
@@ -106,21 +131,21 @@ def test_a_damaged_entry_is_made_again(q4k_gguf, specdec_home, monkeypatch):
 
 def test_an_entry_that_does_not_fit_the_modules_is_not_used(q4k_gguf, specdec_home, monkeypatch):
     load_model(str(q4k_gguf), quantization="q4", progress=False)
-    reading = q4_cache.read
+    reading = stored_layers.read
 
-    def other_modules(key, label, names, linears):  # the same entry asked for a model whose first layer is wider
-        name = names[0]
+    def other_modules(key, label, linears):  # the same entry asked for a model whose first layer is wider
+        name = next(iter(linears))
         wider = torch.nn.Linear(linears[name].in_features + 256, linears[name].out_features, bias=False)
-        return reading(key, label, names, {**linears, name: wider})
+        return reading(key, label, {**linears, name: wider})
 
-    monkeypatch.setattr(q4_cache, "read", other_modules)
+    monkeypatch.setattr(stored_layers, "read", other_modules)
     made = _made_again(monkeypatch)
     load_model(str(q4k_gguf), quantization="q4", progress=False)
     assert len(made) == 1
 
 
 def test_a_short_disk_only_means_no_entry(q4k_gguf, specdec_home, monkeypatch):
-    monkeypatch.setattr(q4_cache.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 1000))
+    monkeypatch.setattr(stored_layers.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 1000))
     loaded = load_model(str(q4k_gguf), quantization="q4", progress=False)
     assert _entries(specdec_home) == [] and torch.isfinite(_logits(loaded.model)).all()
 
@@ -135,9 +160,13 @@ def test_a_failed_write_leaves_no_partial_entry(q4k_gguf, specdec_home, monkeypa
 
     monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
     loaded = load_model(str(q4k_gguf), quantization="q4", progress=False)
-    assert list((specdec_home / "q4").iterdir()) == [] and torch.isfinite(_logits(loaded.model)).all()
+    assert list((specdec_home / stored_layers.KIND).iterdir()) == [] and torch.isfinite(_logits(loaded.model)).all()
 
 
-def test_other_formats_store_nothing(tiny_pair, specdec_home):
-    load_model(tiny_pair.target, quantization="int8", dtype="float32", progress=False)
+def test_other_formats_and_onednn_int8_layers_store_nothing(tiny_pair, specdec_home, monkeypatch):
+    load_model(tiny_pair.target, quantization="int4", dtype="float32", progress=False)
+    load_model(tiny_pair.target, dtype="float32", progress=False)
+    monkeypatch.setattr(int8.int8_kernel, "kernel_problem", lambda bits: "no kernel here")  # torch's oneDNN matmul
+    loaded = load_model(tiny_pair.target, quantization="int8", dtype="float32", progress=False)
+    assert not any(layer.own_kernel for layer in _layers(loaded.model).values())
     assert _entries(specdec_home) == []
