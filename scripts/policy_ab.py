@@ -2,8 +2,12 @@
 interleaved in one process: the same models, only `engine/policy.py` (or `drafters/model.py` and `drafters/tree.py`)
 differs.
 
-    python scripts/policy_ab.py [--base HEAD] [--what policy|drafters] [--temperature 0.7] [--prompts 13]
+    python scripts/policy_ab.py [--base HEAD] [--what policy|drafters|run] [--temperature 0.7] [--prompts 13]
                                 [--drafters cascade,tree] --json benchmarks/....json
+
+--what run times `run`'s one-request-at-a-time decoding (`build_decoder(..., clock_free=True)`: decisions that never
+read the clock) in the working tree against what it did until 5 December whatever --base says: draft up to
+AUTO_MAX_K tokens and stop on the draft's odds alone (`FixedK(AUTO_MAX_K)`).
 
 The first question of each Spec-Bench category (as `compare` encodes it: the demo profile's chat template and system
 prompt), 128 new tokens, greedy unless --temperature (then with the profile's top-p and top-k, seed 0). Per prompt
@@ -28,7 +32,7 @@ import torch
 
 from kernel_ab import spec_bench_prompts
 from levers import spec_bench  # scripts/levers.py: Spec-Bench questions, n per category, in the file's order
-from specdec_cli.engine import SamplingParams
+from specdec_cli.engine import FixedK, SamplingParams
 from specdec_cli.models.calibrate import machine
 from specdec_cli.session import AUTO_MAX_K, build_decoder, draft_rule, verify_curve
 from specdec_cli.settings import ModelOverrides, choose_models, load_choice
@@ -60,6 +64,9 @@ def base_and_demo_pair(revision: str, path: str, name: str):
 
 def as_base(decoder, what: str, base: dict, curve) -> None:
     """Make `decoder` run the base revision's policy, or its drafters (the same object, the base's class)."""
+    if what == "run":
+        decoder.set_drafting(decoder.drafter, FixedK(AUTO_MAX_K, draft_rule("auto")))
+        return
     if what == "policy":
         decoder.set_drafting(decoder.drafter, base["policy"].DraftOrNot(
             max_k=AUTO_MAX_K, rule=draft_rule("auto"), verify_curve=curve))
@@ -83,13 +90,14 @@ def generation(decoder, prompt: list[int], params: SamplingParams) -> tuple[list
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--base", default="HEAD", help="the git revision whose policy or drafters are the baseline")
-    parser.add_argument("--what", choices=("policy", "drafters"), default="policy")
+    parser.add_argument("--what", choices=("policy", "drafters", "run"), default="policy")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--prompts", type=int, default=13)
     parser.add_argument("--drafters", default="cascade,tree")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     base = ({"policy": base_module(args.base, "specdec_cli/engine/policy.py", "base_policy")} if args.what == "policy"
+            else {} if args.what == "run"
             else {"model": base_module(args.base, "specdec_cli/drafters/model.py", "base_model"),
                   "tree": base_module(args.base, "specdec_cli/drafters/tree.py", "base_tree")})
     choice = choose_models(ModelOverrides(profile="demo"))
@@ -100,7 +108,7 @@ def main() -> None:
               else SamplingParams())
     prompts = spec_bench_prompts(target.tokenizer, profile.system, args.prompts)
     drafters = args.drafters.split(",")
-    versions = [args.base, "working tree"]
+    versions = ["odds alone" if args.what == "run" else args.base, "working tree"]
     runs = []
     categories = [category for category, _question in spec_bench(1)]  # the categories of spec_bench_prompts's
     for index, (category, prompt) in enumerate(zip(categories, prompts)):
@@ -109,7 +117,7 @@ def main() -> None:
                      "tokens": len(made), "seconds": seconds, **counts})
         for drafter in drafters:
             for which in versions[:: 1 if index % 2 == 0 else -1]:
-                decoder = build_decoder(target, draft, drafter, "auto")
+                decoder = build_decoder(target, draft, drafter, "auto", clock_free=args.what == "run")
                 if which != "working tree":
                     as_base(decoder, args.what, base, curve)
                 output, seconds, counts = generation(decoder, prompt, params)

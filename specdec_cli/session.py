@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from specdec_cli.drafters import CascadeDrafter, DraftModelDrafter, NgramDrafter
 from specdec_cli.drafters.subset_head import draft_vocabulary, shared_subset_head
 from specdec_cli.drafters.tree import DEFAULT_BUDGET, VALUE_BUDGET, TreeDrafter, budget_from_costs
-from specdec_cli.engine import DraftLengthPolicy, DraftOrNot, FixedK, SpeculativeDecoder
+from specdec_cli.engine import CalibratedDraftOrNot, DraftLengthPolicy, DraftOrNot, FixedK, SpeculativeDecoder
 from specdec_cli.engine.batched import BatchedDecoder
 from specdec_cli.engine.draft import DraftRule, Drafter
 from specdec_cli.engine.kv import tree_capable
@@ -45,7 +45,8 @@ def draft_rule(k: int | str) -> DraftRule:
     return DraftRule()
 
 
-def make_policy(k: int | str, clock_free: bool = False, verify_curve: dict[int, float] | None = None) -> DraftLengthPolicy:
+def make_policy(k: int | str, clock_free: bool = False, verify_curve: dict[int, float] | None = None,
+                draft_seconds: float | None = None) -> DraftLengthPolicy:
     """auto: the cost model says whether to draft (0 when drafting does not pay; up to AUTO_MAX_K when it
     does, the draft model stopping on its own odds); a number: always that many. The policy carries the
     drafter's stop rule (`draft_rule`).
@@ -53,8 +54,9 @@ def make_policy(k: int | str, clock_free: bool = False, verify_curve: dict[int, 
     clock_free: decisions that never read the clock, for `run`'s promise that the same input and seed give
     the same file — the cost model's timings differ from run to run, and with them which tokens are
     drafted, which changes the random draws of sampling (the distribution stays exact, the sample not).
-    auto then always drafts up to AUTO_MAX_K and the odds cut alone decides how far, without the
-    fallback to plain decoding.
+    auto then prices drafts with this machine's calibrated costs alone (`CalibratedDraftOrNot`: the target's
+    `verify_curve` and `draft_seconds`, a draft token's calibrated cost); without them it drafts up to
+    AUTO_MAX_K and the odds cut alone decides how far, without the fallback to plain decoding.
 
     verify_curve: the target's calibrated forward seconds per token count on this machine (`specdec
     calibrate`), which the cost model scales by the run's timings; None: it learns the curve from the run."""
@@ -62,6 +64,8 @@ def make_policy(k: int | str, clock_free: bool = False, verify_curve: dict[int, 
     if k != "auto":
         return FixedK(int(k), rule)
     if clock_free:
+        if verify_curve and draft_seconds:
+            return CalibratedDraftOrNot(draft_seconds, verify_curve, max_k=AUTO_MAX_K, rule=rule)
         return FixedK(AUTO_MAX_K, rule)
     return DraftOrNot(max_k=AUTO_MAX_K, rule=rule, verify_curve=verify_curve)
 
@@ -150,7 +154,8 @@ def build_decoder(
     make_policy; for a tree, its depth limit); tree_budget: a tree's nodes (None: `tree_budget_for`). The
     policy's rule binds the drafter (`SpeculativeDecoder.set_drafting`)."""
     chosen = make_drafter(drafter, draft, k, target, tree_budget) if k != 0 else None
-    policy = make_policy(k, clock_free, verify_curve(target)) if chosen else FixedK(0)
+    draft_curve = forward_curve(draft) if clock_free and draft is not None else None
+    policy = make_policy(k, clock_free, verify_curve(target), (draft_curve or {}).get(1)) if chosen else FixedK(0)
     return SpeculativeDecoder(target.model, chosen, policy, eos_token_ids(target),
                               reuse_prompts=computes_rows_alone(target.model))
 

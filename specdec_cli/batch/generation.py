@@ -15,7 +15,7 @@ from specdec_cli.errors import SpecdecError
 
 if TYPE_CHECKING:
     from specdec_cli.batch.loop import Outcome
-    from specdec_cli.engine import GenerationResult, SamplingParams, SpeculativeDecoder
+    from specdec_cli.engine import DraftLengthPolicy, GenerationResult, SamplingParams, SpeculativeDecoder
     from specdec_cli.engine.batched import BatchedDecoder
     from specdec_cli.session import StopStrings
     from specdec_cli.settings import DecodingSettings, ModelChoice, Printer
@@ -28,26 +28,42 @@ class GenerationError(SpecdecError):
 class ModelGeneration:
     """Runs one request through the speculative decoder (a `GenerateOne`)."""
 
-    def __init__(self, tokenizer, decoder: SpeculativeDecoder, settings: DecodingSettings) -> None:
+    def __init__(self, tokenizer, decoder: SpeculativeDecoder, settings: DecodingSettings,
+                 sampled_policy: DraftLengthPolicy | None = None) -> None:
         self.tokenizer = tokenizer
         self.decoder = decoder
         self.settings = settings
+        self.greedy_policy = decoder.policy
+        self.sampled_policy = sampled_policy or decoder.policy
 
     @classmethod
     def load(cls, choice: ModelChoice, settings: DecodingSettings, console: Printer | None = None) -> ModelGeneration:
-        """Load the chosen pair; k = auto never reads the clock here, so the same input gives the same file."""
-        from specdec_cli.session import build_decoder
+        """Load the chosen pair (`on`)."""
         from specdec_cli.settings import load_choice
 
         target, draft = load_choice(choice, console)
-        decoder = build_decoder(target, draft, choice.drafter, settings.k, clock_free=True)
-        return cls(target.tokenizer, decoder, settings)
+        return cls.on(target, draft, choice.drafter, settings)
+
+    @classmethod
+    def on(cls, target, draft, drafter: str, settings: DecodingSettings) -> ModelGeneration:
+        """One request at a time on the loaded pair; k = auto never reads the clock here, so the same input gives
+        the same file. A greedy request drafts as this machine's calibrated costs say (its tokens are the target's
+        whatever is drafted); a sampled one as far as the draft's odds say, which no machine's costs change, so
+        its record is the same on every machine and Ray worker (the drafts decide which draws it takes)."""
+        from specdec_cli.session import build_decoder, make_policy
+
+        decoder = build_decoder(target, draft, drafter, settings.k, clock_free=True)
+        sampled = make_policy(settings.k, clock_free=True) if decoder.drafter is not None else None
+        return cls(target.tokenizer, decoder, settings, sampled)
 
     def __call__(self, request: Request) -> Completion:
         prompt_ids, params, stops, max_new_tokens = prepare(self.tokenizer, request, self.settings)
         # Each request starts from nothing (no learned draft length, no cache but a row-wise target's entries,
         # which give a shared prefix bit for bit as computing it would), so its output depends on it alone:
         # resuming, --limit or reordering the file never changes a record.
+        policy = self.greedy_policy if params.greedy else self.sampled_policy
+        if policy is not self.decoder.policy:
+            self.decoder.set_drafting(self.decoder.drafter, policy)
         self.decoder.reset()
         try:
             result = self.decoder.generate(prompt_ids, params, max_new_tokens, stop=stops if stops.stops else None)
@@ -75,7 +91,7 @@ class BatchedGeneration:
         never more than `requests`, all the job holds (counted in the whole input, done or not, so a resumed
         job takes the same size: each row's k is priced for a batch of that many rows); ModelGeneration (one
         at a time) when that is 1 or the models cannot take a packed batch."""
-        from specdec_cli.session import batch_size_for, batched_note, build_batched_decoder, build_decoder, forward_curve
+        from specdec_cli.session import batch_size_for, batched_note, build_batched_decoder, forward_curve
         from specdec_cli.settings import load_choice
 
         target, draft = load_choice(choice, console)
@@ -88,8 +104,7 @@ class BatchedGeneration:
         if console is not None:
             console.print(f"batch: {size} request{'s' if size > 1 else ''} at a time{why}", markup=False)
         if size == 1:
-            return ModelGeneration(target.tokenizer, build_decoder(target, draft, choice.drafter, settings.k,
-                                                                   clock_free=True), settings)
+            return ModelGeneration.on(target, draft, choice.drafter, settings)
         decoder = build_batched_decoder(target, draft, choice.drafter, settings.k, size, curve)
         return cls(target.tokenizer, decoder, settings)
 

@@ -10,7 +10,8 @@ _HOMES = {
     "decode": ("GenerationResult", "Provenance", "SpeculativeDecoder", "StepEvent", "cut_at_eos"),
     "draft": ("EMPTY_DRAFT", "Draft", "DraftRule", "Drafter"),
     "kv": ("CachedModel",),
-    "policy": ("AdaptiveK", "CostModelK", "DraftLengthPolicy", "DraftOrNot", "FixedK", "expected_tokens"),
+    "policy": ("AdaptiveK", "CalibratedDraftOrNot", "CostModelK", "DraftLengthPolicy", "DraftOrNot", "FixedK",
+               "expected_tokens"),
     "sampling": ("SamplingParams", "logits_to_probs", "make_generator"),
     "stats": ("GenerationStats",),
 }

@@ -263,6 +263,28 @@ class DraftOrNot(CostModelK):
         return self.max_k if super()._choose() else 0
 
 
+class CalibratedDraftOrNot(DraftOrNot):
+    """DraftOrNot on this machine's calibrated costs alone, never the clock: for `run`'s greedy requests one at a
+    time, whose records must come out the same on every run of the same input. A verify costs what the target's
+    calibrated curve says, a draft token what the draft's calibrated one-token forward costs (`draft_seconds`);
+    the acceptance by position is the sequence's own. So the decisions follow the tokens and this machine's
+    calibration file only (a sampled request's drafts decide its draws, so batch/generation.py keeps those on the
+    odds alone: its record must not depend on the machine). Greedy, demo pair, q4, against drafting up to max_k
+    on the odds alone: x1.10 -> x1.30 over the target alone (README, "One request at a time")."""
+
+    def __init__(self, draft_seconds: float, verify_curve: dict[int, float], **kwargs) -> None:
+        self.draft_seconds = draft_seconds
+        super().__init__(verify_curve=verify_curve, **kwargs)
+
+    def reset(self) -> None:
+        super().reset()
+        self.steady_cost.add(self.draft_seconds, 1.0)
+
+    def update(self, drafted: int, accepted: int, draft_seconds: float | None, verify_seconds: float | None,
+               free: bool = False) -> None:
+        super().update(drafted, accepted, None, None, free)
+
+
 class _Mean:
     """An exponentially decayed mean."""
 

@@ -5,7 +5,9 @@ import torch
 
 from specdec_cli.drafters import CascadeDrafter, DraftModelDrafter, NgramDrafter
 from specdec_cli.drafters.subset_head import SubsetHeadLM, frequent_token_ids
-from specdec_cli.engine import CostModelK, DraftOrNot, FixedK, SamplingParams, SpeculativeDecoder, expected_tokens
+from specdec_cli.engine import (
+    CalibratedDraftOrNot, CostModelK, DraftOrNot, FixedK, SamplingParams, SpeculativeDecoder, expected_tokens,
+)
 from specdec_cli.engine.draft import DraftRule
 from specdec_cli.engine.policy import VerifyCost
 
@@ -243,6 +245,31 @@ def test_auto_is_draft_or_not_with_the_survival_cut_and_a_fixed_k_drafts_exactly
     assert make_policy("auto").max_k == AUTO_MAX_K and make_policy(4).next_k() == 4
     clock_free = make_policy("auto", clock_free=True)  # run's: never reads the clock
     assert isinstance(clock_free, FixedK) and clock_free.next_k() == AUTO_MAX_K
+
+
+CURVE = {1: 0.030, 2: 0.031, 4: 0.034, 8: 0.060, 16: 0.120}  # a q4 target's shape (seconds per forward of n)
+
+
+def test_run_one_at_a_time_prices_drafts_with_the_calibration_and_never_the_clock():
+    from specdec_cli.session import AUTO_MAX_K, make_policy
+
+    cheap = make_policy("auto", clock_free=True, verify_curve=CURVE, draft_seconds=0.006)
+    twin = make_policy("auto", clock_free=True, verify_curve=CURVE, draft_seconds=0.006)
+    assert isinstance(cheap, CalibratedDraftOrNot)
+    for drafted, accepted, free in [(3, 3, False), (4, 1, False), (0, 0, False), (5, 5, True), (2, 0, False)] * 4:
+        cheap.update(drafted, accepted, 0.001, 9.0, free)  # whatever the clock said
+        twin.update(drafted, accepted, None, None, free)
+        assert (cheap.next_k(), cheap.rule, cheap.lookup_k) == (twin.next_k(), twin.rule, twin.lookup_k)
+    for _ in range(4):
+        cheap.update(4, 4, None, None)
+    assert cheap.next_k() == AUTO_MAX_K and cheap.rule.min_survival > 0  # drafting pays: the odds cut says how far
+    dear = make_policy("auto", clock_free=True, verify_curve=CURVE, draft_seconds=0.2)  # a draft dearer than a verify
+    ks = []
+    for _ in range(16):
+        dear.update(3, 1, None, None)
+        ks.append(dear.next_k())
+    assert ks.count(0) >= 12  # plain decoding but for its probes
+    assert isinstance(make_policy("auto", clock_free=True, verify_curve=CURVE), FixedK)  # no draft cost measured
 
 
 def test_draft_or_not_with_the_survival_cut_is_lossless(llama_target, llama_near_draft, reference):

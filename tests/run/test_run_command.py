@@ -195,6 +195,37 @@ def test_same_input_and_seed_give_the_same_file(run, tmp_path):
     assert one[0]["text"] == one[1]["text"] != one[2]["text"]  # a record's seed alone decides its text
 
 
+def test_one_at_a_time_a_greedy_request_drafts_by_the_calibration_and_a_sampled_one_by_the_odds(
+        run, tiny_pair, tmp_path, monkeypatch):
+    """With this machine's calibration, run's one-request decoder prices a greedy request's drafts by the
+    calibrated costs (never the clock; its tokens are the target's either way), and drafts a sampled one on the
+    draft's odds alone, which no machine's costs change: the same input and seed give the same file."""
+    from specdec_cli.engine import CalibratedDraftOrNot, FixedK, SpeculativeDecoder
+    from specdec_cli.models.calibrate import machine, save_calibration
+
+    curve = {1: 0.03, 2: 0.031, 4: 0.034, 8: 0.06}
+    save_calibration({"machine": machine(), "entries": [
+        {"role": role, "model": path, "quantization": "none", "dtype": "float32", "seconds": seconds}
+        for role, path, seconds in (("target", tiny_pair.target, curve), ("draft", tiny_pair.draft, {1: 0.005}))]})
+    used = []
+    generating = SpeculativeDecoder.generate
+
+    def seen(self, prompt_ids, params, *args, **kwargs):
+        used.append((params.greedy, type(self.policy)))
+        return generating(self, prompt_ids, params, *args, **kwargs)
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate", seen)
+    records = [{"id": "s1", "prompt": "Hello there", "temperature": 1.0, "seed": 5},
+               {"id": "g", "prompt": "Hello there", "temperature": 0},
+               {"id": "s2", "prompt": "Hello there", "temperature": 1.0, "seed": 6}]
+    (tmp_path / "in.jsonl").write_text(jsonl(records))
+    first = run(tmp_path / "in.jsonl", "-o", tmp_path / "one.jsonl", "--batch-size", "1", "--max-new-tokens", "24")
+    second = run(tmp_path / "in.jsonl", "-o", tmp_path / "two.jsonl", "--batch-size", "1", "--max-new-tokens", "24")
+    assert first.exit_code == second.exit_code == 0, first.output
+    assert used[:3] == [(False, FixedK), (True, CalibratedDraftOrNot), (False, FixedK)], used
+    assert without_timings(read(tmp_path / "one.jsonl")) == without_timings(read(tmp_path / "two.jsonl"))
+
+
 @pytest.mark.parametrize("batch_size", ["1", "3"])
 def test_a_row_wise_target_gives_a_record_the_same_text_whatever_came_before_it(run, tmp_path, batch_size):
     """An int8 target keeps a prompt's cache entries for the next prompt (the shared system prompt is computed
