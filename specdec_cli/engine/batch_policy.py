@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from specdec_cli.engine.policy import VerifyCost, _Positions
+from specdec_cli.engine.costs import VerifyCost, _Positions
 
 LOOKUP, MODEL = "lookup", "model"  # where a row's draft comes from this step
 OPTIMISTIC = 0.95  # the acceptance a probe's "could drafting pay at all" assumes
