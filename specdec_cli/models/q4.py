@@ -298,17 +298,17 @@ def quantize_q4(model: torch.nn.Module, gguf_path=None, store: tuple[str, str] |
     stored."""
     from specdec_cli.models.stored_layers import replace_linears_stored
 
-    names = {id(module): name for name, module in model.named_modules()}
-    return replace_linears_stored(model, store, lambda whole: _quantize_q4(whole, gguf_path, names))
+    return replace_linears_stored(model, store, lambda whole: _quantize_q4(whole, gguf_path))
 
 
-def _quantize_q4(model: torch.nn.Module, gguf_path, names: dict[int, str]) -> torch.nn.Module:
+def _quantize_q4(model: torch.nn.Module, gguf_path) -> torch.nn.Module:
     from specdec_cli.models.gguf_q4 import gguf_q4_source
     from specdec_cli.models.int8 import replace_linears
 
     source = gguf_q4_source(gguf_path, model)
     if source is None:
         return replace_linears(model, Q4Linear.from_linear)
+    names = {id(module): name for name, module in model.named_modules()}
 
     def quantised(linear: torch.nn.Linear) -> Q4Linear:
         return source.layer(names[id(linear)], linear) or Q4Linear.from_linear(linear)
