@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -59,16 +61,56 @@ def existing_conversions(path: Path, identity: str | None = None) -> list[Path]:
     return sorted(cache_dir("gguf").glob(f"{_conversion_key(path, identity)}-*"))
 
 
+# The readers of the shared_readers() in force, by file (empty: none is).
+_SHARED_READERS: list[dict[Path, object]] = []
+
+
+@contextmanager
+def shared_readers() -> Iterator[None]:
+    """While it lasts, every gguf.GGUFReader of one file is the same reader. A first load of a .gguf reads it
+    for the memory pre-flight's config, the tokenizer, then (transformers) for the conversion's config,
+    weights and tokenizer again, and each read parses every metadata value (the vocabulary: ~150,000
+    strings), ~7 s a read of either demo file. transformers imports GGUFReader from gguf when it reads, so a
+    version that imports it otherwise just reads as often as before. Re-entrant; a file's reader (its numpy
+    views of the metadata, its mapped weights) is let go after the file's conversion, the rest at the end."""
+    if _SHARED_READERS or importlib.util.find_spec("gguf") is None:  # no gguf: reading a .gguf says what to install
+        yield
+        return
+    import gguf
+
+    original = gguf.GGUFReader
+    readers: dict[Path, object] = {}
+
+    def reader(file, *args, **kwargs):
+        if args or kwargs:
+            return original(file, *args, **kwargs)
+        path = Path(file).resolve()
+        if path not in readers:
+            readers[path] = original(file)
+        return readers[path]
+
+    _SHARED_READERS.append(readers)
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+        _SHARED_READERS.clear()
+
+
 def _convert(path: Path, dtype: torch.dtype, destination: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     # dequantize=True: a plain dense model that save_pretrained can write (packed GGUF blocks cannot be saved).
     unpack = GgufConfig(dequantize=True)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=dtype, quantization_config=unpack
-        )
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        with shared_readers():
+            model = AutoModelForCausalLM.from_pretrained(
+                str(path.parent), gguf_file=path.name, dtype=dtype, quantization_config=unpack
+            )
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            for readers in _SHARED_READERS:  # the conversion is the file's last read
+                readers.pop(path.resolve(), None)
     except (ValueError, OSError, KeyError) as error:
         raise ModelLoadError(f"cannot read {path.name} as a GGUF model: {error}", "check the file is a complete .gguf") from None
     model.save_pretrained(destination)

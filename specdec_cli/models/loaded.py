@@ -5,6 +5,7 @@ tokenizers, and only then load weights — so a pair that cannot work fails in s
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -14,6 +15,7 @@ import torch
 from specdec_cli.errors import ModelLoadError
 from specdec_cli.models import preflight, stored_layers
 from specdec_cli.models.device import dtype_name, resolve_device, resolve_dtype
+from specdec_cli.models.gguf import shared_readers
 from specdec_cli.models.progress import library_bars, status
 from specdec_cli.models.quant import check_quantization, compute_dtype, precision, quantization_config, quantize, resolve_auto
 from specdec_cli.models.resolve import ModelSource, check_weight_format, resolve, weights_folder
@@ -97,6 +99,11 @@ def _load_config(plan: _Plan):
         return AutoConfig.from_pretrained(**plan.metadata_kwargs())
     except (OSError, ValueError, KeyError) as error:
         raise ModelLoadError(f"cannot read the config of {plan.source.spec}: {_first_line(error)}", "check the model files") from None
+
+
+def _reading_gguf(*plans: _Plan):
+    """One reader per .gguf for the whole load where a .gguf is not converted yet (gguf.shared_readers)."""
+    return shared_readers() if any("gguf_file" in plan.metadata_kwargs() for plan in plans) else nullcontext()
 
 
 def _weight_bytes(plan: _Plan) -> int:
@@ -210,8 +217,9 @@ def load_model(
     "draft" (what `auto` picks, and whether a quantised model gets row-exact attention)."""
     plan = _plan(spec, device, dtype, quantization, trust_remote_code, allow_pickle, progress, role=role,
                  auto_formats=auto_formats)
-    preflight.check_memory({spec: _weight_bytes(plan)}, plan.device)
-    return _load_weights(plan, _load_tokenizer(plan))
+    with _reading_gguf(plan):
+        preflight.check_memory({spec: _weight_bytes(plan)}, plan.device)
+        return _load_weights(plan, _load_tokenizer(plan))
 
 
 def load_pair(
@@ -240,11 +248,12 @@ def load_pair(
     target_plan = _plan(target, *shared, target_quantization, trust_remote_code, allow_pickle, progress,
                         auto_formats=target_auto_formats)
     draft_plan = _plan(draft, *shared, draft_quantization, trust_remote_code, allow_pickle, progress, role="draft")
-    preflight.check_memory(
-        {f"target {target}": _weight_bytes(target_plan), f"draft {draft}": _weight_bytes(draft_plan)},
-        target_plan.device,
-    )
-    target_tokenizer = _load_tokenizer(target_plan)
-    draft_tokenizer = target_tokenizer if _same_tokenizer(target_plan, draft_plan) else _load_tokenizer(draft_plan)
-    preflight.check_tokenizers_compatible(target_tokenizer, draft_tokenizer, target, draft)
-    return _load_weights(target_plan, target_tokenizer), _load_weights(draft_plan, draft_tokenizer)
+    with _reading_gguf(target_plan, draft_plan):
+        preflight.check_memory(
+            {f"target {target}": _weight_bytes(target_plan), f"draft {draft}": _weight_bytes(draft_plan)},
+            target_plan.device,
+        )
+        target_tokenizer = _load_tokenizer(target_plan)
+        draft_tokenizer = target_tokenizer if _same_tokenizer(target_plan, draft_plan) else _load_tokenizer(draft_plan)
+        preflight.check_tokenizers_compatible(target_tokenizer, draft_tokenizer, target, draft)
+        return _load_weights(target_plan, target_tokenizer), _load_weights(draft_plan, draft_tokenizer)

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -82,3 +84,47 @@ def test_the_conversion_cache_key_names_the_converters_versions(tiny_gguf, specd
     load_model(str(path), device="cpu", dtype="float32", progress=False)
     entries = _cache_entries(specdec_home)
     assert len(entries) == 2 and any("-tf9.9.9-" in name for name in entries)
+
+
+def test_a_first_load_reads_the_gguf_once_and_gives_the_reader_back(tiny_gguf, specdec_home, monkeypatch):
+    """A first load reads a .gguf for the memory pre-flight's config and the tokenizer, and transformers reads
+    it for the conversion's config, weights and tokenizer; each read parsed the whole vocabulary again (~7 s
+    for a demo file). The load shares one reader per file, and puts gguf's own back when it is done."""
+    import gguf as gguf_package
+
+    path, source_model = tiny_gguf
+    opened = []
+
+    class CountingReader(gguf_package.GGUFReader):
+        def __init__(self, file, *args, **kwargs):
+            opened.append(Path(file).resolve())
+            super().__init__(file, *args, **kwargs)
+
+    monkeypatch.setattr(gguf_package, "GGUFReader", CountingReader)
+    loaded = load_model(str(path), device="cpu", dtype="float32", progress=False)
+    assert opened == [path.resolve()]
+    assert gguf_package.GGUFReader is CountingReader
+    input_ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(input_ids).logits, source_model(input_ids).logits)
+
+    with pytest.raises(KeyboardInterrupt), gguf.shared_readers():
+        raise KeyboardInterrupt
+    assert gguf_package.GGUFReader is CountingReader
+
+
+def test_shared_readers_share_per_file(tiny_gguf, tmp_path):
+    import gguf as gguf_package
+
+    path, _ = tiny_gguf
+    other = tmp_path / "other.gguf"
+    other.write_bytes(path.read_bytes())
+    with gguf.shared_readers():
+        first = gguf_package.GGUFReader(str(path))
+        assert gguf_package.GGUFReader(path) is first
+        assert gguf_package.GGUFReader(other) is not first
+        with gguf.shared_readers():
+            assert gguf_package.GGUFReader(str(path)) is first
+        (tmp_path / "converted").mkdir()
+        gguf._convert(path, torch.float32, tmp_path / "converted")  # its last read: the reader is let go
+        assert gguf_package.GGUFReader(path) is not first
