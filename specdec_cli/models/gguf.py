@@ -16,7 +16,7 @@ import torch
 
 from specdec_cli.errors import MissingExtraError, ModelLoadError
 from specdec_cli.models.device import dtype_name
-from specdec_cli.models.paths import atomic_folder, cache_dir
+from specdec_cli.models.paths import atomic_folder, cache_dir, one_maker
 from specdec_cli.models.progress import status
 
 
@@ -123,8 +123,11 @@ def ensure_converted(path: Path, dtype: torch.dtype, identity: str | None = None
     if folder.exists():
         return folder
     require_gguf()
-    with status(f"converting {path.name} to safetensors (once) ...", progress):
-        with atomic_folder(folder) as staging:
-            _convert(path, dtype, staging)
+    with one_maker(folder, status(f"another specdec is converting {path.name}; waiting ...", progress)):
+        if folder.exists():  # it was
+            return folder
+        with status(f"converting {path.name} to safetensors (once) ...", progress):
+            with atomic_folder(folder) as staging:
+                _convert(path, dtype, staging)
     return folder
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from specdec_cli.models import row_kernels
-from specdec_cli.models.paths import atomic_folder, cache_dir
+from specdec_cli.models.paths import atomic_folder, cache_dir, one_maker
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("int8_gemm.c", "q4_gemm.c", "layer_kernels.c",
                                                                   "sampling_kernels.c"))  # one library
@@ -72,12 +72,10 @@ def _built() -> Path:
     library = final / "libspecdec_int8.so"
     if library.exists():
         return library
-    try:
-        with atomic_folder(final) as staging:
-            compile_library(SOURCES, staging / library.name, compiler)
-    except OSError:
-        if not library.exists():  # else another process (a Ray worker, a second run) built it first: use theirs
-            raise
+    with one_maker(final):  # Ray workers on one machine build it once
+        if not library.exists():
+            with atomic_folder(final) as staging:
+                compile_library(SOURCES, staging / library.name, compiler)
     return library
 
 

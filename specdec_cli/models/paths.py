@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Iterator
+from typing import ContextManager, Iterator
 
 
 def specdec_home() -> Path:
@@ -29,14 +30,39 @@ def cache_dir(kind: str) -> Path:
 @contextmanager
 def atomic_folder(final: Path) -> Iterator[Path]:
     """Yield a temporary folder beside `final`; rename it into place only if the block succeeds,
-    so a crash never leaves a half-written cache entry."""
+    so a crash never leaves a half-written cache entry. Where another process put its `final` in place
+    first (a cache entry is the same whoever makes it), theirs is kept and this one dropped."""
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
         yield staging
-        staging.rename(final)
+        try:
+            staging.rename(final)
+        except OSError:
+            if not final.is_dir():
+                raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextmanager
+def one_maker(final: Path, waiting: ContextManager[object] | None = None) -> Iterator[None]:
+    """Hold the exclusive lock (flock) on `final`'s file in the home's `locks/` for the block, so that a second process
+    (another chat, Ray workers on one machine) that wants the same cache entry waits for the first instead of
+    making it again beside it: the demo target's conversion holds ~6 GB of memory for a minute. `waiting` (a
+    spinner) is shown while another process holds it. The lock file stays (out of the way of the entries);
+    the kernel drops a dead holder's lock. Check again for `final` inside the block."""
+    lock = cache_dir("locks") / f"{final.parent.name}.{final.name}.lock"
+    descriptor = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            with waiting or nullcontext():
+                fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)
 
 
 def _umask() -> int:
