@@ -21,7 +21,7 @@ from specdec_cli.models import LoadedModel
 from specdec_cli.models.calibrate import calibrated_seconds
 from specdec_cli.models.device import dtype_name
 from specdec_cli.models.quant import computes_rows_alone
-from specdec_cli.profiles import DRAFTERS, MAX_K
+from specdec_cli.profiles import DRAFTERS
 
 # End-of-turn tokens that chat templates close an assistant turn with. Some checkpoints (GGUF
 # conversions especially) list only one of them as EOS; generation must stop at any.

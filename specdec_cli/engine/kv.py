@@ -264,7 +264,7 @@ class CachedModel:
         if sequence_logits or not self._holds_tree_of(ids, tree_ids, parents):
             self.crop(min(self.shared_prefix(ids), len(ids) - int(sequence_logits)))
         # A long unfed prefix goes in plain chunks first (see `extend`); the tree forward takes the rest.
-        while (unfed := len(ids) - len(self.ids)) > self.prefill_chunk:
+        while len(ids) - len(self.ids) > self.prefill_chunk:
             self._forward(ids[len(self.ids): len(self.ids) + self.prefill_chunk], 1)
         start, cached_nodes = len(self.ids), list(self.tree_nodes)
         if set(feed) & set(cached_nodes):
