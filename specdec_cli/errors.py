@@ -52,6 +52,10 @@ class OutputWriteError(SpecdecError):
     """OUTPUT could not be written (disk full, I/O error); the records before it are intact."""
 
 
+class CacheWriteError(SpecdecError):
+    """The specdec home could not be written (a full disk, a read-only folder); nothing half-written is left."""
+
+
 class PromptTooLongError(InputError):
     """A prompt that leaves no room in the model's context for even one new token."""
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec_cli.errors import MissingExtraError, ModelLoadError, ModelNotFoundError
-from specdec_cli.models.paths import atomic_file, cache_dir, one_maker
+from specdec_cli.models.paths import atomic_file, cache_dir, check_room, one_maker
 from specdec_cli.models.progress import status
 
 DEMO_PREFIX = "demo:"
@@ -182,6 +182,7 @@ def ensure_joined(model: DemoModel, progress: bool = True) -> Path:
         if _cached_file_is_good(model, final, progress):
             return final
         paths = part_paths(model)
+        check_room(final.parent, model.size, f"joining {DEMO_PREFIX}{model.name}")
         with status(f"joining {model.parts} parts of {DEMO_PREFIX}{model.name} (once) ...", progress):
             with atomic_file(final) as staging:
                 size, sha256 = _join(paths, staging)

@@ -16,8 +16,13 @@ import torch
 
 from specdec_cli.errors import MissingExtraError, ModelLoadError
 from specdec_cli.models.device import dtype_name
-from specdec_cli.models.paths import atomic_folder, cache_dir, one_maker
+from specdec_cli.models.gguf_q4 import element_count
+from specdec_cli.models.paths import atomic_folder, cache_dir, check_room, one_maker
 from specdec_cli.models.progress import status
+
+
+def dtype_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def require_gguf() -> None:
@@ -123,6 +128,7 @@ def ensure_converted(path: Path, dtype: torch.dtype, identity: str | None = None
     if folder.exists():
         return folder
     require_gguf()
+    check_room(folder.parent, element_count(path) * dtype_size(dtype), f"converting {path.name} to safetensors")
     with one_maker(folder, status(f"another specdec is converting {path.name}; waiting ...", progress)):
         if folder.exists():  # it was
             return folder

@@ -24,6 +24,7 @@ that does more than reorder rows) is quantised from the loaded weight as before,
 from __future__ import annotations
 
 import importlib.util
+import math
 import struct
 from pathlib import Path
 
@@ -153,6 +154,16 @@ class _Table:
             return None
         data = np.frombuffer(self.bytes, np.uint8, rows * row_bytes, start)
         return data.reshape(rows, row_bytes), found[0]
+
+
+def element_count(path: Path) -> int:
+    """How many numbers a .gguf's tensors hold (what a conversion to safetensors writes, times the dtype's size);
+    0 for a file whose table cannot be read."""
+    try:
+        table = _Table(path)
+    except (OSError, ValueError, KeyError, struct.error):
+        return 0
+    return sum(math.prod(shape) for _, shape, _ in table.tensors.values())
 
 
 class GgufQ4Source:

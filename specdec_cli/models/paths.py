@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import shutil
@@ -9,6 +10,11 @@ import tempfile
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import ContextManager, Iterator
+
+from specdec_cli.errors import CacheWriteError
+
+MOVE_HOME = "free some space there, or set SPECDEC_HOME to a folder on a disk with room"
+_SPARE = 64 * 1024 * 1024  # what a check for room leaves free besides (a stamp, a lock, the file system's own)
 
 
 def specdec_home() -> Path:
@@ -23,8 +29,43 @@ def specdec_home() -> Path:
 def cache_dir(kind: str) -> Path:
     """A sub-folder of the specdec home for one kind of cached artefact ("gguf", "demo")."""
     folder = specdec_home() / kind
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise CacheWriteError(f"cannot make {folder}: {error.strerror}", "set SPECDEC_HOME to a folder you can write") from None
     return folder
+
+
+def check_room(folder: Path, needed: int, what: str) -> None:
+    """CacheWriteError, before any writing, when `folder`'s disk has less than `needed` bytes free (and a spare)."""
+    free = shutil.disk_usage(folder).free
+    if free < needed + _SPARE:
+        raise CacheWriteError(f"{what} needs {_gigabytes(needed)} free in {folder}; its disk has {_gigabytes(free)}",
+                              MOVE_HOME)
+
+
+def _gigabytes(size: int) -> str:
+    return f"{size / 1e9:.1f} GB" if size >= 1e8 else f"{size / 1e6:.0f} MB"
+
+
+def _full_disk(error: Exception) -> bool:
+    """Whether `error` says the disk is full: an OSError's errno, or the text of a writer that wraps it
+    (safetensors raises its own error with the OS's message in it)."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return "No space left on device" in str(error) or "StorageFull" in str(error)
+
+
+@contextmanager
+def _whole_or_nothing(final: Path) -> Iterator[None]:
+    """A full disk while writing `final` becomes one CacheWriteError naming it (the caller removes the partial file)."""
+    try:
+        yield
+    except Exception as error:
+        if _full_disk(error):
+            raise CacheWriteError(f"the disk is full: {final.name} could not be written in {final.parent}",
+                                  MOVE_HOME) from None
+        raise
 
 
 @contextmanager
@@ -35,7 +76,8 @@ def atomic_folder(final: Path) -> Iterator[Path]:
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
-        yield staging
+        with _whole_or_nothing(final):
+            yield staging
         try:
             staging.rename(final)
         except OSError:
@@ -53,7 +95,10 @@ def one_maker(final: Path, waiting: ContextManager[object] | None = None) -> Ite
     spinner) is shown while another process holds it. The lock file stays (out of the way of the entries);
     the kernel drops a dead holder's lock. Check again for `final` inside the block."""
     lock = cache_dir("locks") / f"{final.parent.name}.{final.name}.lock"
-    descriptor = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        descriptor = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as error:
+        raise CacheWriteError(f"cannot make {lock}: {error.strerror}", MOVE_HOME) from None
     try:
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -79,7 +124,8 @@ def atomic_file(final: Path) -> Iterator[Path]:
     os.close(handle)
     staging = Path(name)
     try:
-        yield staging
+        with _whole_or_nothing(final):
+            yield staging
         staging.chmod(0o666 & ~_umask())  # mkstemp makes it private; a cache file is an ordinary file
         staging.replace(final)
     finally:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from specdec_cli.errors import CacheWriteError
 from specdec_cli.models.paths import atomic_file, specdec_home
 
 KIND = "layers"
@@ -166,6 +167,6 @@ def write(key: str, label: str, layers: dict[str, torch.nn.Module], note: list |
         for older in path.parent.glob(f"{_slug(label)}-{key.split('-')[0]}-*.safetensors"):
             if older != path:
                 older.unlink(missing_ok=True)
-    except (OSError, RuntimeError, ValueError):  # a full disk or a read-only home: the layers are made next time
+    except (OSError, RuntimeError, ValueError, CacheWriteError):  # a full disk, a read-only home: made next time
         return False
     return True

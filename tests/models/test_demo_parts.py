@@ -4,10 +4,11 @@ import hashlib
 import importlib
 import json
 import os
+import shutil
 
 import pytest
 
-from specdec_cli.errors import MissingExtraError, ModelLoadError, ModelNotFoundError
+from specdec_cli.errors import CacheWriteError, MissingExtraError, ModelLoadError, ModelNotFoundError
 from specdec_cli.models import demo
 
 PARTS = 11  # more than 9, so that joining in string order ("part10" < "part2") would be caught
@@ -67,6 +68,17 @@ def test_a_corrupt_part_is_refused_and_not_cached(fake_demo, specdec_home):
     chunks[4] = b"x" * len(chunks[4])
     _install_fake_parts(site, model.package_prefix, chunks)
     with pytest.raises(ModelLoadError, match="is corrupt"):
+        demo.ensure_joined(model, progress=False)
+    assert list((specdec_home / "demo").iterdir()) == []
+
+
+def test_a_disk_without_room_is_refused_before_joining(fake_demo, specdec_home, monkeypatch):
+    from specdec_cli.models import paths
+
+    model, chunks, _, site = fake_demo
+    _install_fake_parts(site, model.package_prefix, chunks)
+    monkeypatch.setattr(paths.shutil, "disk_usage", lambda folder: shutil._ntuple_diskusage(10**9, 10**9, 2**20))
+    with pytest.raises(CacheWriteError, match=r"joining demo:fake needs 0 MB free in .*; its disk has 1 MB"):
         demo.ensure_joined(model, progress=False)
     assert list((specdec_home / "demo").iterdir()) == []
 
