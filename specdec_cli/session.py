@@ -216,6 +216,8 @@ def build_batched_decoder(target: LoadedModel, draft: LoadedModel | None, drafte
     reads DRAFT_WINDOW tokens of each prompt, as the one-sequence drafters do), k = auto priced by the models'
     forward-cost curves (given, else `forward_curve`; assumed shapes where not calibrated), never by the clock."""
     batched_drafter = "cascade" if drafter == "tree" else drafter  # a tree's lookups first, then the model's chains
+    if k == 0:  # k = 0: the target alone, whatever the drafter
+        batched_drafter = "none"
     uses_draft = batched_drafter in ("model", "cascade") and k != 0
     if uses_draft and draft is None:
         raise InputError(f"the {drafter} drafter needs a draft model", "pass --draft NAME, or --drafter ngram")

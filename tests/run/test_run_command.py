@@ -227,6 +227,21 @@ def test_one_at_a_time_a_greedy_request_drafts_by_the_calibration_and_a_sampled_
 
 
 @pytest.mark.parametrize("batch_size", ["1", "3"])
+def test_k_0_runs_the_target_alone_in_a_batch_too(run, tmp_path, reference, batch_size):
+    """`--k 0` with the profile's drafter (a draft model's): the batched engine was still built with that
+    drafter and no draft model, a ValueError traceback."""
+    (tmp_path / "in.jsonl").write_text(jsonl(MIXED[:2] + MIXED[4:]))
+    result = run(tmp_path / "in.jsonl", "-o", tmp_path / "out.jsonl", "--batch-size", batch_size, "--k", "0")
+    assert_exited(result, 0)
+    z, a, five = read(tmp_path / "out.jsonl")
+    for record, expected in ((z, reference("def add(a, b):", max_new_tokens=6)),
+                             (a, reference(messages=MIXED[1]["messages"])),
+                             (five, reference("Speculative decoding drafts"))):
+        assert (record["text"], record["finish_reason"], record["prompt_tokens"], record["completion_tokens"]) == expected
+        assert record["stats"]["drafted"] == 0
+
+
+@pytest.mark.parametrize("batch_size", ["1", "3"])
 def test_a_row_wise_target_gives_a_record_the_same_text_whatever_came_before_it(run, tmp_path, batch_size):
     """An int8 target keeps a prompt's cache entries for the next prompt (the shared system prompt is computed
     once, tests/engine/test_prompt_reuse.py): what it keeps is bit for bit what computing it gives, so a record,
