@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
+import shutil
+import struct
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -123,17 +126,53 @@ def _convert(path: Path, dtype: torch.dtype, destination: Path) -> None:
 
 
 def ensure_converted(path: Path, dtype: torch.dtype, identity: str | None = None, progress: bool = True) -> Path:
-    """Return the cached safetensors folder for `path`, converting it first if this is the first time."""
+    """Return the cached safetensors folder for `path`, converting it first if this is the first time, or again
+    where the cached one is damaged (a file cut short or gone: `conversion_problem`)."""
     folder = converted_folder(path, dtype, identity)
-    if folder.exists():
+    if folder.exists() and conversion_problem(folder) is None:
         return folder
     require_gguf()
-    check_room(folder.parent, element_count(path) * dtype_size(dtype), f"converting {path.name} to safetensors")
     with one_maker(folder, status(f"another specdec is converting {path.name}; waiting ...", progress)):
-        if folder.exists():  # it was
+        problem = conversion_problem(folder) if folder.exists() else "none yet"
+        if problem is None:  # another process made it meanwhile
             return folder
-        with status(f"converting {path.name} to safetensors (once) ...", progress):
+        what = "converting" if problem == "none yet" else f"its cached conversion is damaged ({problem}): converting"
+        shutil.rmtree(folder, ignore_errors=True)
+        check_room(folder.parent, element_count(path) * dtype_size(dtype), f"converting {path.name} to safetensors")
+        with status(f"{what} {path.name} to safetensors (once) ...", progress):
             with atomic_folder(folder) as staging:
                 _convert(path, dtype, staging)
     return folder
 
+
+def conversion_problem(folder: Path) -> str | None:
+    """What is wrong with a finished conversion folder, read from its files' sizes and safetensors headers only
+    (milliseconds): no config, no weights, a shard its index names missing, a file shorter or longer than its
+    header says. None where nothing is."""
+    if not (folder / "config.json").is_file():
+        return "no config.json"
+    files = sorted(folder.glob("*.safetensors"))
+    index = folder / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            named = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+            missing = sorted(name for name in named if not (folder / name).is_file())
+            if missing:
+                return f"{missing[0]} missing"
+        if not files:
+            return "no weights"
+        for file in files:
+            if _safetensors_size(file) != file.stat().st_size:
+                return f"{file.name} cut short"
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return "unreadable"
+    return None
+
+
+def _safetensors_size(file: Path) -> int:
+    """The size a safetensors file must have: 8 bytes, its JSON header, then its tensors' data to the last offset."""
+    with file.open("rb") as handle:
+        (header_size,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(header_size))
+    ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+    return 8 + header_size + max(ends, default=0)

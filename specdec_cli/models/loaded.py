@@ -140,6 +140,7 @@ def _same_tokenizer(target: _Plan, draft: _Plan) -> bool:
 
 
 def _from_pretrained(plan: _Plan, folder: Path):
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     has_safetensors = check_weight_format(folder, plan.source.spec, plan.allow_pickle)
@@ -152,7 +153,7 @@ def _from_pretrained(plan: _Plan, folder: Path):
             trust_remote_code=plan.trust_remote_code,
             use_safetensors=True if has_safetensors else None,
         )
-    except (OSError, ValueError, KeyError, RuntimeError) as error:
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as error:  # SafetensorError: a cut file
         raise ModelLoadError(f"cannot load {plan.source.spec}: {_first_line(error)}", "check the model files and options") from None
 
 

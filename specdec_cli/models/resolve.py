@@ -24,11 +24,11 @@ class ModelSource:
     gguf_identity: str | None = None  # cache key of a .gguf conversion
 
     def converted_folder(self, dtype: torch.dtype) -> Path | None:
-        """For a .gguf source: its cached safetensors folder at `dtype`, if converted already."""
+        """For a .gguf source: its cached safetensors folder at `dtype`, if converted already and whole."""
         if self.gguf_path is None:
             return None
         folder = gguf.converted_folder(self.gguf_path, dtype, self.gguf_identity)
-        return folder if folder.exists() else None
+        return folder if folder.exists() and gguf.conversion_problem(folder) is None else None
 
 
 def _demo_source(spec: str, progress: bool) -> ModelSource:

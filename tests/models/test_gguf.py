@@ -128,3 +128,48 @@ def test_shared_readers_share_per_file(tiny_gguf, tmp_path):
         (tmp_path / "converted").mkdir()
         gguf._convert(path, torch.float32, tmp_path / "converted")  # its last read: the reader is let go
         assert gguf_package.GGUFReader(path) is not first
+
+
+@pytest.mark.parametrize("damage", ["cut", "gone", "no config"])
+def test_a_damaged_conversion_is_made_again(tiny_gguf, specdec_home, damage):
+    """A cached conversion whose weights file was cut short (a full disk or a crash outside specdec's own writes,
+    a copied cache) or deleted loaded with a traceback or 'has no weights — check the folder or hub id', which a
+    user cannot fix: it is converted again."""
+    path, source_model = tiny_gguf
+    load_model(str(path), device="cpu", dtype="float32", progress=False)
+    (entry,) = gguf.existing_conversions(path)
+    weights = entry / "model.safetensors"
+    if damage == "cut":
+        weights.write_bytes(weights.read_bytes()[:-100])
+    elif damage == "gone":
+        weights.unlink()
+    else:
+        (entry / "config.json").unlink()
+    assert gguf.conversion_problem(entry) == {"cut": "model.safetensors cut short", "gone": "no weights",
+                                              "no config": "no config.json"}[damage]
+    loaded = load_model(str(path), device="cpu", dtype="float32", progress=False)
+    assert gguf.existing_conversions(path) == [entry] and gguf.conversion_problem(entry) is None
+    input_ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(input_ids).logits, source_model(input_ids).logits)
+
+
+def test_a_whole_conversion_is_not_made_again(tiny_gguf, specdec_home, monkeypatch):
+    path, _ = tiny_gguf
+    load_model(str(path), device="cpu", dtype="float32", progress=False)
+    (entry,) = gguf.existing_conversions(path)
+    assert gguf.conversion_problem(entry) is None
+    monkeypatch.setattr(gguf, "_convert", lambda *args: pytest.fail("converted again"))
+    load_model(str(path), device="cpu", dtype="float32", progress=False)
+
+
+def test_a_cut_weights_file_in_a_folder_is_one_line(llama_folder, tmp_path):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(llama_folder, folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(ModelLoadError, match="cannot load .*: Error while deserializing header") as raised:
+        load_model(str(folder), device="cpu", dtype="float32", progress=False)
+    assert "\n" not in raised.value.one_line()
