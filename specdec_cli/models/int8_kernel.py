@@ -70,13 +70,32 @@ def _built() -> Path:
     key = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
     final = cache_dir("kernels") / f"int8-{key}"
     library = final / "libspecdec_int8.so"
-    if library.exists():
+    if _whole(library):
         return library
     with one_maker(final):  # Ray workers on one machine build it once
-        if not library.exists():
+        if not _whole(library):
+            shutil.rmtree(final, ignore_errors=True)  # a library cut short crashes the process that loads it (SIGBUS)
             with atomic_folder(final) as staging:
                 compile_library(SOURCES, staging / library.name, compiler)
+                _stamp(staging / library.name).write_text(_digest(staging / library.name), encoding="utf-8")
     return library
+
+
+def _stamp(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def _digest(library: Path) -> str:
+    return hashlib.sha256(library.read_bytes()).hexdigest()
+
+
+def _whole(library: Path) -> bool:
+    """Whether `library` is the file its build left (its sha256 beside it, ~0.1 ms): loading one that a full disk
+    or a copy cut short kills the process with a bus error, not an exception."""
+    try:
+        return _stamp(library).read_text(encoding="utf-8") == _digest(library)
+    except OSError:
+        return False
 
 
 def c_compiler() -> str:

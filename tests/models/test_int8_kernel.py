@@ -118,6 +118,24 @@ def test_without_a_compiler_int8_runs_on_onednn_and_says_why(monkeypatch, tmp_pa
     assert not list((tmp_path / "home" / "kernels").iterdir())  # no half-built entry left behind
 
 
+@needs_kernel
+def test_a_library_cut_short_is_built_again_not_loaded(monkeypatch, tmp_path):
+    """Loading a shared library a full disk or a copy cut short kills the process (SIGBUS), so the build leaves
+    its sha256 beside it and a library that does not match is built again before anything loads it."""
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    library = int8_kernel._built()
+    whole = library.read_bytes()
+    library.write_bytes(whole[:10000])
+    built = []
+    real_compile = int8_kernel.compile_library
+    monkeypatch.setattr(int8_kernel, "compile_library", lambda *args: (built.append(args), real_compile(*args)))
+    assert int8_kernel._built() == library
+    assert len(built) == 1 and library.stat().st_size == len(whole)
+    assert int8_kernel._built() == library and len(built) == 1  # whole now: not built again
+    library.with_name(library.name + ".sha256").unlink()
+    assert int8_kernel._built() == library and len(built) == 2
+
+
 def test_int8_falls_back_to_onednn_where_the_kernel_is_off(monkeypatch):
     monkeypatch.setattr(int8_kernel, "_library", lambda: (None, 0, "SPECDEC_INT8_KERNEL=onednn"))
     layer = PerTokenInt8Linear.from_linear(torch.nn.Linear(16, 8))
