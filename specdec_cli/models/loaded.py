@@ -15,7 +15,7 @@ import torch
 from specdec_cli.errors import ModelLoadError
 from specdec_cli.models import preflight, stored_layers
 from specdec_cli.models.device import dtype_name, resolve_device, resolve_dtype
-from specdec_cli.models.gguf import shared_readers
+from specdec_cli.models.gguf import require_gguf, shared_readers
 from specdec_cli.models.progress import library_bars, status
 from specdec_cli.models.quant import check_quantization, compute_dtype, precision, quantization_config, quantize, resolve_auto
 from specdec_cli.models.resolve import ModelSource, check_weight_format, resolve, weights_folder
@@ -72,6 +72,7 @@ class _Plan:
         if folder is not None:
             return {"pretrained_model_name_or_path": str(folder), "trust_remote_code": self.trust_remote_code}
         gguf_path = self.source.gguf_path
+        require_gguf()  # transformers reads the file with it: without it, an ImportError traceback
         return {"pretrained_model_name_or_path": str(gguf_path.parent), "gguf_file": gguf_path.name}
 
 

@@ -173,3 +173,19 @@ def test_a_cut_weights_file_in_a_folder_is_one_line(llama_folder, tmp_path):
     with pytest.raises(ModelLoadError, match="cannot load .*: Error while deserializing header") as raised:
         load_model(str(folder), device="cpu", dtype="float32", progress=False)
     assert "\n" not in raised.value.one_line()
+
+
+def test_a_gguf_without_the_gguf_package_is_one_line_naming_the_extra(tiny_gguf, specdec_home, monkeypatch):
+    """Without gguf installed, the memory pre-flight's config read (transformers, before any conversion) raised
+    an ImportError traceback."""
+    import importlib.util
+
+    from specdec_cli.errors import MissingExtraError
+
+    path, _ = tiny_gguf
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None if name == "gguf" else real_find_spec(name, *args))
+    monkeypatch.setitem(__import__("sys").modules, "gguf", None)  # an import of it fails as if not installed
+    with pytest.raises(MissingExtraError) as raised:
+        load_model(str(path), device="cpu", dtype="float32", progress=False)
+    assert raised.value.one_line() == "loading .gguf files needs the gguf package — pip install 'specdec[gguf]'"
