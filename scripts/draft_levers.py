@@ -2,7 +2,7 @@
 prompt in one process (13 Spec-Bench prompts, one per category, greedy):
 
 - the draft's format (int8, int4) and the subset head (the draft scores the 32k most frequent ids only);
-- the draft's window (it reads only the last 256, 128 or 64 tokens of the prompt);
+- the draft's window (it reads only the last 256, 128, 64, 32 or 16 tokens of the prompt);
 - lookups priced by the verify-cost curve (the policy's lookup length) against lookups at a fixed length;
 - the verify curve from this machine's calibration against the one the run learns;
 - the odds cut as it was before it divided by the next token's expected acceptance.
@@ -72,6 +72,8 @@ def configurations(target, drafts: dict, curve):
         "cascade q4 draft +fr64k +window256": lambda: (cascade("q4", 65536, 256), auto()),
         "cascade q4 draft +fr64k +window128": lambda: (cascade("q4", 65536, 128), auto()),
         "cascade q4 draft +fr64k +window64": lambda: (cascade("q4", 65536, 64), auto()),
+        "cascade q4 draft +fr64k +window32": lambda: (cascade("q4", 65536, 32), auto()),
+        "cascade q4 draft +fr64k +window16": lambda: (cascade("q4", 65536, 16), auto()),
         "cascade q4 draft +fr64k +window256 (cut on odds)": lambda: (cascade("q4", 65536, 256), auto(CutOnOdds)),
         "ngram": lambda: (NgramDrafter(), auto()),
         "ngram (lookups unpriced)": lambda: (NgramDrafter(), auto(UnpricedLookups)),
