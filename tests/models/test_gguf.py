@@ -189,3 +189,19 @@ def test_a_gguf_without_the_gguf_package_is_one_line_naming_the_extra(tiny_gguf,
     with pytest.raises(MissingExtraError) as raised:
         load_model(str(path), device="cpu", dtype="float32", progress=False)
     assert raised.value.one_line() == "loading .gguf files needs the gguf package — pip install 'specdec[gguf]'"
+
+
+def test_a_conversion_that_would_not_fit_in_memory_is_refused_before_it_starts(tiny_gguf, specdec_home, monkeypatch):
+    """The demo target's conversion peaks at ~5.4 GB: on a machine with less free, the kernel killed the process
+    half-way with no message."""
+    from specdec_cli.errors import InsufficientMemoryError
+
+    path, _ = tiny_gguf
+    needed = int(gguf.CONVERSION_MEMORY * gguf.element_count(path) * 4)
+    monkeypatch.setattr(gguf, "available_memory_bytes", lambda device: needed - 1)
+    with pytest.raises(InsufficientMemoryError, match=r"converting tiny-llama.gguf to safetensors \(once\) needs ~"):
+        load_model(str(path), device="cpu", dtype="float32", progress=False)
+    assert gguf.existing_conversions(path) == []
+    monkeypatch.setattr(gguf, "available_memory_bytes", lambda device: needed)
+    load_model(str(path), device="cpu", dtype="float32", progress=False)
+    assert len(gguf.existing_conversions(path)) == 1
