@@ -2,7 +2,8 @@
 
 A conversion is keyed by the file (its identity), the dtype and the versions of transformers and gguf
 that made it: a conversion bug fixed by an upgrade (or brought by one) gets a fresh entry instead of
-being read back from the cache for ever."""
+being read back from the cache for ever. One process converts a file at a time (paths.one_maker), only where
+the disk and the free RAM hold it, and a cached conversion found damaged is converted again."""
 
 from __future__ import annotations
 
@@ -134,11 +135,13 @@ def ensure_converted(path: Path, dtype: torch.dtype, identity: str | None = None
         return folder
     require_gguf()
     with one_maker(folder, status(f"another specdec is converting {path.name}; waiting ...", progress)):
-        problem = conversion_problem(folder) if folder.exists() else "none yet"
-        if problem is None:  # another process made it meanwhile
-            return folder
-        what = "converting" if problem == "none yet" else f"its cached conversion is damaged ({problem}): converting"
-        shutil.rmtree(folder, ignore_errors=True)
+        what = "converting"
+        if folder.exists():
+            problem = conversion_problem(folder)
+            if problem is None:  # another process made it meanwhile
+                return folder
+            what = f"its cached conversion is damaged ({problem}): converting"
+            shutil.rmtree(folder, ignore_errors=True)
         size = element_count(path) * dtype_size(dtype)
         check_room(folder.parent, size, f"converting {path.name} to safetensors")
         _check_memory(path, int(CONVERSION_MEMORY * size))

@@ -58,13 +58,17 @@ def _full_disk(error: Exception) -> bool:
 
 @contextmanager
 def _whole_or_nothing(final: Path) -> Iterator[None]:
-    """A full disk while writing `final` becomes one CacheWriteError naming it (the caller removes the partial file)."""
+    """A full disk or a folder it may not write while writing `final` becomes one CacheWriteError naming it
+    (the caller removes the partial file)."""
     try:
         yield
     except Exception as error:
         if _full_disk(error):
             raise CacheWriteError(f"the disk is full: {final.name} could not be written in {final.parent}",
                                   MOVE_HOME) from None
+        if isinstance(error, OSError) and error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise CacheWriteError(f"cannot write {final.name} in {final.parent}: {error.strerror}",
+                                  "set SPECDEC_HOME to a folder you can write") from None
         raise
 
 
@@ -73,8 +77,9 @@ def atomic_folder(final: Path) -> Iterator[Path]:
     """Yield a temporary folder beside `final`; rename it into place only if the block succeeds,
     so a crash never leaves a half-written cache entry. Where another process put its `final` in place
     first (a cache entry is the same whoever makes it), theirs is kept and this one dropped."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    with _whole_or_nothing(final):
+        final.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
         with _whole_or_nothing(final):
             yield staging
@@ -119,8 +124,9 @@ def _umask() -> int:
 @contextmanager
 def atomic_file(final: Path) -> Iterator[Path]:
     """Like `atomic_folder`, for one file."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    handle, name = tempfile.mkstemp(prefix=f".{final.name}.", dir=final.parent)
+    with _whole_or_nothing(final):
+        final.parent.mkdir(parents=True, exist_ok=True)
+        handle, name = tempfile.mkstemp(prefix=f".{final.name}.", dir=final.parent)
     os.close(handle)
     staging = Path(name)
     try:

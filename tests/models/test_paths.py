@@ -100,3 +100,16 @@ def test_a_full_home_in_chat_is_one_line_and_exit_2(tiny_gguf, specdec_home, mon
     assert_exited(result, 2)
     assert result.stderr.startswith("error: converting tiny-llama.gguf to safetensors needs ")
     assert len(result.stderr.strip().splitlines()) == 1 and result.stdout == ""
+
+
+def test_a_read_only_home_is_one_error_naming_the_folder(tmp_path, monkeypatch):
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(paths.tempfile, "mkstemp", read_only)
+    monkeypatch.setattr(paths.tempfile, "mkdtemp", read_only)
+    for atomic in (atomic_file, atomic_folder):
+        with pytest.raises(CacheWriteError, match="cannot write entry in .*: Read-only file system") as raised:
+            with atomic(tmp_path / "entry"):
+                pass
+        assert raised.value.hint == "set SPECDEC_HOME to a folder you can write"
