@@ -98,7 +98,8 @@ def one_maker(final: Path, waiting: ContextManager[object] | None = None) -> Ite
     (another chat, Ray workers on one machine) that wants the same cache entry waits for the first instead of
     making it again beside it: the demo target's conversion holds ~6 GB of memory for a minute. `waiting` (a
     spinner) is shown while another process holds it. The lock file stays (out of the way of the entries);
-    the kernel drops a dead holder's lock. Check again for `final` inside the block."""
+    the kernel drops a dead holder's lock, and what a dead holder left half-made is removed. Check again for
+    `final` inside the block."""
     lock = cache_dir("locks") / f"{final.parent.name}.{final.name}.lock"
     try:
         descriptor = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
@@ -110,9 +111,22 @@ def one_maker(final: Path, waiting: ContextManager[object] | None = None) -> Ite
         except BlockingIOError:
             with waiting or nullcontext():
                 fcntl.flock(descriptor, fcntl.LOCK_EX)
+        _remove_leftovers(final)
         yield
     finally:
         os.close(descriptor)
+
+
+def _remove_leftovers(final: Path) -> None:
+    """Remove what a killed maker of `final` left: the staging folders and files of atomic_folder/atomic_file
+    (`.NAME.xxxxxxxx` beside it), which a kill -9, the kernel's out-of-memory killer or a power cut leave behind
+    (a demo target's half conversion is up to 3.6 GB). Called with `final`'s lock held, so no live process is
+    writing one."""
+    for leftover in final.parent.glob(f".{final.name}.*"):
+        if leftover.is_dir():
+            shutil.rmtree(leftover, ignore_errors=True)
+        else:
+            leftover.unlink(missing_ok=True)
 
 
 def _umask() -> int:

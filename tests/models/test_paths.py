@@ -113,3 +113,20 @@ def test_a_read_only_home_is_one_error_naming_the_folder(tmp_path, monkeypatch):
             with atomic(tmp_path / "entry"):
                 pass
         assert raised.value.hint == "set SPECDEC_HOME to a folder you can write"
+
+
+def test_what_a_killed_maker_left_is_removed_under_the_lock(tmp_path, specdec_home):
+    """atomic_folder's `finally` does not run after a kill -9 or the out-of-memory killer: its staging folder (a
+    half conversion, GBs) stayed for ever. The next maker of the same entry removes it; other entries' stay."""
+    final = tmp_path / "entry"
+    left_folder = tmp_path / ".entry.k3j2h1ab"
+    left_folder.mkdir()
+    (left_folder / "model.safetensors").write_bytes(b"\0" * 100)
+    left_file = tmp_path / ".entry.9xq7w2er"
+    left_file.write_bytes(b"\0" * 100)
+    others = [tmp_path / ".entry-other.k3j2h1ab", tmp_path / "entry.lock-not-ours"]
+    for other in others:
+        other.mkdir()
+    with one_maker(final):
+        assert not left_folder.exists() and not left_file.exists()
+    assert all(other.exists() for other in others)
