@@ -97,6 +97,10 @@ def environment(target: LoadedModel, draft: LoadedModel | None) -> dict:
         "torch_threads": torch.get_num_threads(),
         "process_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
     }
+    if target.device.type == "cpu":  # the CPU decides the costs: its model and the flags that pick kernels
+        from specdec_cli.models.calibrate import machine
+
+        record["cpu"], record["cpu_flags"] = (machine()[key] for key in ("cpu", "cpu_flags"))
     if "int8" in (target.quantization, draft.quantization if draft else None):
         from specdec_cli.models.int8 import matmul_name
 

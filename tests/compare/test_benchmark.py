@@ -94,7 +94,8 @@ def test_by_category_rows_cover_only_that_categorys_prompt(low_acceptance):
 def test_the_report_holds_every_raw_run_and_the_environment(low_acceptance):
     report = json.loads(json.dumps(low_acceptance.report(by_category=True)))
     assert report["schema"] == "specdec.compare/1"
-    assert {"device", "dtype", "torch", "transformers", "cpu_count", "torch_threads", "target", "draft"} <= set(report["environment"])
+    assert {"device", "dtype", "torch", "transformers", "cpu_count", "torch_threads", "target", "draft", "cpu",
+            "cpu_flags"} <= set(report["environment"])
     assert report["environment"]["dtype"] == "float32"
     assert len(report["runs"]) == 2 * len(low_acceptance.configs)
     assert {"tokens", "seconds", "steps", "drafted", "accepted", "drafted_at", "accepted_at", "draft_seconds",
