@@ -98,9 +98,9 @@ def environment(target: LoadedModel, draft: LoadedModel | None) -> dict:
         "process_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
     }
     if target.device.type == "cpu":  # the CPU decides the costs: its model and the flags that pick kernels
-        from specdec_cli.models.calibrate import machine
+        from specdec_cli.models.calibrate import cpu
 
-        record["cpu"], record["cpu_flags"] = (machine()[key] for key in ("cpu", "cpu_flags"))
+        record.update(cpu())
     if "int8" in (target.quantization, draft.quantization if draft else None):
         from specdec_cli.models.int8 import matmul_name
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from specdec_cli.engine.kv import CachedModel
-from specdec_cli.models.device import dtype_name
+from specdec_cli.models.device import cpu_flags, dtype_name
 from specdec_cli.models.loaded import LoadedModel, load_model
 from specdec_cli.models.paths import specdec_home
 from specdec_cli.models.preflight import available_memory_bytes, held_weight_bytes
@@ -87,26 +87,30 @@ def auto_score(role: str, seconds: dict[int, float]) -> float:
     return sum(seconds.get(n, seconds[1]) for n in sizes)
 
 
+def cpu() -> dict:
+    """The CPU's model and those of its flags that pick kernels (CPU_FLAGS)."""
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                name = value.strip()
+                break
+    except OSError:  # no /proc/cpuinfo (macOS)
+        pass
+    flags = cpu_flags()
+    return {"cpu": name, "cpu_flags": sorted(flag for flag in CPU_FLAGS if flag in flags)}
+
+
 def machine() -> dict:
     """What decides the costs: CPU model and the flags that pick kernels, threads, library versions."""
     import transformers
 
     from specdec_cli.models.int8 import matmul_name
 
-    flags: set[str] = set()
-    name = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text(errors="replace").splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                name = value.strip()
-            elif key.strip() == "flags":
-                flags |= set(value.split())
     return {
-        "cpu": name, "cpu_flags": sorted(flag for flag in CPU_FLAGS if flag in flags),
-        "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
-        "platform": platform.platform(), "int8_kernel": matmul_name(),
+        **cpu(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "transformers": transformers.__version__, "platform": platform.platform(), "int8_kernel": matmul_name(),
     }
 
 
