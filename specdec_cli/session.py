@@ -218,7 +218,7 @@ def build_batched_decoder(target: LoadedModel, draft: LoadedModel | None, drafte
     batched_drafter = "cascade" if drafter == "tree" else drafter  # a tree's lookups first, then the model's chains
     if k == 0:  # k = 0: the target alone, whatever the drafter
         batched_drafter = "none"
-    uses_draft = batched_drafter in ("model", "cascade") and k != 0
+    uses_draft = batched_drafter in ("model", "cascade")
     if uses_draft and draft is None:
         raise InputError(f"the {drafter} drafter needs a draft model", "pass --draft NAME, or --drafter ngram")
     vocabulary = draft_vocabulary(draft.tokenizer, draft.vocab_size) if uses_draft else None

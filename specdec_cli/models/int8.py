@@ -69,15 +69,21 @@ class PerTokenInt8Linear(torch.nn.Module):
     def __init__(self, weight_int8: torch.Tensor, weight_scales: torch.Tensor, bias: torch.Tensor | None,
                  bits: int | None = None) -> None:
         super().__init__()
-        self.out_features, self.in_features = weight_int8.shape
-        self.bits = bits or activation_bits()
-        self.own_kernel = int8_kernel.kernel_problem(self.bits) is None
-        if self.own_kernel:  # blocks of 32 rows (1 byte per weight, padded) and each row's sum
-            blocks, row_sums = int8_kernel.pack(weight_int8)
-            self.register_buffer("packed_weight", blocks)
-            self.register_buffer("row_sums", row_sums)
+        bits = bits or activation_bits()
+        if int8_kernel.kernel_problem(bits) is None:  # blocks of 32 rows (1 byte per weight, padded) and each row's sum
+            packed_weight, row_sums = int8_kernel.pack(weight_int8)
         else:  # (K, N) in oneDNN's blocked layout: an opaque tensor, counted as a buffer (1 byte per weight).
-            self.register_buffer("packed_weight", torch.ops.onednn.qlinear_prepack(weight_int8.contiguous(), None))
+            packed_weight, row_sums = torch.ops.onednn.qlinear_prepack(weight_int8.contiguous(), None), None
+        self._hold(packed_weight, row_sums, weight_scales, bias, bits, *weight_int8.shape)
+
+    def _hold(self, packed_weight: torch.Tensor, row_sums: torch.Tensor | None, weight_scales: torch.Tensor,
+              bias: torch.Tensor | None, bits: int, out_features: int, in_features: int) -> None:
+        """Keep a packed weight: specdec's kernel's blocks with their row sums, or oneDNN's (row_sums None)."""
+        self.out_features, self.in_features, self.bits = out_features, in_features, bits
+        self.own_kernel = row_sums is not None
+        self.register_buffer("packed_weight", packed_weight)
+        if row_sums is not None:
+            self.register_buffer("row_sums", row_sums)
         self.register_buffer("weight_scales", weight_scales.float().contiguous())  # (N,)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         self._zero_points = torch.zeros(1, dtype=torch.int64)  # symmetric weights
@@ -95,12 +101,7 @@ class PerTokenInt8Linear(torch.nn.Module):
             return None
         layer = cls.__new__(cls)
         torch.nn.Module.__init__(layer)
-        layer.out_features, layer.in_features, layer.bits, layer.own_kernel = len(row_sums), in_features, bits, True
-        layer.register_buffer("packed_weight", blocks)
-        layer.register_buffer("row_sums", row_sums)
-        layer.register_buffer("weight_scales", weight_scales.float().contiguous())
-        layer.register_buffer("bias", None if bias is None else bias.float())
-        layer._zero_points = torch.zeros(1, dtype=torch.int64)
+        layer._hold(blocks, row_sums, weight_scales, bias, bits, len(row_sums), in_features)
         return layer
 
     def int8_weight(self) -> torch.Tensor:
