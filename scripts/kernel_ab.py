@@ -7,6 +7,10 @@ of them) through the demo profile as `compare` runs it (its chat template and sy
 greedy, the target alone and the profile's drafter, each library in turn (the order alternating per prompt), a
 fresh decoder each time (prefill included, as in `compare`); the tokens must be the same every way.
 
+--batched B instead times `run --batch-size B` (the batched engine, the target alone, greedy, 128 new tokens) over
+--prompts Spec-Bench questions (round-robin over the categories, as `compare` encodes them), each library in turn
+(the order alternating per repeat); the tokens must be the same every way.
+
 --avx2 runs the code an AVX2-only CPU runs (the AVX2 kernels, and 7-bit activations for int8, as such a CPU gets
 them) on a CPU that has AVX512-VNNI too.
 
@@ -51,6 +55,8 @@ def main() -> None:
     parser.add_argument("--avx2", action="store_true", help="the code an AVX2-only CPU runs")
     parser.add_argument("--sizes", default="1,2,4,8", help="new tokens per timed forward, comma-separated")
     parser.add_argument("--generate", type=int, default=0, help="time generations of N prompts instead")
+    parser.add_argument("--batched", type=int, default=0, help="time the batched engine at batch size B instead")
+    parser.add_argument("--prompts", type=int, default=16, help="with --batched: how many requests")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     if args.avx2:
@@ -62,8 +68,9 @@ def main() -> None:
               "base": args.base,
               "base_commit": _git("rev-parse", args.base).strip(), "context_tokens": args.context,
               "repeats": args.repeats, "milliseconds": {}}
-    if args.generate:
-        result["generations"] = _generations(libraries, args.generate)
+    if args.generate or args.batched:
+        result["generations"] = (_batched(libraries, args.batched, args.prompts, args.repeats) if args.batched
+                                 else _generations(libraries, args.generate))
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1))
         return
@@ -107,18 +114,19 @@ def _base_library(revision: str, isa: int) -> tuple[ctypes.CDLL, int, None]:
 QUESTIONS = ROOT.parent / "shared/prompts/spec_bench_questions.jsonl"
 
 
-def spec_bench_prompts(tokenizer, system: str | None, count: int) -> list[list[int]]:
+def spec_bench_prompts(tokenizer, system: str | None, count: int, per_category: int = 1) -> list[list[int]]:
     """The first Spec-Bench question of each of the first `count` categories, as `compare` encodes them: the chat
-    template, with the profile's system prompt where it has one."""
+    template, with the profile's system prompt where it has one. per_category > 1: the first questions of every
+    category round-robin (each category's first, then each one's second, ...), `count` of them."""
     from specdec_cli.session import encode_chat
 
-    firsts = {}
+    by_category: dict[str, list[str]] = {}
     for line in QUESTIONS.read_text().splitlines():
         question = json.loads(line)
-        firsts.setdefault(question["category"], question["turns"][0])
+        by_category.setdefault(question["category"], []).append(question["turns"][0])
+    texts = [questions[i] for i in range(per_category) for questions in by_category.values() if i < len(questions)]
     system_turn = [{"role": "system", "content": system}] if system else []
-    return [encode_chat(tokenizer, [*system_turn, {"role": "user", "content": text}])
-            for text in list(firsts.values())[:count]]
+    return [encode_chat(tokenizer, [*system_turn, {"role": "user", "content": text}]) for text in texts[:count]]
 
 
 @contextlib.contextmanager
@@ -157,6 +165,38 @@ def _generations(libraries: dict, count: int) -> dict:
             raise SystemExit(f"prompt {index}: the outputs differ between libraries or drafters")
         print(f"prompt {index + 1}/{len(prompts)}: {len(outputs[0])} tokens", flush=True)
     return generation_rates(seconds, tokens, choice.drafter, len(prompts))
+
+
+@torch.inference_mode()
+def _batched(libraries: dict, batch_size: int, count: int, repeats: int) -> dict:
+    from specdec_cli.engine import SamplingParams
+    from specdec_cli.engine.batched import RowRequest
+    from specdec_cli.session import build_batched_decoder
+    from specdec_cli.settings import ModelOverrides, choose_models, load_choice
+
+    choice = choose_models(ModelOverrides(profile="demo"))
+    target, _ = load_choice(choice)  # the draft too (the profile's pair): the target alone runs
+    prompts = spec_bench_prompts(target.tokenizer, choice.profile.system, count, per_category=count)
+    requests = [RowRequest(prompt, SamplingParams(), 128) for prompt in prompts]
+    seconds = {which: {"none": 0.0} for which in libraries}
+    tokens = {which: {"none": 0} for which in libraries}
+    outputs = {}
+    for repeat in range(repeats):
+        for which in list(libraries)[:: 1 if repeat % 2 == 0 else -1]:
+            decoder = build_batched_decoder(target, None, "none", 0, batch_size)
+            with _kernels(libraries[which]):
+                start = time.perf_counter()
+                results = decoder.generate_many(requests)
+                seconds[which]["none"] += time.perf_counter() - start
+            made = [result.tokens for result in results]
+            tokens[which]["none"] += sum(map(len, made))
+            if outputs.setdefault(repeat, made) != made:
+                raise SystemExit(f"repeat {repeat}: the outputs differ between libraries")
+        print(f"repeat {repeat + 1}/{repeats}:", " ".join(
+            f"{which} {tokens[which]['none'] / seconds[which]['none']:.1f} tok/s" for which in libraries), flush=True)
+    return {"batch_size": batch_size, "prompts": len(prompts), "max_new_tokens": 128, "seconds": seconds,
+            "tokens": tokens, "tokens_per_second": {which: tokens[which]["none"] / seconds[which]["none"]
+                                                    for which in libraries}}
 
 
 def timed_generation(decoder, prompt: list[int]) -> tuple[list[int], float]:

@@ -168,6 +168,22 @@ def test_attention_in_c_over_a_tree_gives_each_node_its_paths_attention():
         assert torch.equal(together[:, row], alone[:, 0]), row
 
 
+def test_attention_in_c_over_a_packed_batch_gives_each_row_its_own_keys():
+    """A packed batch's mask: 4 rows own every 4th slot of 37 (so each block of 8 keys holds every row's), row 3 the
+    fewest; each row bit for bit what a one-row call over its own keys side by side gives."""
+    query, key, value = _attention_inputs(4, 37, torch.Generator().manual_seed(3))
+    slots = torch.arange(37)
+    mask = (slots[None, :] % 4 == torch.arange(4)[:, None])[None, None]
+    mask[0, 0, 3, 20:] = False
+    module = torch.nn.Module()
+    together, _ = rowwise_attention_forward(module, query, key, value, mask, scaling=0.25)
+    for row in range(4):
+        own = mask[0, 0, row].nonzero().flatten()
+        alone, _ = rowwise_attention_forward(module, query[:, :, row:row + 1], key[:, :, own].contiguous(),
+                                             value[:, :, own].contiguous(), None, scaling=0.25)
+        assert torch.equal(together[:, row], alone[:, 0]), row
+
+
 @needs_torchao
 @pytest.mark.parametrize("arch, seed", MODELS)
 def test_int4_verify_rows_are_the_one_token_logits_bit_for_bit(arch, seed):
