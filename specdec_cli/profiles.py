@@ -14,9 +14,8 @@ from importlib import resources
 from pathlib import Path
 
 from specdec_cli.errors import ProfileError
-from specdec_cli.models.device import DTYPES
+from specdec_cli.models.names import DTYPE_NAMES, QUANTIZATIONS
 from specdec_cli.models.paths import specdec_home
-from specdec_cli.models.quant import QUANTIZATIONS
 
 DEFAULT_PROFILE = "demo"
 DRAFTERS = ("model", "ngram", "cascade", "tree")
@@ -102,7 +101,7 @@ def _one_of(names) -> tuple[str, Callable[[object], bool]]:
     return f"one of {', '.join(names)}", lambda value: isinstance(value, str) and value in names
 
 
-_DTYPE_NAMES = ("auto", *DTYPES)
+_DTYPE_NAMES = ("auto", *DTYPE_NAMES)
 _DEVICE = re.compile(r"auto|(cpu|cuda|mps)(:\d+)?")
 # Today's quantisation names and those being added (none, int4, nf4, bnb8, auto; 4bit/8bit stay as aliases).
 _QUANTIZATION_NAMES = tuple(dict.fromkeys(("none", "auto", "int8", "int4", "q4", "nf4", "bnb8", "4bit", "8bit",

@@ -119,3 +119,19 @@ def test_reading_and_writing_run_records_loads_no_torch_and_no_rich():
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
                             cwd=PACKAGE.parent)
     assert result.stdout.strip() == "[]"
+
+
+def test_help_and_a_usage_mistake_load_no_torch():
+    """`specdec --help`, each command's help and a mistake found before any model is chosen answer without
+    importing torch (~2.5 s of imports before it): each in a fresh process, its exit code and whether torch came."""
+    probe = (
+        "import sys; from typer.testing import CliRunner; from specdec_cli.cli import app\n"
+        "result = CliRunner().invoke(app, sys.argv[1:])\n"
+        "print(result.exit_code, 'torch' in sys.modules, 'transformers' in sys.modules)"
+    )
+    asked = [["--help"], *([command, "--help"] for command in ("chat", "run", "compare", "calibrate", "profiles")),
+             ["run", "in.jsonl"], ["run", "in.jsonl", "-o", "out.jsonl", "--batch-size", "0"]]
+    for arguments in asked:
+        result = subprocess.run([sys.executable, "-c", probe, *arguments], capture_output=True, text=True, check=True,
+                                cwd=PACKAGE.parent)
+        assert result.stdout.split() == ["0" if "--help" in arguments else "2", "False", "False"], arguments

@@ -9,22 +9,36 @@
   throughput.py     `ThroughputBenchmark`: --batch-size's passes, rows and --json report
   report.py   the Rich tables and the plot"""
 
-from specdec_cli.bench.measure import Benchmark, ProgressCallback, encode_prompt, write_json
-from specdec_cli.bench.peers import hf_generation_config
-from specdec_cli.bench.probes import ForwardCounter, MemoryProbe, environment, forward_seconds
-from specdec_cli.bench.report import (
-    measurement_table, theory_table, theory_tables, throughput_table, tree_theory_table, write_plot,
-)
-from specdec_cli.bench.runs import (
-    BASELINE, DRAFT, FORWARD_TIMINGS, HF_ASSISTED, HF_LOOKUP, HF_LOOKUP_TOKENS, PLAIN_DRAFT, POSITIONS, SCHEMA, SPECDEC,
-    TARGET, WARMUP_TOKENS, BenchSettings, Configuration, Run, configurations, run_order,
-)
-from specdec_cli.bench.throughput import (
-    BATCHED_DRAFTERS, THROUGHPUT_SCHEMA, BatchedConfiguration, ThroughputBenchmark, batched_configurations,
-    check_batched_drafters,
-)
-from specdec_cli.bench.theory import expected_speedup, identical_prompts, summary_row, target_step_seconds, theory
-from specdec_cli.engine import cut_at_eos
+import importlib
+
+# Imported on first use (PEP 562): `specdec compare --help` reads HF_LOOKUP_TOKENS from runs.py (no torch)
+# without importing the measurement, transformers and torch under it.
+_PARTS = {
+    "measure": ("Benchmark", "ProgressCallback", "encode_prompt", "write_json"),
+    "peers": ("hf_generation_config",),
+    "probes": ("ForwardCounter", "MemoryProbe", "environment", "forward_seconds"),
+    "report": ("measurement_table", "theory_table", "theory_tables", "throughput_table", "tree_theory_table",
+               "write_plot"),
+    "runs": ("BASELINE", "DRAFT", "FORWARD_TIMINGS", "HF_ASSISTED", "HF_LOOKUP", "HF_LOOKUP_TOKENS", "PLAIN_DRAFT",
+             "POSITIONS", "SCHEMA", "SPECDEC", "TARGET", "WARMUP_TOKENS", "BenchSettings", "Configuration", "Run",
+             "configurations", "run_order"),
+    "throughput": ("BATCHED_DRAFTERS", "THROUGHPUT_SCHEMA", "BatchedConfiguration", "ThroughputBenchmark",
+                   "batched_configurations", "check_batched_drafters"),
+    "theory": ("expected_speedup", "identical_prompts", "summary_row", "target_step_seconds", "theory"),
+}
+_PART_OF = {name: part for part, names in _PARTS.items() for name in names}
+
+
+def __getattr__(name: str):
+    if name == "cut_at_eos":
+        from specdec_cli.engine import cut_at_eos as value
+    elif name in _PART_OF:
+        value = getattr(importlib.import_module(f"{__name__}.{_PART_OF[name]}"), name)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # later reads (and a test's monkeypatch) see a plain attribute
+    return value
+
 
 __all__ = [
     "BASELINE", "BATCHED_DRAFTERS", "DRAFT", "FORWARD_TIMINGS", "HF_ASSISTED", "HF_LOOKUP", "HF_LOOKUP_TOKENS",

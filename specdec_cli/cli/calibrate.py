@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-import torch
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -15,8 +14,6 @@ from rich.table import Table
 from specdec_cli.cli.app import error_console, report_errors
 from specdec_cli.cli.options import DtypeOption, ProfileOption
 from specdec_cli.errors import InputError, MissingExtraError, ModelLoadError
-from specdec_cli.models.calibrate import TOKEN_COUNTS, machine, measure_forward_costs, save_calibration
-from specdec_cli.models.quant import canonical, check_quantization
 from specdec_cli.profiles import DEFAULT_PROFILE, load_profile
 
 DEFAULT_FORMATS = "none,int8,int4,q4"
@@ -24,6 +21,8 @@ FormatsOption = Annotated[str, typer.Option(help="Comma-separated formats: none,
 
 
 def _formats(value: str, flag: str) -> list[str]:
+    from specdec_cli.models.quant import canonical  # torch: imported when the command runs, not for --help
+
     names = [name.strip() for name in value.split(",") if name.strip()]
     for name in names:
         if name == "auto":
@@ -35,6 +34,10 @@ def _formats(value: str, flag: str) -> list[str]:
 def _available(names: list[str], asked: bool) -> list[str]:
     """The formats this machine can run. One named on the command line that cannot run is an error (one line,
     what to install or use instead); one of the default list is skipped with a note."""
+    import torch
+
+    from specdec_cli.models.quant import check_quantization
+
     kept = []
     for name in names:
         try:
@@ -66,6 +69,8 @@ def calibrate_command(
     """Measure what a forward of 1, 2, 4, 8 and 16 new tokens costs for each model of a profile in each
     quantisation format on this machine. Speculation pays while verifying k tokens costs about what one
     does; which format keeps that flat depends on the CPU. Stored under the specdec home."""
+    from specdec_cli.models.calibrate import TOKEN_COUNTS, machine, measure_forward_costs, save_calibration
+
     chosen = load_profile(profile or DEFAULT_PROFILE)
     formats = {"target": _formats(target_formats, "--target-formats"), "draft": _formats(draft_formats, "--draft-formats")}
     formats = {role: _available(names, given != DEFAULT_FORMATS)

@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 
-from specdec_cli.chat import Conversation, Screen, run_chat
 from specdec_cli.cli import options
 from specdec_cli.cli.app import error_console, report_errors
-from specdec_cli.settings import choose_models, decoding_settings, load_choice
 from specdec_cli.errors import InputError
+
+if TYPE_CHECKING:
+    from specdec_cli.chat import Screen
 
 NoColorOption = Annotated[bool, typer.Option("--no-color", help="Plain text, no colours (also: NO_COLOR, or stdout not a terminal).")]
 
 
 def _screen(no_color: bool) -> Screen:
+    from specdec_cli.chat import Screen
+
     console = Console(highlight=False, soft_wrap=True, markup=False, emoji=False)
     styled = console.is_terminal and not console.no_color and not no_color
     if not styled:
@@ -70,6 +73,9 @@ def chat(
     """Chat with a model. Tokens are coloured by where they came from: accepted draft tokens, the
     target's corrections, bonus tokens. Type /help in the chat for commands; a line ending in \\ goes
     on on the next line. Input may be piped: `echo hi | specdec chat`."""
+    from specdec_cli.chat import Conversation, run_chat  # torch and the models: not for --help
+    from specdec_cli.settings import choose_models, decoding_settings, load_choice
+
     _check_stdin()  # before minutes of model loading
     choice = choose_models(options.model_overrides(locals()))
     settings = decoding_settings(choice.profile, **options.decoding_overrides(locals()))

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from specdec_cli import bench
+from specdec_cli.bench.runs import HF_LOOKUP_TOKENS
 from specdec_cli.cli.app import error_console, report_errors
 from specdec_cli.cli.options import (
     AllowPickleOption, DeviceOption, Draft4bitOption, DraftInt8Option, DraftQuantOption, TargetQuantOption, DraftOption, DtypeOption, LoadIn4bitOption,
@@ -25,13 +26,8 @@ from specdec_cli.cli.options import (
     TrustRemoteCodeOption, model_overrides,
 )
 from specdec_cli.errors import InputError, MissingExtraError
-from specdec_cli.models import load_model
 from specdec_cli.profiles import DRAFTERS
 from specdec_cli.prompts import builtin_prompts, read_prompt_file, select_prompts
-from specdec_cli.session import tree_nodes
-from specdec_cli.settings import (
-    choose_models, decoding_settings, load_choice, load_plain_draft, parse_k, sampling_params, say_tree_note,
-)
 
 DEFAULT_MAX_NEW_TOKENS = 128
 _PROMPTS, _OUTPUT = "Prompts", "Output"
@@ -59,7 +55,7 @@ RepeatsOption = Annotated[int, typer.Option("--repeats", help="Run every prompt 
 ByCategoryOption = Annotated[bool, typer.Option("--by-category", help="Add one row group per category.", rich_help_panel=_OUTPUT)]
 WithHfOption = Annotated[bool, typer.Option(
     "--with-hf", help=f"Also run HF generate(assistant_model=draft) and HF prompt lookup "
-    f"(prompt_lookup_num_tokens={bench.HF_LOOKUP_TOKENS}) on the same prompts.")]
+    f"(prompt_lookup_num_tokens={HF_LOOKUP_TOKENS}) on the same prompts.")]
 JsonOption = Annotated[Path | None, typer.Option(
     "--json", help="Write every raw measurement and the environment to this file.", rich_help_panel=_OUTPUT)]
 QualityOption = Annotated[bool, typer.Option(
@@ -92,6 +88,11 @@ def compare_command(
     """Benchmark speculative configurations against the target alone on the same prompts, with the
     theory's expected speedup beside each measurement. Greedy unless --temperature; 128 new tokens
     unless --max-new-tokens."""
+    from specdec_cli.session import tree_nodes  # torch and the models: imported here, not for --help
+    from specdec_cli.settings import (
+        choose_models, decoding_settings, load_choice, load_plain_draft, parse_k, sampling_params, say_tree_note,
+    )
+
     drafters = _drafter_names(drafter)
     _check_batch_size(batch_size, with_hf=with_hf, by_category=by_category, plot=plot)
     if batch_size is not None:
@@ -280,6 +281,8 @@ def _stdout_console() -> Console:
 
 def _measure_quality(benchmark: bench.Benchmark, choice) -> str:
     """Load the target unquantised and decode the prompts with it: what quantising the target changed."""
+    from specdec_cli.models import load_model
+
     error_console().print("quality: decoding the prompts with the target unquantised (untimed)", markup=False)
     reference = load_model(choice.target, device=choice.device, dtype=choice.dtype, quantization=None,
                            trust_remote_code=choice.trust_remote_code, allow_pickle=choice.allow_pickle)

@@ -4,12 +4,14 @@ that hand what a command was given to `settings` (which merges it with the profi
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from specdec_cli.profiles import DEFAULT_PROFILE
-from specdec_cli.settings import ModelOverrides
+
+if TYPE_CHECKING:
+    from specdec_cli.settings import ModelOverrides
 
 _MODELS = "Models"
 
@@ -45,6 +47,8 @@ AllowPickleOption = _flag("--allow-pickle", help="Allow .bin/.pt pickle weights,
 
 def model_overrides(command_locals: dict) -> ModelOverrides:
     """The model flags of a command declared with the options above, by name: `model_overrides(locals())`."""
+    from specdec_cli.settings import ModelOverrides  # here: settings imports torch, which --help does without
+
     return ModelOverrides(**{field.name: command_locals[field.name] for field in fields(ModelOverrides)})
 
 

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-import torch
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from specdec_cli.cli.app import error_console, report_errors
-from specdec_cli.models.device import DTYPES
-from specdec_cli.models.preflight import estimate_local_weight_bytes
 from specdec_cli.profiles import DEFAULT_PROFILE, Profile, load_profile, scan_profiles
 
 app = typer.Typer(help="List and inspect model-pair profiles.", no_args_is_help=True)
@@ -25,6 +22,11 @@ def _quantization_label(profile: Profile) -> str:
 def _estimate_gb(profile: Profile) -> str:
     """The one memory figure both commands show: from configs already on this machine, else the
     profile's `weights_gb` hint (marked ~); "?" when neither."""
+    import torch  # here, not for --help
+
+    from specdec_cli.models.device import DTYPES
+    from specdec_cli.models.preflight import estimate_local_weight_bytes
+
     dtype = DTYPES.get(profile.dtype, torch.bfloat16)  # "auto" is bf16 on the machines worth estimating for
     models = [(profile.target, profile.target_quantization)]
     if profile.draft:

@@ -9,7 +9,7 @@ import math
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -25,7 +25,9 @@ from specdec_cli.cli.options import (
     decoding_overrides, model_overrides,
 )
 from specdec_cli.errors import InputError, OutputWriteError
-from specdec_cli.settings import DecodingSettings, ModelChoice, ModelOverrides, choose_models, decoding_settings, resolve_formats
+
+if TYPE_CHECKING:
+    from specdec_cli.settings import DecodingSettings, ModelChoice, ModelOverrides
 
 _FILES = "Files"
 _ENGINE = "Engine"
@@ -124,6 +126,8 @@ def _ray_options(engine: str, address: str | None, workers: int | None, cpus: fl
 def _run_locked(input: str, output: Path, resume: bool, overwrite: bool, force: bool, limit: int | None, quiet: bool,
                 models: ModelOverrides, decoding: dict, ray_options: batch.RayOptions | None,
                 batch_size: int | str) -> None:
+    from specdec_cli.settings import choose_models, decoding_settings, resolve_formats
+
     requests = batch.read_requests(batch.read_input(input))[:limit]
     choice = resolve_formats(choose_models(models))  # stored and loaded as resolved here: no `auto` in a file's settings
     settings = decoding_settings(choice.profile, **decoding)

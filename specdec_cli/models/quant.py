@@ -20,11 +20,8 @@ import torch
 
 from specdec_cli.errors import MissingExtraError, ModelLoadError
 from specdec_cli.models.device import dtype_name
+from specdec_cli.models.names import ALIASES, CPU_ONLY, FORMATS, QUANTIZATIONS
 
-FORMATS = ("none", "int8", "int4", "q4", "nf4", "bnb8", "auto")
-ALIASES = {"4bit": "nf4", "8bit": "bnb8"}
-QUANTIZATIONS = (None, *FORMATS, *ALIASES)  # every value a profile or caller may pass
-CPU_ONLY = ("int8", "int4", "q4")
 PRECISIONS = {  # what describe() says a model runs at
     "int8": "int8 weights, per-token int8 activations",
     "int4": "int4 weights (groups of up to 128), bfloat16 activations",

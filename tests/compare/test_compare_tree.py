@@ -26,12 +26,10 @@ def test_tree_size_without_the_tree_drafter_is_refused(tiny_pair, tmp_path):
 
 
 def test_an_unknown_drafter_in_the_list_is_refused_before_any_model_loads(tiny_pair, tmp_path, monkeypatch):
-    from specdec_cli.cli import compare
-
     def load_choice(*args, **kwargs):
         raise AssertionError("a model was loaded before the drafter list was checked")
 
-    monkeypatch.setattr(compare, "load_choice", load_choice)
+    monkeypatch.setattr("specdec_cli.settings.load_choice", load_choice)  # what compare imports when it runs
     result = invoke("--target", tiny_pair.target, "--draft", tiny_pair.draft, "--drafter", "model,forest",
                     env={"SPECDEC_HOME": str(tmp_path / "home")})
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output  # no other exception

@@ -66,3 +66,10 @@ def test_auto_dtype_on_cpu_follows_bf16_support(monkeypatch, fast_bf16, expected
 
 def test_auto_dtype_on_mps_is_float16():
     assert resolve_dtype("auto", torch.device("mps")) == torch.float16
+
+
+def test_the_dtype_names_without_torch_are_the_dtypes_torch_maps():
+    """models/names.py lists the dtype names for what reads them before torch (a profile's checks, --help)."""
+    from specdec_cli.models.names import DTYPE_NAMES
+
+    assert tuple(device_module.DTYPES) == DTYPE_NAMES
