@@ -26,10 +26,6 @@ from specdec_cli.models.preflight import available_memory_bytes, format_gib
 from specdec_cli.models.progress import status
 
 
-def dtype_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def require_gguf() -> None:
     if importlib.util.find_spec("gguf") is None:
         raise MissingExtraError("loading .gguf files needs the gguf package", "pip install 'specdec[gguf]'")
@@ -142,7 +138,7 @@ def ensure_converted(path: Path, dtype: torch.dtype, identity: str | None = None
                 return folder
             what = f"its cached conversion is damaged ({problem}): converting"
             shutil.rmtree(folder, ignore_errors=True)
-        size = element_count(path) * dtype_size(dtype)
+        size = element_count(path) * dtype.itemsize
         check_room(folder.parent, size, f"converting {path.name} to safetensors")
         _check_memory(path, int(CONVERSION_MEMORY * size))
         with status(f"{what} {path.name} to safetensors (once) ...", progress):

@@ -92,7 +92,7 @@ def estimate_weight_bytes(config, dtype: torch.dtype, quantization: str | None) 
     if name == "auto":  # not resolved yet (`profiles list`): int8, the larger of what it means on a CPU without a
         # calibration (int8 on an AVX2-only CPU; q4, smaller, on an AVX512-VNNI one: quant.UNCALIBRATED)
         name = "int8"
-    width = torch.empty(0, dtype=compute_dtype(name, dtype)).element_size()
+    width = compute_dtype(name, dtype).itemsize
     linear = sum(linear_bytes(name, *shape, dtype) for shape in shapes)
     if name in ("int8", "int4", "q4"):
         return int(linear + linear_bytes(name, *head_shape, dtype) + width * other)

@@ -20,7 +20,7 @@ import torch
 
 from specdec_cli.errors import MissingExtraError, ModelLoadError
 from specdec_cli.models.device import dtype_name
-from specdec_cli.models.names import ALIASES, CPU_ONLY, FORMATS, QUANTIZATIONS
+from specdec_cli.models.names import ALIASES, CPU_ONLY, FORMATS
 
 PRECISIONS = {  # what describe() says a model runs at
     "int8": "int8 weights, per-token int8 activations",
@@ -256,4 +256,4 @@ def linear_bytes(quantization: str | None, in_features: int, out_features: int, 
         return packed_bytes(out_features, in_features)  # 4 bits a weight + fp16 scale and minimum per 32, padded
     if name in _BYTES_PER_WEIGHT:
         return int(weights * _BYTES_PER_WEIGHT[name])
-    return weights * torch.empty(0, dtype=dtype).element_size()
+    return weights * dtype.itemsize
