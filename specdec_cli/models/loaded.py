@@ -173,10 +173,11 @@ def output_rows(model) -> int:
 
 
 def _load_weights(plan: _Plan, tokenizer) -> LoadedModel:
-    with library_bars(plan.progress):  # downloads, a GGUF conversion, "Loading weights": no bars with -q
+    with library_bars(plan.progress):  # downloads and a GGUF conversion take minutes: their bars, but not with -q
         folder = weights_folder(plan.source, plan.dtype, plan.allow_pickle, plan.progress)
-        with status(f"loading {plan.source.spec} ...", plan.progress):
-            model = _from_pretrained(plan, folder).eval()
+    # Reading the folder takes seconds: specdec's spinner, not transformers' "Loading weights" bar under it
+    with library_bars(False), status(f"loading {plan.source.spec} ...", plan.progress):
+        model = _from_pretrained(plan, folder).eval()
     if plan.quantization in ("int8", "int4", "q4"):
         with status(f"quantising {plan.source.spec} to {plan.quantization} ...", plan.progress):
             model = quantize(model, plan.quantization, exact_rows=plan.role == "target",
