@@ -1,8 +1,9 @@
 """The floor plan holds: no module of specdec_cli imports one from a higher layer.
 
 Top to bottom: cli; chat, batch, bench (and render); session, settings; drafters, models, profiles,
-prompts; engine. `errors` and the package root (`__version__`) may be imported by every layer. Every
-import counts: at the top of a module, under `if TYPE_CHECKING:`, and inside functions."""
+prompts; engine. `errors`, `lazy` (a package's imports on first use) and the package root (`__version__`) may
+be imported by every layer. Every import counts: at the top of a module, under `if TYPE_CHECKING:`, and inside
+functions."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ LAYERS = {
     "session": 2, "settings": 2,
     "drafters": 1, "models": 1, "profiles": 1, "prompts": 1,
     "engine": 0,
-    "errors": -1, "": -1,  # "": the package root (specdec_cli/__init__.py)
+    "errors": -1, "lazy": -1, "": -1,  # "": the package root (specdec_cli/__init__.py)
 }
 
 

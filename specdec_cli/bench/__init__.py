@@ -9,10 +9,10 @@
   throughput.py     `ThroughputBenchmark`: --batch-size's passes, rows and --json report
   report.py   the Rich tables and the plot"""
 
-import importlib
+from specdec_cli.lazy import exports
 
-# Imported on first use (PEP 562): `specdec compare --help` reads HF_LOOKUP_TOKENS from runs.py (no torch)
-# without importing the measurement, transformers and torch under it.
+# Imported on first use: `specdec compare --help` reads HF_LOOKUP_TOKENS from runs.py (no torch) without importing
+# the measurement, transformers and torch under it.
 _PARTS = {
     "measure": ("Benchmark", "ProgressCallback", "encode_prompt", "write_json"),
     "peers": ("hf_generation_config",),
@@ -26,19 +26,10 @@ _PARTS = {
                    "batched_configurations", "check_batched_drafters"),
     "theory": ("expected_speedup", "identical_prompts", "summary_row", "target_step_seconds", "theory"),
 }
-_PART_OF = {name: part for part, names in _PARTS.items() for name in names}
-
-
-def __getattr__(name: str):
-    if name == "cut_at_eos":
-        from specdec_cli.engine import cut_at_eos as value
-    elif name in _PART_OF:
-        value = getattr(importlib.import_module(f"{__name__}.{_PART_OF[name]}"), name)
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = value  # later reads (and a test's monkeypatch) see a plain attribute
-    return value
-
+__getattr__ = exports(__name__, {
+    "cut_at_eos": ("specdec_cli.engine", "cut_at_eos"),
+    **{name: (f".{part}", name) for part, names in _PARTS.items() for name in names},
+})
 
 __all__ = [
     "BASELINE", "BATCHED_DRAFTERS", "DRAFT", "FORWARD_TIMINGS", "HF_ASSISTED", "HF_LOOKUP", "HF_LOOKUP_TOKENS",

@@ -3,7 +3,6 @@ choosing device/dtype/quantisation, and the pre-flight checks made before loadin
 
 This is the contract the engine, chat and CLI code against."""
 
-import importlib
 import logging
 
 # Once torchao (the `quant` extra) is installed, transformers imports it on every model load, and its
@@ -12,35 +11,27 @@ import logging
 for _logger_name in ("torchao", "torch.utils._pytree"):
     logging.getLogger(_logger_name).setLevel(logging.ERROR)
 
-# Imported on first use (PEP 562), so that a module reading one light name from models/ (paths, names) does not
-# import torch and transformers with it: `specdec --help` and a usage mistake answer without them.
-_LAZY = {
-    "DEMO_MODELS": ("demo", "DEMO_MODELS"),
-    "INSTALL_DEMO": ("demo", "INSTALL_DEMO"),
-    "resolve_device": ("device", "resolve_device"),
-    "resolve_dtype": ("device", "resolve_dtype"),
-    "LoadedModel": ("loaded", "LoadedModel"),
-    "load_model": ("loaded", "load_model"),
-    "load_pair": ("loaded", "load_pair"),
-    "specdec_home": ("paths", "specdec_home"),
-    "check_tokenizers_compatible": ("preflight", "check_tokenizers_compatible"),
-    "estimate_weight_bytes": ("preflight", "estimate_weight_bytes"),
-    "QUANTIZATION_ALIASES": ("names", "ALIASES"),
-    "CPU_ONLY_QUANTIZATIONS": ("names", "CPU_ONLY"),
-    "QUANTIZATION_FORMATS": ("names", "FORMATS"),
-    "canonical_quantization": ("quant", "canonical"),
-    "resolve_auto_quantization": ("quant", "resolve_auto"),
-}
+from specdec_cli.lazy import exports
 
-
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module, attribute = _LAZY[name]
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), attribute)
-    globals()[name] = value  # later reads (and a test's monkeypatch) see a plain attribute
-    return value
-
+# Imported on first use, so that a module reading one light name from models/ (paths, names) does not import torch
+# and transformers with it.
+__getattr__ = exports(__name__, {
+    "DEMO_MODELS": (".demo", "DEMO_MODELS"),
+    "INSTALL_DEMO": (".demo", "INSTALL_DEMO"),
+    "resolve_device": (".device", "resolve_device"),
+    "resolve_dtype": (".device", "resolve_dtype"),
+    "LoadedModel": (".loaded", "LoadedModel"),
+    "load_model": (".loaded", "load_model"),
+    "load_pair": (".loaded", "load_pair"),
+    "specdec_home": (".paths", "specdec_home"),
+    "check_tokenizers_compatible": (".preflight", "check_tokenizers_compatible"),
+    "estimate_weight_bytes": (".preflight", "estimate_weight_bytes"),
+    "QUANTIZATION_ALIASES": (".names", "ALIASES"),
+    "CPU_ONLY_QUANTIZATIONS": (".names", "CPU_ONLY"),
+    "QUANTIZATION_FORMATS": (".names", "FORMATS"),
+    "canonical_quantization": (".quant", "canonical"),
+    "resolve_auto_quantization": (".quant", "resolve_auto"),
+})
 
 __all__ = [
     "CPU_ONLY_QUANTIZATIONS",
