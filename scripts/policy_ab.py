@@ -3,7 +3,7 @@ interleaved in one process: the same models, only `engine/policy.py` (or `drafte
 differs.
 
     python scripts/policy_ab.py [--base HEAD] [--what policy|drafters|run] [--temperature 0.7] [--prompts 13]
-                                [--drafters cascade,tree] --json benchmarks/....json
+                                [--drafters cascade,tree] [--target-quant none --dtype bfloat16] --json benchmarks/....json
 
 --what run times `run`'s one-request-at-a-time decoding (`build_decoder(..., clock_free=True)`: decisions that never
 read the clock) in the working tree against what it did until 5 December whatever --base says: draft up to
@@ -57,7 +57,7 @@ def base_and_demo_pair(revision: str, path: str, name: str):
     """The module at `path` as it was at `revision` (imported as `name`), the demo profile's choice, and its loaded
     target and draft: what each A/B script here starts from."""
     base = base_module(revision, path, name)
-    choice = choose_models(ModelOverrides(profile="demo"))
+    choice = choose_models(ModelOverrides(profile="demo", target_quant=args.target_quant, dtype=args.dtype))
     target, draft = load_choice(choice)
     return base, choice, target, draft
 
@@ -94,13 +94,18 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--prompts", type=int, default=13)
     parser.add_argument("--drafters", default="cascade,tree")
+    parser.add_argument("--target-quant", default=None, help="the target's format (default: the demo profile's auto)")
+    parser.add_argument("--dtype", default=None, help="with --target-quant none: bfloat16 or float32")
+    parser.add_argument("--tolerate-ties", action="store_true",
+                        help="bf16: a verify of several tokens rounds otherwise than one-token decoding and near-tied "
+                             "argmaxes flip; count the outputs equal to the target alone's instead of stopping")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     base = ({"policy": base_module(args.base, "specdec_cli/engine/policy.py", "base_policy")} if args.what == "policy"
             else {} if args.what == "run"
             else {"model": base_module(args.base, "specdec_cli/drafters/model.py", "base_model"),
                   "tree": base_module(args.base, "specdec_cli/drafters/tree.py", "base_tree")})
-    choice = choose_models(ModelOverrides(profile="demo"))
+    choice = choose_models(ModelOverrides(profile="demo", target_quant=args.target_quant, dtype=args.dtype))
     target, draft = load_choice(choice)
     curve = verify_curve(target)
     profile = choice.profile
@@ -121,15 +126,16 @@ def main() -> None:
                 if which != "working tree":
                     as_base(decoder, args.what, base, curve)
                 output, seconds, counts = generation(decoder, prompt, params)
-                if params.greedy and output != made:
+                if params.greedy and output != made and not args.tolerate_ties:
                     raise SystemExit(f"prompt {index}: {drafter} ({which}) differs from the target alone")
                 runs.append({"prompt": index, "category": category, "drafter": drafter, "version": which,
-                             "tokens": len(output), "seconds": seconds, **counts})
+                             "tokens": len(output), "seconds": seconds, "identical": output == made, **counts})
         print(f"prompt {index + 1}/{len(prompts)} ({category}): {len(made)} tokens", flush=True)
     summary = summarise(runs, drafters, versions)
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "machine": machine(), "base": args.base, "what": args.what, "temperature": args.temperature,
+            "machine": machine(), "target_quantization": target.quantization, "dtype": str(target.dtype),
+            "draft_quantization": draft.quantization, "base": args.base, "what": args.what, "temperature": args.temperature,
             "top_p": params.top_p, "top_k": params.top_k,
             "base_commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", args.base], capture_output=True,
                                           text=True).stdout.strip(),
@@ -151,11 +157,13 @@ def summarise(runs: list[dict], drafters: list[str], versions: list[str]) -> dic
                            next(a["tokens"] / a["seconds"] for a in alone if a["prompt"] == row["prompt"])
                            for row in rows}
             entry = {"tokens_per_second": rate(rows), "speedup": rate(rows) / rate(alone),
+                     "identical": sum(row["identical"] for row in rows),
                      **{count: sum(row[count] for row in rows) for count in ("steps", "drafted", "accepted")},
                      "speedup_by_category": by_category}
             summary[f"{drafter} ({version})"] = entry
             print(f"{drafter} ({version}): {entry['tokens_per_second']:.1f} tok/s x{entry['speedup']:.2f}, "
-                  f"{entry['steps']} steps, {entry['accepted']}/{entry['drafted']} accepted; "
+                  f"{entry['steps']} steps, {entry['accepted']}/{entry['drafted']} accepted, "
+                  f"{entry['identical']}/{len(rows)} identical; "
                   f"worst {min(by_category.values()):.2f}; "
                   + " ".join(f"{name} {value:.2f}" for name, value in by_category.items()))
     return summary

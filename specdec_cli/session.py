@@ -46,7 +46,7 @@ def draft_rule(k: int | str) -> DraftRule:
 
 
 def make_policy(k: int | str, clock_free: bool = False, verify_curve: dict[int, float] | None = None,
-                draft_seconds: float | None = None) -> DraftLengthPolicy:
+                draft_curve: dict[int, float] | None = None) -> DraftLengthPolicy:
     """auto: the cost model says whether to draft (0 when drafting does not pay; up to AUTO_MAX_K when it
     does, the draft model stopping on its own odds); a number: always that many. The policy carries the
     drafter's stop rule (`draft_rule`).
@@ -55,19 +55,22 @@ def make_policy(k: int | str, clock_free: bool = False, verify_curve: dict[int, 
     the same file — the cost model's timings differ from run to run, and with them which tokens are
     drafted, which changes the random draws of sampling (the distribution stays exact, the sample not).
     auto then prices drafts with this machine's calibrated costs alone (`CalibratedDraftOrNot`: the target's
-    `verify_curve` and `draft_seconds`, a draft token's calibrated cost); without them it drafts up to
+    `verify_curve` and the draft's one-token forward from `draft_curve`); without them it drafts up to
     AUTO_MAX_K and the odds cut alone decides how far, without the fallback to plain decoding.
 
-    verify_curve: the target's calibrated forward seconds per token count on this machine (`specdec
-    calibrate`), which the cost model scales by the run's timings; None: it learns the curve from the run."""
+    verify_curve, draft_curve: the target's and the draft's calibrated forward seconds per token count on this
+    machine (`specdec calibrate`); the cost model scales the target's by the run's timings (None: it learns the
+    curve from the run) and reads the draft's shape (what a tree level's further rows cost)."""
     rule = draft_rule(k)
     if k != "auto":
         return FixedK(int(k), rule)
+    draft_seconds = (draft_curve or {}).get(1)
     if clock_free:
         if verify_curve and draft_seconds:
-            return CalibratedDraftOrNot(draft_seconds, verify_curve, max_k=AUTO_MAX_K, rule=rule)
+            return CalibratedDraftOrNot(draft_seconds, verify_curve, max_k=AUTO_MAX_K, rule=rule,
+                                        draft_curve=draft_curve)
         return FixedK(AUTO_MAX_K, rule)
-    return DraftOrNot(max_k=AUTO_MAX_K, rule=rule, verify_curve=verify_curve)
+    return DraftOrNot(max_k=AUTO_MAX_K, rule=rule, verify_curve=verify_curve, draft_curve=draft_curve)
 
 
 # Prompt tokens the draft model reads (DraftModelDrafter's window; lossless): on the demo pair a 662- or
@@ -154,8 +157,8 @@ def build_decoder(
     make_policy; for a tree, its depth limit); tree_budget: a tree's nodes (None: `tree_budget_for`). The
     policy's rule binds the drafter (`SpeculativeDecoder.set_drafting`)."""
     chosen = make_drafter(drafter, draft, k, target, tree_budget) if k != 0 else None
-    draft_curve = forward_curve(draft) if clock_free and draft is not None else None
-    policy = make_policy(k, clock_free, verify_curve(target), (draft_curve or {}).get(1)) if chosen else FixedK(0)
+    draft_curve = forward_curve(draft) if draft is not None else None
+    policy = make_policy(k, clock_free, verify_curve(target), draft_curve) if chosen else FixedK(0)
     return SpeculativeDecoder(target.model, chosen, policy, eos_token_ids(target),
                               reuse_prompts=computes_rows_alone(target.model))
 

@@ -32,9 +32,11 @@ Grown by value (the policy's `DraftRule` has a `branch_cut`, as k = auto's cost 
 follows the draft's odds instead of a fixed budget (`budget` only caps the nodes). Each frontier node gets its
 most probable child, and a further child (up to `branching`) where the odds of its path — the parent's path odds
 times the child's probability, which the draft's probabilities estimate well (the replay in README) — reach the
-cut: what one more node adds to the verify, in the tokens it must return. A node is drafted on (fed to the next
-level's forward) where its path's odds reach the rule's `min_survival`, exactly as a chain drafts its next token;
-so without branches the tree is the chain the model drafter drafts, and the branches go where the draft
+cut: what one more node adds to the verify, in the tokens it must return. A level is drafted on (its nodes fed to
+the next level's forward) where its most probable node's path odds reach the rule's `min_survival`, exactly as a
+chain drafts its next token; its other nodes ride in that forward where their odds reach the rule's `feed_cut`
+(what a row more of the draft forward and its child's verify cost, in tokens; without one, `min_survival` too).
+So without branches the tree is the chain the model drafter drafts, and the branches go where the draft
 hesitates. Sampling decides how many children a node gets from the draft's sorted probabilities before it
 draws them, so each draw's distribution is known before it is made, as multi-candidate rejection needs."""
 
@@ -132,8 +134,7 @@ class TreeDrafter(Drafter):
                 break
             expandable = sorted(_first_of_twins(level, tree_ids, parents), key=lambda node: -scores[node])
             if self.grows_by_value:  # drafted on where the path's odds say so, as a chain's next token
-                cut = math.log(max(self.rule.min_survival, 1e-30))
-                frontier = sorted(node for node in expandable[:room] if scores[node] >= cut)
+                frontier = self._fed(expandable[:room], scores)
             else:
                 frontier = sorted(expandable[: math.ceil(room / self.branching)])
             if not frontier:
@@ -181,6 +182,16 @@ class TreeDrafter(Drafter):
     def grows_by_value(self) -> bool:
         """The policy's rule has a branch cut: the tree's shape follows the draft's odds (module docstring)."""
         return self.rule is not None and self.rule.branch_cut is not None
+
+    def _fed(self, expandable: list[int], scores: list[float]) -> list[int]:
+        """Grown by value, the nodes of a level (most probable first) that the next draft forward takes: none unless
+        the first one's path odds reach the rule's `min_survival` (it pays for the forward, as a chain's next token
+        does); then each whose odds reach the `feed_cut` (a row more of that forward), by default the same."""
+        survival = math.log(max(self.rule.min_survival, 1e-30))
+        if not expandable or scores[expandable[0]] < survival:
+            return []
+        cut = survival if self.rule.feed_cut is None else math.log(max(self.rule.feed_cut, 1e-30))
+        return sorted(node for node in expandable if scores[node] >= min(cut, survival))
 
     def _children(self, top: list[float], parent_score: float) -> int:
         """How many children a node gets, given its `branching` largest probabilities (sorted) and its path's log

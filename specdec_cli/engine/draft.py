@@ -46,11 +46,16 @@ class DraftRule:
     branch_cut: a tree drafter grows by value instead of by a fixed node budget: a node past its parent's
     most probable child goes in where the draft's odds that its path is the target's reach this (what one more
     node of verify costs, in tokens), and a node is drafted on where its path's odds reach `min_survival`, as a
-    chain's next token is; None: trees keep their budget's shape (drafters/tree.py)."""
+    chain's next token is; None: trees keep their budget's shape (drafters/tree.py).
+    feed_cut: with a branch cut, a level of the tree is drafted on where its most probable node's path odds reach
+    `min_survival` (that node pays for the level's draft forward), and the level's other nodes go into that same
+    forward where their path odds reach this (what one more row of it and its child's place in the verify cost, in
+    tokens); None: every node needs `min_survival`."""
 
     min_survival: float = 0.0
     lookup_k: int = 8
     branch_cut: float | None = None
+    feed_cut: float | None = None
 
 
 class Drafter(ABC):

@@ -205,6 +205,7 @@ class CostModelK:
 
 
 CUT_SPAN = 8  # the verify slope of the odds cut: over verifies of 1 to 1 + CUT_SPAN tokens, where drafts end
+FEED_SPAN = 4  # a tree level's draft forward: the draft's slope over forwards of 1 to 1 + FEED_SPAN rows
 
 
 class DraftOrNot(CostModelK):
@@ -221,16 +222,25 @@ class DraftOrNot(CostModelK):
     cost model expects (the slope taken over the first CUT_SPAN drafts), so the cut is
     (draft + slope) · rate / a, with a the model's acceptance past the first position (`next_acceptance`);
     never below the rule's own: with a draft costing 0.4 of a target step the fixed 0.3
-    drafts chains that cost more than they return."""
+    drafts chains that cost more than they return.
 
-    def __init__(self, max_k: int = 20, cost_cut: bool = True, **kwargs) -> None:
+    A tree (the rule has a branch cut) gets two more cuts. A further child costs no draft forward, only its place
+    in the verify: the branch cut is the verify slope times the rate. A level's nodes past its most probable one
+    ride in the draft forward that node pays for: one more row of it costs the draft's slope (its calibrated
+    curve's, `draft_curve`, scaled to the measured draft token; without one, the verify curve's relative slope)
+    and its child's place in the verify, so the feed cut is (draft slope + verify slope) · rate / a."""
+
+    def __init__(self, max_k: int = 20, cost_cut: bool = True, draft_curve: dict[int, float] | None = None,
+                 **kwargs) -> None:
         self.cost_cut = cost_cut
+        self.draft_shape = VerifyCost(draft_curve) if draft_curve else None  # its shape only, never scaled
         super().__init__(max_k=max_k, **kwargs)
 
     def reset(self) -> None:
         super().reset()
         self.cut = 0.0
         self.branch_cut: float | None = None
+        self.feed_cut: float | None = None
 
     @property
     def rule(self) -> DraftRule | None:
@@ -239,9 +249,11 @@ class DraftOrNot(CostModelK):
             return rule
         if rule.branch_cut is not None and self.branch_cut is not None:
             rule = replace(rule, branch_cut=self.branch_cut)
-        if self.cut <= rule.min_survival:
-            return rule
-        return replace(rule, min_survival=self.cut)
+        if self.cut > rule.min_survival:
+            rule = replace(rule, min_survival=self.cut)
+        if rule.branch_cut is not None and self.feed_cut is not None:
+            rule = replace(rule, feed_cut=min(self.feed_cut, rule.min_survival))
+        return rule
 
     def update(self, drafted: int, accepted: int, draft_seconds: float | None, verify_seconds: float | None,
                free: bool = False) -> None:
@@ -254,6 +266,15 @@ class DraftOrNot(CostModelK):
             # A tree's further child costs no draft forward, only its place in the verify: it pays where its path's
             # odds (the tokens it is expected to add) times the rate reach that slope.
             self.branch_cut = min(0.95, max(0.01, slope * rate))
+            # A level's further node costs one more row of a draft forward that runs anyway, and its child's verify.
+            row = self.draft_cost.value * self.draft_growth()
+            self.feed_cut = min(0.95, max(0.01, (row + slope) * rate / self.next_acceptance()))
+
+    def draft_growth(self) -> float:
+        """What one more row adds to a draft forward, as a share of a one-row forward (over 1 to 1 + FEED_SPAN
+        rows): the draft's calibrated curve, else the verify curve's shape over the same span."""
+        shape = self.draft_shape or self.verify
+        return max(0.0, shape.at(1 + FEED_SPAN) / max(shape.at(1), 1e-9) - 1.0) / FEED_SPAN
 
     def next_acceptance(self) -> float:
         """The chance that a token drafted after accepted ones is accepted too: the model's acceptance pooled

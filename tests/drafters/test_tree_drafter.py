@@ -139,6 +139,28 @@ def test_a_further_child_goes_in_exactly_where_its_path_odds_reach_the_cut(llama
     assert above.propose(PROMPT, 4, SamplingParams(), make_generator(0)).ids == expected
 
 
+def test_a_level_is_drafted_on_by_its_best_node_and_its_others_ride_where_they_reach_the_feed_cut(llama_near_draft):
+    with torch.no_grad():
+        probs = torch.softmax(llama_near_draft(input_ids=torch.tensor([PROMPT])).logits[0, -1].float(), -1)
+    (first, second), _ = torch.topk(probs, 2)
+    first, second = float(first), float(second)
+    assert first > second * 1.05  # the tiny draft is not tied here: the cuts below fall between them
+
+    def children_of_roots(survival: float, feed: float | None) -> tuple[int, int]:
+        drafter = TreeDrafter(llama_near_draft, budget=32, branching=2, max_depth=20)
+        drafter.obey(DraftRule(min_survival=survival, branch_cut=second * 0.99, feed_cut=feed))
+        draft = drafter.propose(PROMPT, 2, SamplingParams(), make_generator(0))  # two levels: roots, their children
+        assert draft.parents[:2] == [-1, -1]  # both roots are in (the branch cut lets the second in)
+        return draft.parents.count(0), draft.parents.count(1)
+
+    between = (first * second) ** 0.5  # the first root's odds reach it, the second's do not
+    assert children_of_roots(between, None)[1] == 0  # without a feed cut every fed node needs min_survival
+    assert children_of_roots(between, second * 1.01)[1] == 0
+    with_second = children_of_roots(between, second * 0.99)
+    assert with_second[0] >= 1 and with_second[1] >= 1  # the second root rides in the first's forward
+    assert children_of_roots(first * 1.01, 1e-6) == (0, 0)  # no root pays for the forward: nothing is fed
+
+
 def test_a_value_tree_branches_where_the_draft_hesitates_and_keeps_its_cap(llama_near_draft):
     draft = _value_tree(llama_near_draft, 0.05, branch_cut=0.05).propose(PROMPT, 12, SamplingParams(), make_generator(0))
     scores = _path_odds(llama_near_draft, PROMPT, draft)
@@ -166,6 +188,31 @@ def test_the_cost_model_hands_a_tree_its_branch_cut_from_measured_costs():
     slope = (policy.verify.at(9) - policy.verify.at(1)) / 8
     assert policy.rule.branch_cut == pytest.approx(slope * policy.best_model_rate())
     assert DraftOrNot(max_k=20, rule=DraftRule(min_survival=0.3)).rule.branch_cut is None  # chains: none asked
+
+
+def test_the_cost_model_hands_a_tree_its_feed_cut_from_the_draft_and_verify_slopes():
+    verify = {1: 0.030, 2: 0.036, 4: 0.038, 8: 0.050, 16: 0.090}
+    draft = {1: 0.010, 2: 0.011, 4: 0.012, 8: 0.016}
+    policy = DraftOrNot(max_k=20, rule=DraftRule(min_survival=0.3, branch_cut=0.15), verify_curve=verify,
+                        draft_curve=draft)
+    assert policy.rule.feed_cut is None  # nothing measured yet: every fed node needs min_survival
+    for _ in range(6):
+        policy.update(3, 2, 0.030, 0.038)
+    slope = (policy.verify.at(9) - policy.verify.at(1)) / 8
+    row = policy.draft_cost.value * (0.013 / 0.010 - 1) / 4  # the draft curve: 5 rows cost 0.013 (4 to 8, linear)
+    expected = (row + slope) * policy.best_model_rate() / policy.next_acceptance()
+    assert policy.rule.feed_cut == pytest.approx(min(expected, policy.rule.min_survival))
+    assert policy.rule.feed_cut < policy.rule.min_survival  # a row of a forward that runs anyway costs less
+    unshaped = DraftOrNot(max_k=20, rule=DraftRule(min_survival=0.3, branch_cut=0.15), verify_curve=verify)
+    for _ in range(6):
+        unshaped.update(3, 2, 0.030, 0.038)
+    growth = (unshaped.verify.at(5) / unshaped.verify.at(1) - 1) / 4  # no draft curve: the verify's shape
+    expected = (unshaped.draft_cost.value * growth + slope) * unshaped.best_model_rate() / unshaped.next_acceptance()
+    assert unshaped.rule.feed_cut == pytest.approx(min(expected, unshaped.rule.min_survival))
+    chains = DraftOrNot(max_k=20, rule=DraftRule(min_survival=0.3), draft_curve=draft)
+    for _ in range(6):
+        chains.update(3, 2, 0.030, 0.038)
+    assert chains.rule.feed_cut is None  # chains: none asked
 
 
 def _path_odds(model, prompt, draft) -> list[float]:

@@ -253,8 +253,8 @@ CURVE = {1: 0.030, 2: 0.031, 4: 0.034, 8: 0.060, 16: 0.120}  # a q4 target's sha
 def test_run_one_at_a_time_prices_drafts_with_the_calibration_and_never_the_clock():
     from specdec_cli.session import AUTO_MAX_K, make_policy
 
-    cheap = make_policy("auto", clock_free=True, verify_curve=CURVE, draft_seconds=0.006)
-    twin = make_policy("auto", clock_free=True, verify_curve=CURVE, draft_seconds=0.006)
+    cheap = make_policy("auto", clock_free=True, verify_curve=CURVE, draft_curve={1: 0.006})
+    twin = make_policy("auto", clock_free=True, verify_curve=CURVE, draft_curve={1: 0.006})
     assert isinstance(cheap, CalibratedDraftOrNot)
     for drafted, accepted, free in [(3, 3, False), (4, 1, False), (0, 0, False), (5, 5, True), (2, 0, False)] * 4:
         cheap.update(drafted, accepted, 0.001, 9.0, free)  # whatever the clock said
@@ -263,7 +263,7 @@ def test_run_one_at_a_time_prices_drafts_with_the_calibration_and_never_the_cloc
     for _ in range(4):
         cheap.update(4, 4, None, None)
     assert cheap.next_k() == AUTO_MAX_K and cheap.rule.min_survival > 0  # drafting pays: the odds cut says how far
-    dear = make_policy("auto", clock_free=True, verify_curve=CURVE, draft_seconds=0.2)  # a draft dearer than a verify
+    dear = make_policy("auto", clock_free=True, verify_curve=CURVE, draft_curve={1: 0.2})  # a draft dearer than a verify
     ks = []
     for _ in range(16):
         dear.update(3, 1, None, None)
