@@ -29,16 +29,16 @@ stays flat, the budget is MIN_BUDGET (the smallest tree: a measured curve that i
 costs most); without a measurement it is DEFAULT_BUDGET.
 
 Grown by value (the policy's `DraftRule` has a `branch_cut`, as k = auto's cost model gives it): the shape then
-follows the draft's odds instead of a fixed budget (`budget` only caps the nodes). Each frontier node gets its
-most probable child, and a further child (up to `branching`) where the odds of its path — the parent's path odds
-times the child's probability, which the draft's probabilities estimate well (the replay in README) — reach the
-cut: what one more node adds to the verify, in the tokens it must return. A level is drafted on (its nodes fed to
-the next level's forward) where its most probable node's path odds reach the rule's `min_survival`, exactly as a
-chain drafts its next token; its other nodes ride in that forward where their odds reach the rule's `feed_cut`
-(what a row more of the draft forward and its child's verify cost, in tokens; without one, `min_survival` too).
-So without branches the tree is the chain the model drafter drafts, and the branches go where the draft
-hesitates. Sampling decides how many children a node gets from the draft's sorted probabilities before it
-draws them, so each draw's distribution is known before it is made, as multi-candidate rejection needs."""
+follows the draft's odds instead of a fixed budget (`budget` only caps the nodes). Each frontier node gets its most
+probable child, and further children (up to `branching`, VALUE_BRANCHING unless told) where the odds of their path —
+the parent's path odds times the child's probability, which the draft's probabilities estimate well (the replay in
+README) — reach the cut: what one more node adds to the verify, in the tokens it must return. A level is drafted on
+(its nodes fed to the next level's forward) where its most probable node's path odds reach the rule's
+`min_survival`, exactly as a chain drafts its next token; its other nodes ride in that forward where their odds
+reach the rule's `feed_cut` (what a row more of the draft forward and its child's verify cost, in tokens; without
+one, `min_survival` too). So without branches the tree is the chain the model drafter drafts, and the branches go
+where the draft hesitates. Sampling decides how many children a node gets from the draft's sorted probabilities
+before it draws them, so each draw's distribution is known before it is made, as multi-candidate rejection needs."""
 
 from __future__ import annotations
 
@@ -63,6 +63,7 @@ DEFAULT_BUDGET = 16
 VALUE_BUDGET = 32  # the most nodes a tree grown by value holds (its verify forward's width)
 MIN_BUDGET = 2  # the smallest tree there is (two siblings, or a chain of two)
 DEFAULT_BRANCHING = 2
+VALUE_BRANCHING = 4  # grown by value: up to this many children a node, as many as the branch cut lets in
 # "About as much as one token": the issue's flat formats measured x1.13 at 8 tokens (bf16, AVX512-BF16)
 # and x1.06 at 4 (int8, AVX2); a forward past x1.2 no longer hides the extra nodes.
 FLAT_RATIO = 1.2
@@ -97,19 +98,21 @@ def budget_from_costs(seconds: Mapping[int, float], flat_ratio: float = FLAT_RAT
 class TreeDrafter(Drafter):
     name = "tree"
 
-    def __init__(self, model: torch.nn.Module, budget: int = DEFAULT_BUDGET, branching: int = DEFAULT_BRANCHING,
+    def __init__(self, model: torch.nn.Module, budget: int = DEFAULT_BUDGET, branching: int | None = None,
                  max_depth: int = 12, window: int | None = None, token_ids: torch.Tensor | None = None,
                  share_head: bool = False) -> None:
         """token_ids, share_head: the draft scores only this subset of the vocabulary, as the model drafter's
-        (subset_head.py; lossless: a node is always a subset id, the target may still emit any)."""
-        if budget < 1 or branching < 1 or max_depth < 1:
+        (subset_head.py; lossless: a node is always a subset id, the target may still emit any). branching: children a
+        node (None: DEFAULT_BRANCHING with a fixed budget, up to VALUE_BRANCHING grown by value)."""
+        if budget < 1 or (branching is not None and branching < 1) or max_depth < 1:
             raise ValueError(f"need budget, branching and max_depth >= 1, got {budget}, {branching}, {max_depth}")
         self.head = subset_head(model, token_ids.cpu() if token_ids is not None else None, share_head)
         self.runner = CachedModel(self.head or model)
         self.context = context_length(model)
         self.window = DraftWindow(window)  # what the draft model reads of the sequence (window.py)
         self.budget = budget
-        self.branching = branching
+        self.branching = branching or DEFAULT_BRANCHING  # children a node, in a tree of a fixed budget
+        self.value_branching = branching or VALUE_BRANCHING  # at most, grown by value
         self.max_depth = max_depth
         self.rule: DraftRule | None = None  # with a branch_cut: grown by value (module docstring)
         self._proposed: tuple[int, list[int], list[int]] | None = None  # (len(ids), tree ids, parents)
@@ -163,7 +166,8 @@ class TreeDrafter(Drafter):
             probs = odds if params.greedy else logits_to_probs(logits, params)  # what sampling draws from
             parent = frontier[i]
             base = scores[parent] if parent >= 0 else 0.0
-            top_odds, top_ids = top_k(odds, min(self.branching, odds.shape[-1]))
+            width = self.value_branching if self.grows_by_value else self.branching
+            top_odds, top_ids = top_k(odds, min(width, odds.shape[-1]))
             count = min(self._children(top_odds.tolist(), base), room)
             if params.greedy:
                 children = top_ids[:count].tolist()

@@ -161,6 +161,16 @@ def test_a_level_is_drafted_on_by_its_best_node_and_its_others_ride_where_they_r
     assert children_of_roots(first * 1.01, 1e-6) == (0, 0)  # no root pays for the forward: nothing is fed
 
 
+def test_grown_by_value_a_node_takes_up_to_value_branching_children_and_a_budget_tree_keeps_two(llama_near_draft):
+    from specdec_cli.drafters.tree import DEFAULT_BRANCHING, VALUE_BRANCHING
+
+    by_value = TreeDrafter(llama_near_draft, budget=32, max_depth=20)
+    by_value.obey(DraftRule(min_survival=1.0, branch_cut=1e-9))  # every child's odds reach the cut; none fed on
+    assert len(by_value.propose(PROMPT, 4, SamplingParams(), make_generator(0))) == VALUE_BRANCHING == 4
+    budget = TreeDrafter(llama_near_draft, budget=3, max_depth=1)
+    assert len(budget.propose(PROMPT, 4, SamplingParams(), make_generator(0))) == DEFAULT_BRANCHING == 2
+
+
 def test_a_value_tree_branches_where_the_draft_hesitates_and_keeps_its_cap(llama_near_draft):
     draft = _value_tree(llama_near_draft, 0.05, branch_cut=0.05).propose(PROMPT, 12, SamplingParams(), make_generator(0))
     scores = _path_odds(llama_near_draft, PROMPT, draft)
