@@ -3,7 +3,8 @@ interleaved in one process: the same models, only `engine/policy.py` (or `drafte
 differs.
 
     python scripts/policy_ab.py [--base HEAD] [--what policy|drafters|run] [--temperature 0.7] [--prompts 13]
-                                [--drafters cascade,tree] [--target-quant none --dtype bfloat16] --json benchmarks/....json
+                                [--drafters cascade,tree] [--target-quant none --dtype bfloat16 --tolerate-ties]
+                                --json benchmarks/....json
 
 --what run times `run`'s one-request-at-a-time decoding (`build_decoder(..., clock_free=True)`: decisions that never
 read the clock) in the working tree against what it did until 5 December whatever --base says: draft up to
@@ -57,7 +58,7 @@ def base_and_demo_pair(revision: str, path: str, name: str):
     """The module at `path` as it was at `revision` (imported as `name`), the demo profile's choice, and its loaded
     target and draft: what each A/B script here starts from."""
     base = base_module(revision, path, name)
-    choice = choose_models(ModelOverrides(profile="demo", target_quant=args.target_quant, dtype=args.dtype))
+    choice = choose_models(ModelOverrides(profile="demo"))
     target, draft = load_choice(choice)
     return base, choice, target, draft
 
@@ -135,7 +136,8 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "machine": machine(), "target_quantization": target.quantization, "dtype": str(target.dtype),
-            "draft_quantization": draft.quantization, "base": args.base, "what": args.what, "temperature": args.temperature,
+            "draft_quantization": draft.quantization, "base": args.base, "what": args.what,
+            "temperature": args.temperature,
             "top_p": params.top_p, "top_k": params.top_k,
             "base_commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", args.base], capture_output=True,
                                           text=True).stdout.strip(),
