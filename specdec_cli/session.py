@@ -157,10 +157,15 @@ def build_decoder(
     make_policy; for a tree, its depth limit); tree_budget: a tree's nodes (None: `tree_budget_for`). The
     policy's rule binds the drafter (`SpeculativeDecoder.set_drafting`)."""
     chosen = make_drafter(drafter, draft, k, target, tree_budget) if k != 0 else None
-    draft_curve = forward_curve(draft) if draft is not None else None
-    policy = make_policy(k, clock_free, verify_curve(target), draft_curve) if chosen else FixedK(0)
+    policy = policy_for(k, target, draft, clock_free) if chosen else FixedK(0)
     return SpeculativeDecoder(target.model, chosen, policy, eos_token_ids(target),
                               reuse_prompts=computes_rows_alone(target.model))
+
+
+def policy_for(k: int | str, target: LoadedModel, draft: LoadedModel | None,
+               clock_free: bool = False) -> DraftLengthPolicy:
+    """`make_policy` with the target's and the draft's forward costs as `specdec calibrate` measured them here."""
+    return make_policy(k, clock_free, verify_curve(target), forward_curve(draft) if draft is not None else None)
 
 
 def verify_curve(target: LoadedModel) -> dict[int, float] | None:

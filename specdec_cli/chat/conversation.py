@@ -16,7 +16,7 @@ from specdec_cli.chat.text import Piece, ReplyText
 from specdec_cli.engine import Budget, GenerationStats
 from specdec_cli.errors import InputError, PromptTooLongError
 from specdec_cli.models import LoadedModel
-from specdec_cli.session import build_decoder, encode_chat, forward_curve, make_drafter, make_policy, verify_curve
+from specdec_cli.session import build_decoder, encode_chat, make_drafter, policy_for
 from specdec_cli.settings import DecodingSettings, parse_k, sampling_params
 
 
@@ -105,9 +105,7 @@ class Conversation:
         drafter = self.decoder.drafter
         if drafter is None and k != 0:
             drafter = make_drafter(self.drafter_name, self.draft, k, self.target)
-        draft_curve = forward_curve(self.draft) if self.draft is not None else None
-        policy = make_policy(k, verify_curve=verify_curve(self.target), draft_curve=draft_curve)
-        self.decoder.set_drafting(drafter, policy)
+        self.decoder.set_drafting(drafter, policy_for(k, self.target, self.draft))
         self.settings = replace(self.settings, k=k)
         return k
 

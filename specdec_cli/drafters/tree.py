@@ -157,6 +157,7 @@ class TreeDrafter(Drafter):
         the new nodes."""
         level: list[int] = []
         by_score = sorted(range(len(frontier)), key=lambda i: -scores[frontier[i]] if frontier[i] >= 0 else 0.0)
+        width = self.value_branching if self.grows_by_value else self.branching  # children a node, at most
         for i in by_score:
             room = self.budget - len(tree_ids)
             if room <= 0:
@@ -166,7 +167,6 @@ class TreeDrafter(Drafter):
             probs = odds if params.greedy else logits_to_probs(logits, params)  # what sampling draws from
             parent = frontier[i]
             base = scores[parent] if parent >= 0 else 0.0
-            width = self.value_branching if self.grows_by_value else self.branching
             top_odds, top_ids = top_k(odds, min(width, odds.shape[-1]))
             count = min(self._children(top_odds.tolist(), base), room)
             if params.greedy:
