@@ -42,6 +42,7 @@ class ModelOverrides:
     draft_int8: bool | None = None  # --draft-int8 / --no-draft-int8; None: the profile decides
     target_quant: str | None = None  # --target-quant: none, int8, int4, q4, nf4, bnb8, auto (wins over the aliases)
     draft_quant: str | None = None   # --draft-quant, likewise for the draft
+    prefill: str | None = None  # --prefill: auto, bf16, none (models/prefill.py)
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class ModelChoice:
     trust_remote_code: bool
     allow_pickle: bool
     draft_int8_flag: bool | None = None  # --draft-int8 / --no-draft-int8 as given (None: the profile decides)
+    prefill: str = "auto"  # who reads a prompt: "auto", "bf16" (a bfloat16 copy of the target), "none" (the target)
 
 
 def choose_models(flags: ModelOverrides) -> ModelChoice:
@@ -87,7 +89,16 @@ def choose_models(flags: ModelOverrides) -> ModelChoice:
         trust_remote_code=flags.trust_remote_code,
         allow_pickle=flags.allow_pickle,
         draft_int8_flag=flags.draft_int8,
+        prefill=_prefill_setting(flags.prefill),
     )
+
+
+def _prefill_setting(name: str | None) -> str:
+    from specdec_cli.models.prefill import SETTINGS
+
+    if name is not None and name not in SETTINGS:
+        raise InputError(f"unknown --prefill {name!r}", f"use one of {', '.join(SETTINGS)}")
+    return name or "auto"
 
 
 def _base_profile(profile: str | None, target: str | None, draft: str | None) -> Profile:
@@ -167,11 +178,21 @@ def load_choice(choice: ModelChoice, console: Printer | None = None) -> tuple[Lo
         progress=not getattr(console, "quiet", False),  # -q: no spinners, no "Loading weights" bars
         target_auto_formats=choice.profile.target_auto_formats,
     )
+    _read_prompts(choice, target, console)
     console.print(target.describe("target"), markup=False)
     console.print(draft.describe("draft") if draft else "draft: n-gram lookup", markup=False)
     if choice.drafter == "tree" and draft is not None:
         say_tree_note(target, draft, console)
     return target, draft
+
+
+def _read_prompts(choice: ModelChoice, target: LoadedModel, console: Printer) -> None:
+    """Give the target its bfloat16 prefill path where `choice.prefill` wants it (models/prefill.py)."""
+    from specdec_cli.models import prefill
+
+    if prefill.wanted(choice.prefill, target):
+        prefill.attach(target, choice.trust_remote_code, choice.allow_pickle,
+                       progress=not getattr(console, "quiet", False))
 
 
 def say_tree_note(target: LoadedModel, draft: LoadedModel, console: Printer) -> None:
@@ -184,10 +205,10 @@ def say_tree_note(target: LoadedModel, draft: LoadedModel, console: Printer) -> 
 
 
 def resolve_formats(choice: ModelChoice) -> ModelChoice:
-    """The choice with `auto` formats replaced by what this machine resolves them to (its calibration, its
-    kernels), so that what `run` stores beside a file — and what Ray workers load — names the format: a
-    resume on another machine then cannot silently continue a file in another precision."""
-    if "auto" not in (choice.target_quantization, choice.draft_quantization):
+    """The choice with `auto` formats (and `--prefill auto`) replaced by what this machine resolves them to (its
+    calibration, its kernels), so that what `run` stores beside a file — and what Ray workers load — names the
+    format: a resume on another machine then cannot silently continue a file in another precision."""
+    if "auto" not in (choice.target_quantization, choice.draft_quantization, choice.prefill):
         return choice
     device = resolve_device(choice.device)
     dtype = resolve_dtype(choice.dtype, device)
@@ -197,10 +218,15 @@ def resolve_formats(choice: ModelChoice) -> ModelChoice:
             return quantization
         return resolve_auto(role, device, spec, dtype, allowed) or "none"
 
-    return replace(choice,
-                   target_quantization=resolved("target", choice.target, choice.target_quantization,
-                                                choice.profile.target_auto_formats),
-                   draft_quantization=resolved("draft", choice.draft, choice.draft_quantization, None))
+    from specdec_cli.models import prefill
+
+    formats = replace(choice,
+                      target_quantization=resolved("target", choice.target, choice.target_quantization,
+                                                   choice.profile.target_auto_formats),
+                      draft_quantization=resolved("draft", choice.draft, choice.draft_quantization, None))
+    return replace(formats, prefill=prefill.resolve(choice.prefill, device, formats.target,
+                                                    canonical(formats.target_quantization), formats.draft,
+                                                    canonical(formats.draft_quantization)))
 
 
 def _draft_quantization(choice: ModelChoice, console: Printer) -> str | None:

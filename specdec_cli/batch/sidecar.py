@@ -29,6 +29,9 @@ def record_settings(choice: ModelChoice, settings: DecodingSettings) -> dict:
         "draft_quantization": choice.draft_quantization, "k": settings.k, "temperature": settings.temperature,
         "top_p": settings.top_p, "top_k": settings.top_k, "seed": settings.seed,
         "max_new_tokens": settings.max_new_tokens, "system": settings.system,
+        # A prompt read by a bfloat16 copy of the target (--prefill) gives other records; named only then, so
+        # that files made before the option resume as they were.
+        **({"prefill": "bf16"} if choice.prefill == "bf16" else {}),
     }
 
 

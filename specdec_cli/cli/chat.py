@@ -59,6 +59,7 @@ def chat(
     draft_int8: options.DraftInt8Option = None,
     target_quant: options.TargetQuantOption = None,
     draft_quant: options.DraftQuantOption = None,
+    prefill: options.PrefillOption = None,
     trust_remote_code: options.TrustRemoteCodeOption = False,
     allow_pickle: options.AllowPickleOption = False,
     k: options.KOption = None,

@@ -23,7 +23,7 @@ from specdec_cli.cli.app import error_console, report_errors
 from specdec_cli.cli.options import (
     AllowPickleOption, DeviceOption, Draft4bitOption, DraftInt8Option, DraftQuantOption, TargetQuantOption, DraftOption, DtypeOption, LoadIn4bitOption,
     LoadIn8bitOption, MaxNewTokensOption, ProfileOption, Target4bitOption, TargetOption, TemperatureOption,
-    TrustRemoteCodeOption, model_overrides,
+    TrustRemoteCodeOption, PrefillOption, model_overrides,
 )
 from specdec_cli.errors import InputError, MissingExtraError
 from specdec_cli.profiles import DRAFTERS
@@ -78,6 +78,7 @@ def compare_command(
     target_4bit: Target4bitOption = False, draft_4bit: Draft4bitOption = False,
     load_in_4bit: LoadIn4bitOption = False, load_in_8bit: LoadIn8bitOption = False,
     draft_int8: DraftInt8Option = None, target_quant: TargetQuantOption = None, draft_quant: DraftQuantOption = None,
+    prefill: PrefillOption = None,
     trust_remote_code: TrustRemoteCodeOption = False, allow_pickle: AllowPickleOption = False,
     prompts: PromptsOption = None, category: CategoryOption = None, n_prompts: NPromptsOption = None,
     k: KListOption = None, max_new_tokens: MaxNewTokensOption = None, temperature: TemperatureOption = None,

@@ -22,7 +22,7 @@ from specdec_cli.cli.options import (
     AllowPickleOption, DeviceOption, Draft4bitOption, DraftInt8Option, DraftQuantOption, TargetQuantOption, DraftOption, DrafterOption, DtypeOption, KOption,
     LoadIn4bitOption, LoadIn8bitOption, MaxNewTokensOption, ProfileOption, SeedOption, SystemOption,
     Target4bitOption, TargetOption, TemperatureOption, TopKOption, TopPOption, TrustRemoteCodeOption,
-    decoding_overrides, model_overrides,
+    PrefillOption, decoding_overrides, model_overrides,
 )
 from specdec_cli.errors import InputError, OutputWriteError
 
@@ -56,6 +56,7 @@ def run_command(
     draft_int8: DraftInt8Option = None,
     target_quant: TargetQuantOption = None,
     draft_quant: DraftQuantOption = None,
+    prefill: PrefillOption = None,
     trust_remote_code: TrustRemoteCodeOption = False,
     allow_pickle: AllowPickleOption = False,
     k: KOption = None,

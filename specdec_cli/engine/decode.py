@@ -95,6 +95,7 @@ class SpeculativeDecoder:
         self.verifies_trees = tree_capable(self.target.model)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.set_drafting(drafter, policy if policy is not None else FixedK(4 if drafter else 0))
+        self._committed = 0  # what the target alone would hold cached now: the last sequence but its last token
 
     def set_drafting(self, drafter: Drafter | None, policy: DraftLengthPolicy) -> None:
         """Draft with `drafter` (None: the target alone) as far as `policy` says. The policy owns how far:
@@ -130,6 +131,7 @@ class SpeculativeDecoder:
             self.target.crop(len(self.target))  # an uncommitted tree's entries go
         else:
             self.target.reset()
+        self._committed = 0
         if self.drafter is not None:
             self.drafter.reset()
         self.policy.reset()
@@ -145,12 +147,16 @@ class SpeculativeDecoder:
             raise ValueError("the prompt must hold at least one token")
         max_new_tokens = self.fit(len(prompt_ids), max_new_tokens).max_new_tokens  # before any forward
         ids = list(prompt_ids)
+        # A target with a prefill path reads the prompt but its last token through it (kv.py), from what the
+        # target alone would hold, so that speculation and the target alone read it the same way.
+        self.target.prefill(ids[:-1], keep_at_most=self._committed)
         generated: list[int] = []
         generator = make_generator(params.seed)
         while len(generated) < max_new_tokens:
             event = self._step(ids, params, generator, max_new_tokens - len(generated), first=not generated)
             generated.extend(event.tokens)
             ids.extend(event.tokens)
+            self._committed = len(ids) - 1
             if event.finish_reason is None and stop is not None and stop(generated):
                 event = _with_finish(event, "stop")
             if event.finish_reason is None and len(generated) >= max_new_tokens:

@@ -25,7 +25,13 @@ into a longer buffer and a forward writes its new entries in place, where transf
 700 cached tokens, this one ~29 µs, most of it Python either way). It also lets the C attention read the
 cache where it is, and a forward that writes its entries itself (models/lean_layers.py's decoder stack in C)
 takes the buffers from `reserve` and says `written`. Cropping stays a view; `keep` and others that make new
-tensors are taken into a new buffer at the next forward."""
+tensors are taken into a new buffer at the next forward.
+
+A model may carry a prefill path (`PREFILL_PATH`, attached by models/prefill.py): another copy of its decoder
+that reads a prompt faster than the model itself (bfloat16 on AMX for a q4 or int8 target). `prefill(ids)` feeds
+the part of `ids` the cache lacks through it, where that part is long enough; what the path computes is not what
+the model computes, so it is used only where a caller asks (the prompt before its last token), never by
+`extend`: a verify still equals one-token decoding."""
 
 from __future__ import annotations
 
@@ -50,6 +56,14 @@ def tree_capable(model: torch.nn.Module) -> bool:
     if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
         return False
     return not (getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None))
+
+
+PREFILL_PATH = "_specdec_prefill"  # the attribute, in a model's __dict__, holding its prefill path
+
+
+def prefill_path(model: torch.nn.Module):
+    """The model's prefill path (a callable `(cache, new_ids) -> None` with `min_tokens`), None where it has none."""
+    return model.__dict__.get(PREFILL_PATH)
 
 
 def _tree_mask_form(model: torch.nn.Module) -> str | None:
@@ -233,6 +247,30 @@ class CachedModel:
             fed = len(self.ids)
             self._forward(ids[fed: fed + min(self.prefill_chunk, unfed - n_logits)], 1)
         return self._forward(ids[len(self.ids):], n_logits)
+
+    @torch.inference_mode()
+    def prefill(self, ids: Sequence[int], keep_at_most: int | None = None) -> None:
+        """Make the cache hold `ids` through the model's prefill path, where it has one and the part of `ids` the
+        cache lacks has at least its `min_tokens`; else leave the cache as it is (`extend` feeds them then). The
+        cache first keeps at most `keep_at_most` of its entries: a caller that knows what a target decoding alone
+        would hold (a speculative decoder's cache may hold more) makes the path read the same tokens as that would."""
+        path = prefill_path(self.model)
+        if path is None:
+            return
+        start = min(self.shared_prefix(ids), len(ids) if keep_at_most is None else keep_at_most)
+        if len(ids) - start < path.min_tokens:
+            return
+        self.crop(start)
+        while len(self.ids) < len(ids):
+            fed = len(self.ids)
+            chunk = list(ids[fed: fed + self.prefill_chunk])
+            try:
+                path(self.cache, chunk)
+            except BaseException:
+                self._truncate_layers(fed)  # an interrupted forward may have appended to some layers only
+                raise
+            self.ids.extend(chunk)
+            self.forwards += 1
 
     def _forward(self, new_ids: Sequence[int], n_logits: int) -> torch.Tensor:
         """One forward of `new_ids` after the cached ones; (n_logits, V) logits of its last positions."""

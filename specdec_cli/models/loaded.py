@@ -50,6 +50,10 @@ class LoadedModel:
         taken, layers = getattr(self.model, "_specdec_q4_from_gguf", (0, 0))
         if taken:
             parts.append(f"{taken} of {layers} layers kept as the .gguf's 4-bit blocks")
+        from specdec_cli.engine.kv import prefill_path
+
+        if prefill_path(self.model) is not None:
+            parts.append("prompts read in bfloat16 (--prefill)")
         return f"{role}: " + " · ".join(parts)
 
 

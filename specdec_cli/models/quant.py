@@ -207,9 +207,12 @@ def computes_rows_alone(model: torch.nn.Module) -> bool:
     """Whether `model` was quantised with `exact_rows` (its attention row by row): each position's logits are
     then the same bit for bit however its sequence is split into forwards, so entries cached for one
     sequence are exactly what another that shares them would compute."""
+    from specdec_cli.engine.kv import prefill_path
     from specdec_cli.models.rowwise_attention import NAME
 
-    return getattr(getattr(model, "config", None), "_attn_implementation", None) == NAME
+    # A prefill path's bfloat16 forwards round each row by how many rows they hold (models/prefill.py).
+    return (getattr(getattr(model, "config", None), "_attn_implementation", None) == NAME
+            and prefill_path(model) is None)
 
 
 def _rows(model: torch.nn.Module, exact_rows: bool) -> torch.nn.Module:

@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from specdec_cli.settings import ModelOverrides, choose_models, load_choice
 from specdec_cli.errors import InputError, ProfileError
@@ -56,6 +57,7 @@ def test_the_profiles_quantisation_is_kept_without_flags():
         ({"draft": "org/small", "drafter": "ngram"}, "contradict"),
         ({"target": "org/big", "drafter": "model"}, "--drafter model needs a draft model"),
         ({"drafter": "forest"}, "unknown drafter 'forest'"),
+        ({"prefill": "fp8"}, "unknown --prefill 'fp8'"),
         ({"load_in_4bit": True, "load_in_8bit": True}, "contradict"),
     ],
 )
@@ -182,5 +184,7 @@ def test_a_profiles_int8_draft_is_dropped_with_a_note_on_a_gpu(monkeypatch):
 
 
 class _Named:
+    device, quantization = torch.device("cuda"), None  # what load_choice reads besides (--prefill: not for it)
+
     def describe(self, role):
         return role

@@ -7,6 +7,7 @@ activations turn SDPA's different summation order for k rows into ~1 logit of di
 import importlib.util
 
 import pytest
+import torch
 
 from specdec_cli.drafters import DraftModelDrafter
 from specdec_cli.engine import FixedK, SamplingParams, SpeculativeDecoder
@@ -52,3 +53,39 @@ def test_speculative_on_a_quantised_target_equals_that_target_alone(quantised_pa
             assert result.tokens == baseline, (target.precision, k, question)
             drafted += result.stats.drafted
     assert drafted > 0
+
+
+LONG_QUESTION = ("Here is a function and its tests. Read them, say what the function does, and name the one case the "
+                 "tests miss.\n\n```python\ndef merge(intervals):\n    intervals = sorted(intervals)\n    merged = []\n"
+                 "    for start, end in intervals:\n        if merged and start <= merged[-1][1]:\n"
+                 "            merged[-1][1] = max(merged[-1][1], end)\n        else:\n"
+                 "            merged.append([start, end])\n"
+                 "    return merged\n\nassert merge([[1, 3], [2, 6], [8, 10]]) == [[1, 6], [8, 10]]\n"
+                 "assert merge([]) == []\n```")
+
+
+def test_a_q4_target_reading_prompts_in_bfloat16_is_that_target_alone_for_every_drafter():
+    """`--prefill bf16` on the demo pair (q4 target and draft): the prompt is read by the target's bfloat16 copy,
+    and the chain, the tree and the target alone still give the same tokens; the copy's read changes them from q4's
+    own somewhere in the cache (checked on the prompt's entries)."""
+    from specdec_cli.drafters.tree import TreeDrafter
+    from specdec_cli.engine.kv import CachedModel, prefill_path
+    from specdec_cli.models import prefill
+
+    target, draft = load_pair("demo:qwen2.5-coder-1.5b", "demo:qwen2.5-coder-0.5b", target_quantization="q4",
+                              draft_quantization="q4", progress=False)
+    prefill.attach(target, progress=False)
+    prompt = _prompt(target.tokenizer, LONG_QUESTION)
+    assert len(prompt) > prefill_path(target.model).min_tokens
+    eos = target.eos_token_ids
+    baseline = SpeculativeDecoder(target.model, None, FixedK(0), eos).generate(prompt, SamplingParams(), NEW_TOKENS)
+    for name, drafter, policy in (("chain", DraftModelDrafter(draft.model), FixedK(6)),
+                                  ("tree", TreeDrafter(draft.model, budget=12), FixedK(4))):
+        result = SpeculativeDecoder(target.model, drafter, policy, eos).generate(prompt, SamplingParams(), NEW_TOKENS)
+        assert result.tokens == baseline.tokens, name
+        assert result.stats.drafted > 0
+    read, own = CachedModel(target.model), CachedModel(target.model)
+    read.prefill(prompt)
+    own.extend(prompt)
+    assert read.ids == own.ids == prompt
+    assert not torch.equal(read.cache.layers[-1].keys, own.cache.layers[-1].keys)

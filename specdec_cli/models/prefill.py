@@ -1,0 +1,154 @@
+"""A quantised target reads its prompts with a bfloat16 copy of its decoder, where that is faster (`--prefill`).
+
+Why: a prompt's forward is arithmetic, not memory. specdec's q4 and int8 matmuls multiply on the vector unit
+(VNNI), so a q4 target reads a 700-token prompt in ~4.7 s on the 2-core Intel Xeon with AMX, where oneDNN's
+bfloat16 matmul on AMX's tiles reads it with the same weights in bfloat16 in ~1.5 s (200 tokens: ~1.2 against
+~0.55 s); the tokens after the prompt are still decoded and verified by the quantised target, which is what is
+fast for 1-20 tokens.
+
+The bfloat16 copy is the target's own weights loaded again without quantisation (for a .gguf, its dequantised
+values), its decoder only: the embedding rows come from the quantised model, and no logits are made. It computes
+the prompt's keys and values, which go into the target's cache in float32; everything after them runs as
+before. So the target is "the prompt read in bfloat16, the answer written in q4": a prompt's entries are not the
+ones q4 would make, but they are the same for the target alone and for every drafter (the engine reads a prompt
+through the path in one way: kv.py's `prefill`), so speculation stays exact against that target.
+
+Where: `auto` takes it on a CPU with AMX-BF16 for a q4 or int8 Llama/Qwen2 target whose bfloat16 copy fits in
+memory beside what is loaded; `bf16` asks for it (refused in one line where it cannot be); `none` keeps it off.
+Only prompt parts of `MIN_TOKENS` or more go through it: below ~100 tokens q4 reads as fast."""
+
+from __future__ import annotations
+
+import torch
+
+from specdec_cli.engine.kv import PREFILL_PATH, new_cache, prefill_path
+from specdec_cli.errors import InputError
+from specdec_cli.models import preflight
+from specdec_cli.models.device import cpu_flags
+
+SETTINGS = ("auto", "bf16", "none")
+# Prompt parts shorter than this are left to the target itself. Intel Xeon AMX, q4 demo target, a decoder forward
+# of n tokens, q4 against the copy: 32: 170 vs 200 ms, 64: 321 vs 287, 128: 752 vs 425; but the copy reads all but
+# the last token, which q4 then reads alone (~40 ms): a 75-token prompt's first step took 0.40 s that way, 0.37 in q4.
+MIN_TOKENS = 128
+DECODERS = ("LlamaModel", "Qwen2Model")
+AMX_FLAGS = {"amx_bf16", "amx_tile"}
+
+
+class PrefillPath:
+    """Feeds prompt tokens through a bfloat16 decoder into a float32 cache (see the module)."""
+
+    def __init__(self, decoder: torch.nn.Module, embedding: torch.nn.Module, min_tokens: int = MIN_TOKENS) -> None:
+        self.decoder = decoder  # LlamaModel / Qwen2Model in bfloat16, without its embedding
+        self.embedding = embedding  # the quantised model's
+        self.min_tokens = min_tokens
+        self.dtype = next(decoder.parameters()).dtype
+
+    @torch.inference_mode()
+    def __call__(self, cache, new_ids: list[int]) -> None:
+        """Append `new_ids`' keys and values, after the entries `cache` holds, to `cache` in its own dtype."""
+        from transformers import DynamicCache
+
+        held = cache.get_seq_length()
+        scratch = DynamicCache(config=self.decoder.config)
+        if held:
+            for index, layer in enumerate(cache.layers):
+                scratch.update(layer.keys.to(self.dtype), layer.values.to(self.dtype), index)
+        ids = torch.tensor([new_ids], dtype=torch.long)
+        positions = torch.arange(held, held + len(new_ids)).unsqueeze(0)
+        self.decoder(inputs_embeds=self.embedding(ids).to(self.dtype), cache=scratch, position_ids=positions,
+                     use_cache=True)
+        for layer, fresh in zip(cache.layers, scratch.layers):
+            dtype = layer.keys.dtype if layer.keys is not None else torch.float32
+            layer.update(fresh.keys[..., held:, :].to(dtype), fresh.values[..., held:, :].to(dtype))
+
+
+def why_not(target) -> str | None:
+    """Why `target` (a LoadedModel) cannot read prompts through a bfloat16 copy; None where it can."""
+    if target.device.type != "cpu":
+        return f"it is for CPU targets (this one is on {target.device.type})"
+    if target.quantization not in ("q4", "int8"):
+        return "it is for a q4 or int8 target (this one reads its prompts at its own precision already)"
+    decoder = getattr(target.model, "model", None)
+    if type(decoder).__name__ not in DECODERS:
+        return f"it takes Llama and Qwen2 decoders, not {type(decoder).__name__}"
+    config = target.model.config
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()) or (
+            getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None)):
+        return "it takes full-attention layers only"
+    return None
+
+
+def copy_bytes(target) -> int:
+    """The bytes the bfloat16 copy's weights take (its embedding and output layer included: loaded, then dropped)."""
+    return preflight.estimate_weight_bytes(target.model.config, torch.bfloat16, None)
+
+
+def wanted(setting: str, target, flags: set[str] | None = None) -> bool:
+    """Whether to attach the path: `bf16` where it can (else InputError), `auto` where the CPU has AMX-BF16 and the
+    copy fits in free memory with the pre-flight's margin, `none` never."""
+    if setting not in SETTINGS:
+        raise InputError(f"unknown --prefill {setting!r}", f"use one of {', '.join(SETTINGS)}")
+    if setting == "none":
+        return False
+    problem = why_not(target)
+    if setting == "bf16":
+        if problem:
+            raise InputError(f"--prefill bf16: {problem}", "drop --prefill or use --prefill none")
+        return True
+    if problem or not (flags if flags is not None else cpu_flags()) >= AMX_FLAGS:
+        return False
+    needed = copy_bytes(target)
+    free = preflight.available_memory_bytes(target.device)
+    return needed * preflight.MEMORY_MARGIN_FACTOR + preflight.MEMORY_MARGIN_BYTES <= free
+
+
+def resolve(setting: str, device: torch.device, target: str, quantization: str | None, draft: str | None,
+            draft_quantization: str | None, flags: set[str] | None = None) -> str:
+    """`setting` before anything is loaded, "bf16" or "none" (what `run` stores beside a file): `auto` as `wanted`
+    decides it, from the models' configs on this machine (none found: "none") and the pre-flight's estimates."""
+    if setting != "auto":
+        return setting
+    from transformers import AutoConfig
+
+    from specdec_cli.models.resolve import local_config_folder
+
+    folder = local_config_folder(target)
+    if folder is None or device.type != "cpu" or quantization not in ("q4", "int8"):
+        return "none"
+    config = AutoConfig.from_pretrained(folder)
+    if config.model_type not in ("llama", "qwen2") or not (flags if flags is not None else cpu_flags()) >= AMX_FLAGS:
+        return "none"
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()) or (
+            getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None)):
+        return "none"
+    needed = preflight.estimate_weight_bytes(config, torch.bfloat16, None)
+    needed += preflight.estimate_weight_bytes(config, torch.float32, quantization)
+    if draft is not None:
+        needed += preflight.estimate_local_weight_bytes(draft, torch.float32, draft_quantization) or 0
+    free = preflight.available_memory_bytes(device)
+    return "bf16" if needed * preflight.MEMORY_MARGIN_FACTOR + preflight.MEMORY_MARGIN_BYTES <= free else "none"
+
+
+def attach(target, trust_remote_code: bool = False, allow_pickle: bool = False, progress: bool = True) -> None:
+    """Load the target's weights again in bfloat16 and give its model that decoder as its prefill path."""
+    from specdec_cli.models.loaded import load_model
+
+    copy = load_model(target.name, device="cpu", dtype="bfloat16", quantization="none",
+                      trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, progress=progress)
+    attach_decoder(target.model, copy.model.model)
+    # One read now: its weights come in from the file on the first forward (~0.9 s of a 700-token read on the
+    # demo target), which would otherwise land on whichever generation reads a prompt first.
+    prefill_path(target.model)(new_cache(target.model.config), [0] * MIN_TOKENS)
+
+
+def attach_decoder(model: torch.nn.Module, decoder: torch.nn.Module, min_tokens: int = MIN_TOKENS) -> None:
+    """Make `decoder` (the model's own class of decoder, in bfloat16) `model`'s prefill path."""
+    decoder.config._attn_implementation = "sdpa"  # its own config: oneDNN's bfloat16 attention
+    embedding = model.get_input_embeddings()
+    decoder.embed_tokens = None  # the quantised model's rows are used
+    model.__dict__[PREFILL_PATH] = PrefillPath(decoder.eval(), embedding, min_tokens)
+
+
+def attached(model: torch.nn.Module) -> bool:
+    return prefill_path(model) is not None

@@ -1,0 +1,179 @@
+"""A q4 target that reads its prompts with a bfloat16 copy of its decoder (models/prefill.py): the prompt's cache
+entries are the copy's (not what q4 computes), the same for the target alone and for every drafter, so speculative
+greedy stays that target's own output, turn after turn; a verify never goes through the copy.
+
+The power checks: the copy's entries differ from q4's own (the path is used, so the equalities below are not
+trivial), and a decoder that skips the prompt read leaves other entries in the cache than the target alone."""
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from specdec_cli.batch import sidecar
+from specdec_cli.drafters import DraftModelDrafter
+from specdec_cli.drafters.tree import TreeDrafter
+from specdec_cli.engine import FixedK, SamplingParams, SpeculativeDecoder
+from specdec_cli.engine.kv import CachedModel, prefill_path
+from specdec_cli.engine.packed import PackedCache
+from specdec_cli.errors import InputError
+from specdec_cli.models import prefill
+from specdec_cli.models.q4 import kernel_problem
+from specdec_cli.models.quant import computes_rows_alone, quantize
+from specdec_cli.settings import ModelOverrides, choose_models
+
+from tests.conftest import tiny_causal_lm
+
+pytestmark = pytest.mark.skipif(kernel_problem() is not None, reason="q4 needs specdec's C kernels")
+
+MIN_TOKENS = 8
+PROMPT = [1] + [(7 * i + 2) % 90 + 3 for i in range(30)]
+SECOND_TURN = [(5 * i + 4) % 90 + 3 for i in range(12)]
+NEW_TOKENS = 24
+
+
+def _q4_with_copy(arch: str, seed: int, layers: int = 4):
+    """A q4 model with its float model's decoder in bfloat16 as its prefill path, and that float model in bfloat16."""
+    float_model = tiny_causal_lm(arch, seed=seed, logit_scale=8.0, layers=layers)
+    target = quantize(copy.deepcopy(float_model), "q4")
+    prefill.attach_decoder(target, copy.deepcopy(float_model).to(torch.bfloat16).model, min_tokens=MIN_TOKENS)
+    return target, float_model.to(torch.bfloat16)
+
+
+@pytest.fixture(scope="module", params=[("qwen2", 2), ("llama", 0)], ids=["qwen2", "llama"])
+def with_reference(request):
+    return _q4_with_copy(*request.param)
+
+
+@pytest.fixture(scope="module")
+def target(with_reference):
+    return with_reference[0]
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return quantize(tiny_causal_lm("llama", seed=0, logit_scale=8.0, layers=2), "q4")
+
+
+def _drafters(draft):
+    return [("chain k=3", DraftModelDrafter(draft), FixedK(3)), ("chain k=6", DraftModelDrafter(draft), FixedK(6)),
+            ("tree", TreeDrafter(draft, budget=8, branching=2), FixedK(4))]
+
+
+def _entries(runner: CachedModel, length: int) -> list[torch.Tensor]:
+    return [layer.keys[..., :length, :].clone() for layer in runner.cache.layers]
+
+
+@torch.inference_mode()
+def test_the_copy_reads_the_prompt_in_chunks_and_its_entries_are_not_q4s(with_reference):
+    target, reference = with_reference
+    read, own = CachedModel(target, prefill_chunk=MIN_TOKENS + 3), CachedModel(target)
+    read.prefill(PROMPT[:10])
+    read.prefill(PROMPT)  # the rest after what it holds, in chunks
+    own.extend(PROMPT)
+    assert read.ids == PROMPT and read.cache.layers[0].keys.shape[-2] == len(PROMPT)
+    assert read.cache.layers[0].keys.dtype == torch.float32
+    cache = DynamicCache(config=reference.config)
+    reference(input_ids=torch.tensor([PROMPT[:10]]), cache=cache)
+    for start in range(10, len(PROMPT), MIN_TOKENS + 3):
+        reference(input_ids=torch.tensor([PROMPT[start:start + MIN_TOKENS + 3]]), cache=cache)
+    for mine, bf16, q4 in zip(_entries(read, len(PROMPT)), cache.layers, _entries(own, len(PROMPT))):
+        assert torch.equal(mine, bf16.keys.float())  # the bfloat16 model's own entries
+        assert not torch.equal(mine, q4)
+    assert prefill_path(target).min_tokens == MIN_TOKENS and not computes_rows_alone(target)
+
+
+def test_a_short_unread_part_is_left_to_the_model_itself(target):
+    runner = CachedModel(target)
+    runner.prefill(PROMPT[:MIN_TOKENS - 1])
+    assert runner.ids == []
+    runner.prefill(PROMPT[:MIN_TOKENS])
+    assert runner.ids == PROMPT[:MIN_TOKENS]
+
+
+def test_speculation_on_it_is_that_target_alone_turn_after_turn(target, draft):
+    alone = SpeculativeDecoder(target, None, FixedK(0), ())
+    first = alone.generate(PROMPT, SamplingParams(), NEW_TOKENS).tokens
+    conversation = PROMPT + first + SECOND_TURN
+    second = alone.generate(conversation, SamplingParams(), NEW_TOKENS).tokens
+    drafted = 0
+    for name, drafter, policy in _drafters(draft):
+        decoder = SpeculativeDecoder(target, drafter, policy, ())
+        result = decoder.generate(PROMPT, SamplingParams(), NEW_TOKENS)
+        assert result.tokens == first, name
+        again = decoder.generate(conversation, SamplingParams(), NEW_TOKENS)
+        assert again.tokens == second, name
+        drafted += result.stats.drafted + again.stats.drafted
+    assert drafted > 0
+
+
+def test_the_prompt_entries_are_the_target_alones_and_skipping_the_read_is_caught(target, draft, monkeypatch):
+    alone = SpeculativeDecoder(target, None, FixedK(0), ())
+    alone.generate(PROMPT, SamplingParams(), NEW_TOKENS)
+    expected = _entries(alone.target, len(PROMPT) - 1)
+    spec = SpeculativeDecoder(target, DraftModelDrafter(draft), FixedK(4), ())
+    spec.generate(PROMPT, SamplingParams(), NEW_TOKENS)
+    assert all(torch.equal(a, b) for a, b in zip(_entries(spec.target, len(PROMPT) - 1), expected))
+    # Planted: the decoder verifies the prompt with its first drafts instead of reading it first.
+    monkeypatch.setattr(CachedModel, "prefill", lambda self, ids, keep_at_most=None: None)
+    skipped = SpeculativeDecoder(target, DraftModelDrafter(draft), FixedK(4), ())
+    skipped.generate(PROMPT, SamplingParams(), NEW_TOKENS)
+    assert not all(torch.equal(a, b) for a, b in zip(_entries(skipped.target, len(PROMPT) - 1), expected))
+
+
+def test_a_batch_row_reads_its_prompt_as_one_sequence_does(target):
+    packed = PackedCache(target)
+    packed.admit("row", PROMPT)
+    single = CachedModel(target)
+    single.prefill(PROMPT[:-1])
+    single.extend(PROMPT)
+    for layer, alone in zip(packed.cache.layers, single.cache.layers):
+        assert torch.equal(layer.keys[..., :len(PROMPT), :], alone.keys[..., :len(PROMPT), :])
+
+
+def test_interrupted_read_leaves_the_cache_as_it_was(target, monkeypatch):
+    runner = CachedModel(target)
+    runner.extend(PROMPT[:5])
+    path = prefill_path(target)
+
+    def half_then_interrupt(cache, new_ids):
+        cache.layers[0].update(torch.zeros(1, 2, len(new_ids), 16), torch.zeros(1, 2, len(new_ids), 16))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(path, "decoder", None)
+    monkeypatch.setattr(type(path), "__call__", lambda self, cache, new_ids: half_then_interrupt(cache, new_ids))
+    with pytest.raises(KeyboardInterrupt):
+        runner.prefill(PROMPT)
+    assert runner.ids == PROMPT[:5]
+    assert all(layer.keys.shape[-2] == 5 for layer in runner.cache.layers)
+
+
+def test_who_may_read_prompts(target):
+    class Loaded:  # what `wanted` reads of a LoadedModel
+        device, quantization, model = torch.device("cpu"), "q4", target
+
+    amx = {"amx_bf16", "amx_tile", "avx512_bf16"}
+    assert prefill.wanted("auto", Loaded, flags=amx)
+    assert not prefill.wanted("auto", Loaded, flags={"avx512_bf16", "avx2"})
+    assert not prefill.wanted("none", Loaded, flags=amx)
+    assert prefill.wanted("bf16", Loaded, flags=set())
+    Loaded.quantization = None
+    assert not prefill.wanted("auto", Loaded, flags=amx)
+    with pytest.raises(InputError, match="q4 or int8 target"):
+        prefill.wanted("bf16", Loaded)
+    with pytest.raises(InputError, match="unknown --prefill"):
+        choose_models(ModelOverrides(prefill="fp8"))
+    assert prefill.resolve("auto", torch.device("cpu"), "demo:missing", "q4", None, None, flags=set()) == "none"
+    assert prefill.resolve("none", torch.device("cpu"), "x", "q4", None, None) == "none"
+
+
+def test_run_names_the_prompt_read_only_where_the_copy_reads_it():
+    from specdec_cli.settings import DecodingSettings
+
+    choice = choose_models(ModelOverrides(target="some/model", prefill="none"))
+    settings = DecodingSettings(k="auto", temperature=0.0, top_p=1.0, top_k=0, seed=0, max_new_tokens=8, system=None)
+    assert "prefill" not in sidecar.record_settings(choice, settings)
+    from dataclasses import replace
+
+    assert sidecar.record_settings(replace(choice, prefill="bf16"), settings)["prefill"] == "bf16"
