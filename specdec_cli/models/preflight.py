@@ -102,10 +102,15 @@ def estimate_weight_bytes(config, dtype: torch.dtype, quantization: str | None) 
 
 def held_weight_bytes(model: torch.nn.Module) -> int:
     """The bytes a loaded model holds in weights: parameters and buffers (specdec's int8 and q4 layers keep their
-    packed weights as buffers), plus the packed weights of torch's dynamic int8 Linear layers, which are neither."""
+    packed weights as buffers), plus the packed weights of torch's dynamic int8 Linear layers, which are neither, and
+    the bfloat16 copy that reads its prompts (models/prefill.py), where it has one."""
     from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
+    from specdec_cli.engine.kv import prefill_path
+
     tensors = list(model.parameters()) + list(model.buffers())
+    if (path := prefill_path(model)) is not None:
+        tensors += list(path.decoder.parameters()) + list(path.decoder.buffers())
     packed = [module.weight() for module in model.modules() if isinstance(module, DynamicLinear)]
     return sum(tensor.numel() * tensor.element_size() for tensor in tensors + packed)
 

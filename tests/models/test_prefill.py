@@ -177,3 +177,15 @@ def test_run_names_the_prompt_read_only_where_the_copy_reads_it():
     from dataclasses import replace
 
     assert sidecar.record_settings(replace(choice, prefill="bf16"), settings)["prefill"] == "bf16"
+
+
+def test_the_copys_weights_count_in_what_the_target_holds(target):
+    from specdec_cli.models.preflight import held_weight_bytes
+
+    copy_bytes = sum(tensor.numel() * tensor.element_size() for tensor in prefill_path(target).decoder.parameters())
+    path = target.__dict__.pop("_specdec_prefill")
+    try:
+        alone = held_weight_bytes(target)
+    finally:
+        target.__dict__["_specdec_prefill"] = path
+    assert copy_bytes > 0 and held_weight_bytes(target) >= alone + copy_bytes
