@@ -132,9 +132,10 @@ def measure_forward_costs(
     between again, together (`_retime_contenders`). `on_result` sees each entry as it is first measured (the
     returned entries hold the final figures). `clock`: "wall" or "cpu" (see CLOCKS). Returns {"machine",
     "context_tokens", "clock", "measured_at", "entries": [...]}, each entry
-    {"role", "model", "quantization", "precision", "dtype", "seconds": {"n": s}}."""
+    {"role", "model", "quantization", "precision", "dtype", "seconds": {"n": s}}, and "prompt_reads": a q4 or int8
+    target's prompt read by itself and by its bfloat16 copy (`time_prompt_read`), where the copy could be loaded."""
     token_counts = tuple(token_counts)
-    entries = []
+    entries, reads = [], []
     for role, spec in models.items():
         measured, weights = [], []
         for quantization in formats.get(role, ()):
@@ -153,10 +154,61 @@ def measure_forward_costs(
                 on_result(entry)
         _retime_contenders(spec, role, measured, weights, token_counts, context_tokens, repeats, clock)
         entries.extend(entry for entry, _load in measured)
+        if role == "target":
+            reads.extend(read for entry, load in measured if entry["quantization"] in ("q4", "int8")
+                         and (read := time_prompt_read(spec, load, clock=clock)) is not None)
     return {
         "machine": machine(), "context_tokens": context_tokens, "clock": clock,
         "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "entries": entries,
+        "prompt_reads": reads,
     }
+
+
+PROMPT_TOKENS = 256  # the prompt `time_prompt_read` times: Spec-Bench's long prompts run 192-700 tokens
+
+
+def time_prompt_read(spec: str, load: dict, tokens: int = PROMPT_TOKENS, repeats: int = 3,
+                     clock: str = "wall") -> dict | None:
+    """{"model", "quantization", "tokens", "model_seconds", "copy_seconds"}: median seconds of a `tokens`-token
+    prompt read from an empty cache by the model (loaded with `load`) and by its bfloat16 copy (models/prefill.py),
+    in turn; None where the copy cannot read its prompts or does not fit in memory beside it."""
+    from specdec_cli.errors import InsufficientMemoryError
+    from specdec_cli.models import prefill
+
+    loaded = load_model(spec, **load)
+    if prefill.why_not(loaded) is not None:
+        return None
+    try:
+        prefill.attach(loaded, progress=False)
+    except InsufficientMemoryError:
+        return None
+    ids = [_token(i, loaded.vocab_size) for i in range(tokens)]
+    timings: dict[str, list[float]] = {"model_seconds": [], "copy_seconds": []}
+    read = {"model_seconds": lambda runner: runner.extend(ids), "copy_seconds": lambda runner: runner.prefill(ids)}
+    for _ in range(repeats):
+        for way, timing in timings.items():
+            runner = CachedModel(loaded.model, prefill_chunk=tokens)
+            started = CLOCKS[clock]()
+            read[way](runner)
+            timing.append(CLOCKS[clock]() - started)
+    result = {"model": spec, "quantization": loaded.quantization, "tokens": tokens,
+              **{way: statistics.median(timing) for way, timing in timings.items()}}
+    del loaded
+    gc.collect()
+    return result
+
+
+def calibrated_prompt_read(model: str, quantization: str | None, calibration: dict | None = None) -> dict | None:
+    """`time_prompt_read`'s result for `model` in `quantization` as `specdec calibrate` stored it on this machine;
+    None where it was not measured here."""
+    calibration = calibration if calibration is not None else load_calibration()
+    if not calibration or not same_machine(calibration.get("machine", {})):
+        return None
+    for read in calibration.get("prompt_reads", ()):
+        if isinstance(read, dict) and read.get("model") == model and read.get("quantization") == quantization:
+            if all(isinstance(read.get(way), (int, float)) for way in ("model_seconds", "copy_seconds")):
+                return read
+    return None
 
 
 CONTENDERS = 1.3  # formats whose score is within this factor of the best one's are timed again, together

@@ -13,8 +13,10 @@ before. So the target is "the prompt read in bfloat16, the answer written in q4"
 ones q4 would make, but they are the same for the target alone and for every drafter (the engine reads a prompt
 through the path in one way: kv.py's `prefill`), so speculation stays exact against that target.
 
-Where: `auto` takes it on a CPU with AMX-BF16 for a q4 or int8 Llama/Qwen2 target whose bfloat16 copy fits in
-memory beside what is loaded; `bf16` asks for it (refused in one line where it cannot be); `none` keeps it off.
+Where: `auto` takes it for a q4 or int8 Llama/Qwen2 target whose bfloat16 copy fits in memory beside what is
+loaded, where `specdec calibrate` timed the copy reading a prompt at least GAIN times as fast as the target on this
+machine, or, not calibrated, on a CPU with AMX-BF16; `bf16` asks for it (refused in one line where it cannot
+be); `none` keeps it off.
 Only prompt parts of `MIN_TOKENS` or more go through it: below ~100 tokens q4 reads as fast."""
 
 from __future__ import annotations
@@ -63,6 +65,20 @@ class PrefillPath:
             layer.update(fresh.keys[..., held:, :].to(dtype), fresh.values[..., held:, :].to(dtype))
 
 
+GAIN = 1.2  # a calibrated copy must read a prompt at least this much faster than the target itself
+
+
+def _pays(model: str, quantization: str, flags: set[str] | None) -> bool:
+    """Whether the copy reads prompts faster here: as `specdec calibrate` timed both on this machine (a 256-token
+    prompt), else by the CPU: with AMX-BF16 (measured: ×2-3 on an Intel Xeon), not without (not measured there)."""
+    from specdec_cli.models.calibrate import calibrated_prompt_read
+
+    measured = calibrated_prompt_read(model, quantization)
+    if measured is not None:
+        return measured["copy_seconds"] * GAIN <= measured["model_seconds"]
+    return (flags if flags is not None else cpu_flags()) >= AMX_FLAGS
+
+
 def why_not(target) -> str | None:
     """Why `target` (a LoadedModel) cannot read prompts through a bfloat16 copy; None where it can."""
     if target.device.type != "cpu":
@@ -96,7 +112,7 @@ def wanted(setting: str, target, flags: set[str] | None = None) -> bool:
         if problem:
             raise InputError(f"--prefill bf16: {problem}", "drop --prefill or use --prefill none")
         return True
-    if problem or not (flags if flags is not None else cpu_flags()) >= AMX_FLAGS:
+    if problem or not _pays(target.name, target.quantization, flags):
         return False
     needed = copy_bytes(target)
     free = preflight.available_memory_bytes(target.device)
@@ -117,7 +133,7 @@ def resolve(setting: str, device: torch.device, target: str, quantization: str |
     if folder is None or device.type != "cpu" or quantization not in ("q4", "int8"):
         return "none"
     config = AutoConfig.from_pretrained(folder)
-    if config.model_type not in ("llama", "qwen2") or not (flags if flags is not None else cpu_flags()) >= AMX_FLAGS:
+    if config.model_type not in ("llama", "qwen2") or not _pays(target, quantization, flags):
         return "none"
     if "sliding_attention" in (getattr(config, "layer_types", None) or ()) or (
             getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None)):

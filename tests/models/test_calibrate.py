@@ -110,3 +110,11 @@ def test_sizes_without_a_one_token_forward_are_measured_but_not_ranked(llama_fol
                                    token_counts=(2, 4), context_tokens=8, repeats=1)
     assert [list(entry["seconds"]) for entry in result["entries"]] == [["2", "4"], ["2", "4"]]
     assert not any("timed_with" in entry for entry in result["entries"])
+
+
+def test_a_quantised_targets_prompt_read_is_timed_by_itself_and_by_its_bfloat16_copy(llama_folder):
+    result = measure_forward_costs({"target": str(llama_folder)}, {"target": ["none", "int8"]}, dtype="float32",
+                                   token_counts=(1,), context_tokens=8, repeats=1)
+    (read,) = result["prompt_reads"]  # int8 only: a float target reads its prompts itself
+    assert (read["model"], read["quantization"], read["tokens"]) == (str(llama_folder), "int8", 256)
+    assert read["model_seconds"] > 0 and read["copy_seconds"] > 0

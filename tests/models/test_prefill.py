@@ -149,9 +149,9 @@ def test_interrupted_read_leaves_the_cache_as_it_was(target, monkeypatch):
     assert all(layer.keys.shape[-2] == 5 for layer in runner.cache.layers)
 
 
-def test_who_may_read_prompts(target):
+def test_who_may_read_prompts(target, specdec_home):
     class Loaded:  # what `wanted` reads of a LoadedModel
-        device, quantization, model = torch.device("cpu"), "q4", target
+        name, device, quantization, model = "tiny", torch.device("cpu"), "q4", target
 
     amx = {"amx_bf16", "amx_tile", "avx512_bf16"}
     assert prefill.wanted("auto", Loaded, flags=amx)
@@ -189,3 +189,21 @@ def test_the_copys_weights_count_in_what_the_target_holds(target):
     finally:
         target.__dict__["_specdec_prefill"] = path
     assert copy_bytes > 0 and held_weight_bytes(target) >= alone + copy_bytes
+
+
+def test_auto_follows_a_calibrated_prompt_read_over_the_cpus_flags(target, specdec_home):
+    from specdec_cli.models.calibrate import machine, save_calibration
+
+    class Loaded:
+        name, device, quantization, model = "tiny", torch.device("cpu"), "q4", target
+
+    def calibrated(copy_seconds: float) -> None:
+        read = {"model": "tiny", "quantization": "q4", "tokens": 256, "model_seconds": 1.0, "copy_seconds": copy_seconds}
+        save_calibration({"machine": machine(), "entries": [], "prompt_reads": [read]})
+
+    calibrated(0.5)  # the copy twice as fast here: taken without AMX
+    assert prefill.wanted("auto", Loaded, flags=set())
+    calibrated(0.9)  # not 1.2x as fast: not taken, AMX or not
+    assert not prefill.wanted("auto", Loaded, flags={"amx_bf16", "amx_tile"})
+    Loaded.name = "another"  # not measured: the flags decide
+    assert prefill.wanted("auto", Loaded, flags={"amx_bf16", "amx_tile"})
