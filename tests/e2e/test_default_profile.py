@@ -46,14 +46,21 @@ def check_models_line(stderr: str) -> None:
     draft_line = re.search(r"^draft: demo:qwen2\.5-coder-0\.5b · .*$", stderr, re.M)
     assert target_line and draft_line, stderr[-2000:]
     if not torch.cuda.is_available():  # the profile's auto formats, as this machine resolves them
-        for line, role, spec in ((target_line, "target", "demo:qwen2.5-coder-1.5b"),
-                                 (draft_line, "draft", "demo:qwen2.5-coder-0.5b")):
-            expected = auto_format(role, spec)
+        from specdec_cli.models import prefill
+
+        specs = {"target": "demo:qwen2.5-coder-1.5b", "draft": "demo:qwen2.5-coder-0.5b"}
+        formats = {role: auto_format(role, spec) for role, spec in specs.items()}
+        # --prefill auto: a bfloat16 copy reads the target's prompts where this machine takes it (AMX, calibration)
+        read = prefill.resolve("auto", torch.device("cpu"), specs["target"], formats["target"], specs["draft"],
+                               formats["draft"])
+        for line, role in ((target_line, "target"), (draft_line, "draft")):
+            expected = formats[role]
             assert expected in ("int8", "int4", "q4"), expected
             # q4 keeps the demo files' Q4_K layers as they are (gguf_q4.py), and says how many
             kept = {"target": " · 168 of 197", "draft": " · 12 of 169"}[role] if expected == "q4" else ""
             ending = f" · {precision(expected, '')}" + (f"{kept} layers kept as the .gguf's 4-bit blocks" if kept else "")
-            assert line.group(0).endswith(ending), (expected, line.group(0))
+            ending += " · prompts read in bfloat16 (--prefill)" if role == "target" and read == "bf16" else ""
+            assert line.group(0).endswith(ending), (expected, read, line.group(0))
 
 
 def auto_format(role: str, spec: str) -> str | None:
