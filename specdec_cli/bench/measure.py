@@ -24,7 +24,7 @@ from pathlib import Path
 
 from specdec_cli.bench.peers import assistant_settings, hf_generate, hf_generation_config, pad_token_id, quiet_transformers
 from specdec_cli.bench.quality import agreement, reference_tokens
-from specdec_cli.bench.probes import ForwardCounter, MemoryProbe, environment, forward_seconds
+from specdec_cli.bench.probes import ForwardCounter, MemoryProbe, environment, forward_seconds, prompt_reader
 from specdec_cli.bench.runs import (
     DRAFT, HF_ASSISTED, HF_LOOKUP, HF_LOOKUP_TOKENS, PLAIN_DRAFT, SCHEMA, TARGET, WARMUP_TOKENS, BenchSettings,
     Configuration, Run, run_order,
@@ -141,7 +141,8 @@ class Benchmark:
                     if run.configuration == self.configs[0].name and run.repeat == 0}
         with quiet_transformers():
             tokens = reference_tokens(reference.model, self.prompt_ids, self.settings.max_new_tokens, self.eos_ids)
-        self.quality = agreement(tokens, baseline) | {"target": self.target.precision, "reference": reference.precision}
+        label = self.target.precision + (", prompts read in bfloat16" if prompt_reader(self.target) != "target" else "")
+        self.quality = agreement(tokens, baseline) | {"target": label, "reference": reference.precision}
         return self.quality
 
     # ---- results ----

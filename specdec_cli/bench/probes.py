@@ -82,6 +82,13 @@ def forward_seconds(model: torch.nn.Module, prompt_ids: list[int], repeats: int 
     return statistics.median(timings)
 
 
+def prompt_reader(target: LoadedModel) -> str:
+    """Who reads the target's prompts: "bfloat16 copy" (--prefill, models/prefill.py) or "target"."""
+    from specdec_cli.engine.kv import prefill_path
+
+    return "bfloat16 copy" if prefill_path(target.model) is not None else "target"
+
+
 def environment(target: LoadedModel, draft: LoadedModel | None) -> dict:
     import transformers
 
@@ -96,6 +103,7 @@ def environment(target: LoadedModel, draft: LoadedModel | None) -> dict:
         "python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "process_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
+        "target_prompt_read": prompt_reader(target),
     }
     if target.device.type == "cpu":  # the CPU decides the costs: its model and the flags that pick kernels
         from specdec_cli.models.calibrate import cpu

@@ -97,6 +97,7 @@ def test_the_report_holds_every_raw_run_and_the_environment(low_acceptance):
     assert {"device", "dtype", "torch", "transformers", "cpu_count", "torch_threads", "target", "draft", "cpu",
             "cpu_flags"} <= set(report["environment"])
     assert report["environment"]["dtype"] == "float32"
+    assert report["environment"]["target_prompt_read"] == "target"  # no bfloat16 copy (--prefill) for a float target
     assert len(report["runs"]) == 2 * len(low_acceptance.configs)
     assert {"tokens", "seconds", "steps", "drafted", "accepted", "drafted_at", "accepted_at", "draft_seconds",
             "verify_seconds", "working_bytes", "finish_reason"} <= set(report["runs"][0])

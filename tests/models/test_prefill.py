@@ -207,3 +207,14 @@ def test_auto_follows_a_calibrated_prompt_read_over_the_cpus_flags(target, specd
     assert not prefill.wanted("auto", Loaded, flags={"amx_bf16", "amx_tile"})
     Loaded.name = "another"  # not measured: the flags decide
     assert prefill.wanted("auto", Loaded, flags={"amx_bf16", "amx_tile"})
+
+
+def test_compare_names_who_read_the_prompts(target):
+    from specdec_cli.bench.probes import prompt_reader
+
+    class Loaded:
+        model = target
+
+    assert prompt_reader(Loaded) == "bfloat16 copy"
+    Loaded.model = torch.nn.Linear(2, 2)
+    assert prompt_reader(Loaded) == "target"
