@@ -169,8 +169,9 @@ def policy_for(k: int | str, target: LoadedModel, draft: LoadedModel | None,
 
 
 def verify_curve(target: LoadedModel) -> dict[int, float] | None:
-    """What `specdec calibrate` measured on this machine for the target as loaded (None: not measured)."""
-    return calibrated_seconds(target.name, target.quantization, dtype_name(target.dtype))
+    """What `specdec calibrate` measured on this machine for the target as loaded (None: not measured): its
+    `forward_curve`, read as what a verify of n tokens costs."""
+    return forward_curve(target)
 
 
 # Batch sizes the default is chosen among: the token counts `specdec calibrate` measures.

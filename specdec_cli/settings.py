@@ -94,11 +94,9 @@ def choose_models(flags: ModelOverrides) -> ModelChoice:
 
 
 def _prefill_setting(name: str | None) -> str:
-    from specdec_cli.models.prefill import SETTINGS
+    from specdec_cli.models.prefill import check_setting
 
-    if name is not None and name not in SETTINGS:
-        raise InputError(f"unknown --prefill {name!r}", f"use one of {', '.join(SETTINGS)}")
-    return name or "auto"
+    return "auto" if name is None else check_setting(name)
 
 
 def _base_profile(profile: str | None, target: str | None, draft: str | None) -> Profile:

@@ -50,9 +50,11 @@ def tree_capable(model: torch.nn.Module) -> bool:
     transformers 5.24 passes a 4D mask untouched to an attention whose mask builder is `sdpa_mask` (sdpa,
     and the row-wise attention of int8/int4 models) or `eager_mask` (checked for Llama, Qwen2, Gemma 1-3);
     flash and flex attention build their own, and a sliding-window layer would not apply its window."""
-    config = model.config
-    if _tree_mask_form(model) is None:
-        return False
+    return _tree_mask_form(model) is not None and full_attention(model.config)
+
+
+def full_attention(config) -> bool:
+    """Whether every layer of a model with this config attends to the whole sequence (no sliding window)."""
     if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
         return False
     return not (getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None))

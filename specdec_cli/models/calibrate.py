@@ -146,7 +146,9 @@ def measure_forward_costs(
                 "precision": loaded.precision, "dtype": dtype_name(loaded.dtype),
                 "seconds": forward_costs(loaded, token_counts, context_tokens, repeats, clock),
             }
-            weights.append(held_weight_bytes(loaded.model))
+            weights.append(held_weight_bytes(loaded.model))  # before a prompt-reading copy joins it
+            if role == "target" and (read := time_prompt_read(loaded, clock=clock)) is not None:
+                reads.append(read)
             del loaded
             gc.collect()  # one model in memory at a time
             measured.append((entry, load))
@@ -154,9 +156,6 @@ def measure_forward_costs(
                 on_result(entry)
         _retime_contenders(spec, role, measured, weights, token_counts, context_tokens, repeats, clock)
         entries.extend(entry for entry, _load in measured)
-        if role == "target":
-            reads.extend(read for entry, load in measured if entry["quantization"] in ("q4", "int8")
-                         and (read := time_prompt_read(spec, load, clock=clock)) is not None)
     return {
         "machine": machine(), "context_tokens": context_tokens, "clock": clock,
         "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "entries": entries,
@@ -167,15 +166,15 @@ def measure_forward_costs(
 PROMPT_TOKENS = 256  # the prompt `time_prompt_read` times: Spec-Bench's long prompts run 192-700 tokens
 
 
-def time_prompt_read(spec: str, load: dict, tokens: int = PROMPT_TOKENS, repeats: int = 3,
+def time_prompt_read(loaded: LoadedModel, tokens: int = PROMPT_TOKENS, repeats: int = 3,
                      clock: str = "wall") -> dict | None:
     """{"model", "quantization", "tokens", "model_seconds", "copy_seconds"}: median seconds of a `tokens`-token
-    prompt read from an empty cache by the model (loaded with `load`) and by its bfloat16 copy (models/prefill.py),
-    in turn; None where the copy cannot read its prompts or does not fit in memory beside it."""
+    prompt read from an empty cache by the loaded target and by its bfloat16 copy (models/prefill.py, attached to
+    it here), in turn; None where the copy cannot read its prompts (a float target among them) or does not fit in
+    memory beside it."""
     from specdec_cli.errors import InsufficientMemoryError
     from specdec_cli.models import prefill
 
-    loaded = load_model(spec, **load)
     if prefill.why_not(loaded) is not None:
         return None
     try:
@@ -191,11 +190,8 @@ def time_prompt_read(spec: str, load: dict, tokens: int = PROMPT_TOKENS, repeats
             started = CLOCKS[clock]()
             read[way](runner)
             timing.append(CLOCKS[clock]() - started)
-    result = {"model": spec, "quantization": loaded.quantization, "tokens": tokens,
-              **{way: statistics.median(timing) for way, timing in timings.items()}}
-    del loaded
-    gc.collect()
-    return result
+    return {"model": loaded.name, "quantization": loaded.quantization, "tokens": tokens,
+            **{way: statistics.median(timing) for way, timing in timings.items()}}
 
 
 def calibrated_prompt_read(model: str, quantization: str | None, calibration: dict | None = None) -> dict | None:

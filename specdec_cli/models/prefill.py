@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec_cli.engine.kv import PREFILL_PATH, new_cache, prefill_path
+from specdec_cli.engine.kv import PREFILL_PATH, full_attention, new_cache, prefill_path
 from specdec_cli.errors import InputError
 from specdec_cli.models import preflight
 from specdec_cli.models.device import cpu_flags
@@ -88,24 +88,22 @@ def why_not(target) -> str | None:
     decoder = getattr(target.model, "model", None)
     if type(decoder).__name__ not in DECODERS:
         return f"it takes Llama and Qwen2 decoders, not {type(decoder).__name__}"
-    config = target.model.config
-    if "sliding_attention" in (getattr(config, "layer_types", None) or ()) or (
-            getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None)):
+    if not full_attention(target.model.config):
         return "it takes full-attention layers only"
     return None
 
 
-def copy_bytes(target) -> int:
-    """The bytes the bfloat16 copy's weights take (its embedding and output layer included: loaded, then dropped)."""
-    return preflight.estimate_weight_bytes(target.model.config, torch.bfloat16, None)
+def check_setting(name: str) -> str:
+    """`name` if it is a --prefill setting, else InputError."""
+    if name not in SETTINGS:
+        raise InputError(f"unknown --prefill {name!r}", f"use one of {', '.join(SETTINGS)}")
+    return name
 
 
 def wanted(setting: str, target, flags: set[str] | None = None) -> bool:
-    """Whether to attach the path: `bf16` where it can (else InputError), `auto` where the CPU has AMX-BF16 and the
-    copy fits in free memory with the pre-flight's margin, `none` never."""
-    if setting not in SETTINGS:
-        raise InputError(f"unknown --prefill {setting!r}", f"use one of {', '.join(SETTINGS)}")
-    if setting == "none":
+    """Whether to attach the path: `bf16` where it can (else InputError), `auto` where it reads faster here (`_pays`)
+    and the copy fits in free memory with the pre-flight's margin, `none` never."""
+    if check_setting(setting) == "none":
         return False
     problem = why_not(target)
     if setting == "bf16":
@@ -114,9 +112,9 @@ def wanted(setting: str, target, flags: set[str] | None = None) -> bool:
         return True
     if problem or not _pays(target.name, target.quantization, flags):
         return False
-    needed = copy_bytes(target)
-    free = preflight.available_memory_bytes(target.device)
-    return needed * preflight.MEMORY_MARGIN_FACTOR + preflight.MEMORY_MARGIN_BYTES <= free
+    # The copy's bytes, its embedding and output layer included: loaded, then dropped.
+    needed = preflight.estimate_weight_bytes(target.model.config, torch.bfloat16, None)
+    return preflight.fits(needed, preflight.available_memory_bytes(target.device))
 
 
 def resolve(setting: str, device: torch.device, target: str, quantization: str | None, draft: str | None,
@@ -133,17 +131,14 @@ def resolve(setting: str, device: torch.device, target: str, quantization: str |
     if folder is None or device.type != "cpu" or quantization not in ("q4", "int8"):
         return "none"
     config = AutoConfig.from_pretrained(folder)
-    if config.model_type not in ("llama", "qwen2") or not _pays(target, quantization, flags):
-        return "none"
-    if "sliding_attention" in (getattr(config, "layer_types", None) or ()) or (
-            getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None)):
+    takes = config.model_type in ("llama", "qwen2") and full_attention(config)
+    if not takes or not _pays(target, quantization, flags):
         return "none"
     needed = preflight.estimate_weight_bytes(config, torch.bfloat16, None)
     needed += preflight.estimate_weight_bytes(config, torch.float32, quantization)
     if draft is not None:
         needed += preflight.estimate_local_weight_bytes(draft, torch.float32, draft_quantization) or 0
-    free = preflight.available_memory_bytes(device)
-    return "bf16" if needed * preflight.MEMORY_MARGIN_FACTOR + preflight.MEMORY_MARGIN_BYTES <= free else "none"
+    return "bf16" if preflight.fits(needed, preflight.available_memory_bytes(device)) else "none"
 
 
 def attach(target, trust_remote_code: bool = False, allow_pickle: bool = False, progress: bool = True) -> None:
@@ -164,7 +159,3 @@ def attach_decoder(model: torch.nn.Module, decoder: torch.nn.Module, min_tokens:
     embedding = model.get_input_embeddings()
     decoder.embed_tokens = None  # the quantised model's rows are used
     model.__dict__[PREFILL_PATH] = PrefillPath(decoder.eval(), embedding, min_tokens)
-
-
-def attached(model: torch.nn.Module) -> bool:
-    return prefill_path(model) is not None

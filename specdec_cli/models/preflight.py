@@ -129,11 +129,16 @@ def format_gib(size: int) -> str:
     return f"{size / GIB:.1f} GiB"
 
 
+def fits(needed: int, available: int) -> bool:
+    """Whether `needed` bytes of weights, with the pre-flight's margin, fit in `available` bytes."""
+    return needed * MEMORY_MARGIN_FACTOR + MEMORY_MARGIN_BYTES <= available
+
+
 def check_memory(weights: dict[str, int], device: torch.device) -> None:
     """Refuse when the weights (name → bytes) plus a margin exceed the device's free memory."""
     needed = sum(weights.values())
     available = available_memory_bytes(device)
-    if needed * MEMORY_MARGIN_FACTOR + MEMORY_MARGIN_BYTES <= available:
+    if fits(needed, available):
         return
     parts = " + ".join(f"{name} ~{format_gib(size)}" for name, size in weights.items())
     where = "VRAM" if device.type == "cuda" else "RAM"
