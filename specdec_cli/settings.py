@@ -161,8 +161,10 @@ class StderrPrinter:
         print(text, file=sys.stderr)
 
 
-def load_choice(choice: ModelChoice, console: Printer | None = None) -> tuple[LoadedModel, LoadedModel | None]:
-    """Load the chosen pair (pre-flight checks first, progress on stderr) and say once per model what was chosen."""
+def load_choice(choice: ModelChoice, console: Printer | None = None,
+                background_prefill: bool = False) -> tuple[LoadedModel, LoadedModel | None]:
+    """Load the chosen pair (pre-flight checks first, progress on stderr) and say once per model what was chosen;
+    `background_prefill`: a bfloat16 copy that reads the target's prompts loads in a thread (models/prefill.py)."""
     console = console or StderrPrinter()
     target, draft = load_pair(
         choice.target,
@@ -176,7 +178,7 @@ def load_choice(choice: ModelChoice, console: Printer | None = None) -> tuple[Lo
         progress=not getattr(console, "quiet", False),  # -q: no spinners, no "Loading weights" bars
         target_auto_formats=choice.profile.target_auto_formats,
     )
-    _read_prompts(choice, target, console)
+    _read_prompts(choice, target, console, background_prefill)
     console.print(target.describe("target"), markup=False)
     console.print(draft.describe("draft") if draft else "draft: n-gram lookup", markup=False)
     if choice.drafter == "tree" and draft is not None:
@@ -184,13 +186,13 @@ def load_choice(choice: ModelChoice, console: Printer | None = None) -> tuple[Lo
     return target, draft
 
 
-def _read_prompts(choice: ModelChoice, target: LoadedModel, console: Printer) -> None:
+def _read_prompts(choice: ModelChoice, target: LoadedModel, console: Printer, background: bool) -> None:
     """Give the target its bfloat16 prefill path where `choice.prefill` wants it (models/prefill.py)."""
     from specdec_cli.models import prefill
 
     if prefill.wanted(choice.prefill, target):
         prefill.attach(target, choice.trust_remote_code, choice.allow_pickle,
-                       progress=not getattr(console, "quiet", False))
+                       progress=not getattr(console, "quiet", False), background=background)
 
 
 def say_tree_note(target: LoadedModel, draft: LoadedModel, console: Printer) -> None:

@@ -17,14 +17,20 @@ Where: `auto` takes it for a q4 or int8 Llama/Qwen2 target whose bfloat16 copy f
 loaded, where `specdec calibrate` timed the copy reading a prompt at least GAIN times as fast as the target on this
 machine, or, not calibrated, on a CPU with AMX-BF16; `bf16` asks for it (refused in one line where it cannot
 be); `none` keeps it off.
-Only prompt parts of `MIN_TOKENS` or more go through it: below ~100 tokens q4 reads as fast."""
+Only prompt parts of `MIN_TOKENS` or more go through it: below ~100 tokens q4 reads as fast.
+
+`chat` loads the copy in a thread of its own (`LoadingPath`) while the first message is typed: its start is the
+quantised pair's; a prompt part long enough for the copy waits for it, a shorter one never does."""
 
 from __future__ import annotations
+
+import threading
+from collections.abc import Callable
 
 import torch
 
 from specdec_cli.engine.kv import PREFILL_PATH, full_attention, new_cache, prefill_path
-from specdec_cli.errors import InputError
+from specdec_cli.errors import InputError, ModelLoadError, SpecdecError
 from specdec_cli.models import preflight
 from specdec_cli.models.device import cpu_flags
 
@@ -141,21 +147,76 @@ def resolve(setting: str, device: torch.device, target: str, quantization: str |
     return "bf16" if preflight.fits(needed, preflight.available_memory_bytes(device)) else "none"
 
 
-def attach(target, trust_remote_code: bool = False, allow_pickle: bool = False, progress: bool = True) -> None:
-    """Load the target's weights again in bfloat16 and give its model that decoder as its prefill path."""
+def attach(target, trust_remote_code: bool = False, allow_pickle: bool = False, progress: bool = True,
+           background: bool = False) -> None:
+    """Load the target's weights again in bfloat16 and give its model that decoder as its prefill path; `background`:
+    load them in a thread of its own (`LoadingPath`), no progress shown, and return at once."""
     from specdec_cli.models.loaded import load_model
 
-    copy = load_model(target.name, device="cpu", dtype="bfloat16", quantization="none",
-                      trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, progress=progress)
-    attach_decoder(target.model, copy.model.model)
-    # One read now: its weights come in from the file on the first forward (~0.9 s of a 700-token read on the
-    # demo target), which would otherwise land on whichever generation reads a prompt first.
-    prefill_path(target.model)(new_cache(target.model.config), [0] * MIN_TOKENS)
+    def load() -> PrefillPath:
+        copy = load_model(target.name, device="cpu", dtype="bfloat16", quantization="none",
+                          trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
+                          progress=progress and not background)
+        path = _path_of(target.model, copy.model.model, MIN_TOKENS)
+        # One read now: its weights come in from the file on the first forward (~0.9 s of a 700-token read on the
+        # demo target), which would otherwise land on whichever generation reads a prompt first.
+        path(new_cache(target.model.config), [0] * MIN_TOKENS)
+        return path
+
+    target.model.__dict__[PREFILL_PATH] = LoadingPath(target.model, load, MIN_TOKENS) if background else load()
 
 
 def attach_decoder(model: torch.nn.Module, decoder: torch.nn.Module, min_tokens: int = MIN_TOKENS) -> None:
     """Make `decoder` (the model's own class of decoder, in bfloat16) `model`'s prefill path."""
+    model.__dict__[PREFILL_PATH] = _path_of(model, decoder, min_tokens)
+
+
+def _path_of(model: torch.nn.Module, decoder: torch.nn.Module, min_tokens: int) -> PrefillPath:
     decoder.config._attn_implementation = "sdpa"  # its own config: oneDNN's bfloat16 attention
     embedding = model.get_input_embeddings()
     decoder.embed_tokens = None  # the quantised model's rows are used
-    model.__dict__[PREFILL_PATH] = PrefillPath(decoder.eval(), embedding, min_tokens)
+    return PrefillPath(decoder.eval(), embedding, min_tokens)
+
+
+class LoadingPath:
+    """A prefill path whose copy `load` makes in a thread of its own. A read waits for it, then puts the loaded path
+    in its place on the model; a load that failed takes the path off the model instead (the target reads its
+    prompts from then on) and that read raises ModelLoadError saying so. Its memory count waits too."""
+
+    def __init__(self, model: torch.nn.Module, load: Callable[[], PrefillPath], min_tokens: int) -> None:
+        self.min_tokens = min_tokens
+        self._model = model
+        self._loaded: PrefillPath | None = None
+        self._failure: BaseException | None = None
+        self._done = threading.Event()
+        threading.Thread(target=self._load, args=(load,), name="specdec-prefill-copy", daemon=True).start()
+
+    def _load(self, load: Callable[[], PrefillPath]) -> None:
+        try:
+            self._loaded = load()
+        except BaseException as error:  # noqa: BLE001 - said by the read that needs the copy
+            self._failure = error
+        finally:
+            self._done.set()
+
+    def ready(self) -> PrefillPath:
+        """The loaded path, waiting for it (ModelLoadError where the load failed)."""
+        self._done.wait()
+        if self._model.__dict__.get(PREFILL_PATH) is self:
+            if self._loaded is None:
+                del self._model.__dict__[PREFILL_PATH]
+            else:
+                self._model.__dict__[PREFILL_PATH] = self._loaded
+        if self._loaded is None:
+            failure = self._failure
+            reason = failure.one_line() if isinstance(failure, SpecdecError) else f"{type(failure).__name__}: {failure}"
+            raise ModelLoadError(f"the bfloat16 copy that reads prompts (--prefill) did not load ({reason})",
+                                 "the target reads them from now on: send the message again, or use --prefill none")
+        return self._loaded
+
+    def __call__(self, cache, new_ids: list[int]) -> None:
+        self.ready()(cache, new_ids)
+
+    @property
+    def decoder(self) -> torch.nn.Module:
+        return self.ready().decoder

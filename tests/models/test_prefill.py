@@ -6,6 +6,7 @@ The power checks: the copy's entries differ from q4's own (the path is used, so 
 trivial), and a decoder that skips the prompt read leaves other entries in the cache than the target alone."""
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from specdec_cli.drafters.tree import TreeDrafter
 from specdec_cli.engine import FixedK, SamplingParams, SpeculativeDecoder
 from specdec_cli.engine.kv import CachedModel, prefill_path
 from specdec_cli.engine.packed import PackedCache
-from specdec_cli.errors import InputError
+from specdec_cli.errors import InputError, InsufficientMemoryError, ModelLoadError
 from specdec_cli.models import prefill
 from specdec_cli.models.q4 import kernel_problem
 from specdec_cli.models.quant import computes_rows_alone, quantize
@@ -218,3 +219,64 @@ def test_compare_names_who_read_the_prompts(target):
     assert prompt_reader(Loaded) == "bfloat16 copy"
     Loaded.model = torch.nn.Linear(2, 2)
     assert prompt_reader(Loaded) == "target"
+
+
+def _loading_copy(gate: threading.Event, failure: BaseException | None = None):
+    """A q4 model whose copy loads in the background (`LoadingPath`) once `gate` opens (or fails with `failure`),
+    and the same q4 model with the copy attached at once."""
+    float_model = tiny_causal_lm("qwen2", seed=2, logit_scale=8.0, layers=4)
+    waiting, eager = quantize(copy.deepcopy(float_model), "q4"), quantize(copy.deepcopy(float_model), "q4")
+    prefill.attach_decoder(eager, copy.deepcopy(float_model).to(torch.bfloat16).model, min_tokens=MIN_TOKENS)
+
+    def load():
+        assert gate.wait(30)
+        if failure is not None:
+            raise failure
+        return prefill._path_of(waiting, copy.deepcopy(float_model).to(torch.bfloat16).model, MIN_TOKENS)
+
+    waiting.__dict__["_specdec_prefill"] = prefill.LoadingPath(waiting, load, MIN_TOKENS)
+    return waiting, eager
+
+
+@torch.inference_mode()
+def test_a_copy_loading_in_the_background_is_waited_for_only_by_a_long_read():
+    gate = threading.Event()
+    target, eager = _loading_copy(gate)
+    loading = prefill_path(target)
+    assert isinstance(loading, prefill.LoadingPath) and computes_rows_alone(target) is False
+    short = CachedModel(target)
+    short.prefill(PROMPT[:MIN_TOKENS - 1])  # too short for the copy: no wait, read by q4 in extend
+    assert short.ids == [] and prefill_path(target) is loading
+    runner = CachedModel(target)
+    reader = threading.Thread(target=runner.prefill, args=(PROMPT[:-1],))
+    reader.start()
+    reader.join(0.3)
+    assert reader.is_alive() and runner.ids == []  # waiting for the copy
+    gate.set()
+    reader.join(30)
+    assert not reader.is_alive() and runner.ids == PROMPT[:-1]
+    assert isinstance(prefill_path(target), prefill.PrefillPath)  # the loaded path took its place
+    reference = CachedModel(eager)
+    reference.prefill(PROMPT[:-1])
+    for layer, expected in zip(runner.cache.layers, reference.cache.layers):
+        assert torch.equal(layer.keys, expected.keys) and torch.equal(layer.values, expected.values)
+
+
+@torch.inference_mode()
+def test_a_copy_that_failed_to_load_is_said_once_and_the_target_reads_from_then_on():
+    gate = threading.Event()
+    gate.set()
+    target, _ = _loading_copy(gate, InsufficientMemoryError("2.9 GB needed, 1.0 GB free", "close something"))
+    runner = CachedModel(target)
+    runner.extend(PROMPT[:3])
+    with pytest.raises(ModelLoadError) as raised:
+        runner.prefill(PROMPT[:-1])
+    line = raised.value.one_line()
+    assert "did not load (2.9 GB needed, 1.0 GB free — close something)" in line and "--prefill none" in line
+    assert "\n" not in line
+    assert runner.ids == PROMPT[:3] and all(layer.keys.shape[-2] == 3 for layer in runner.cache.layers)
+    assert prefill_path(target) is None
+    runner.prefill(PROMPT[:-1])  # no path now: left to the target's own forwards
+    assert runner.ids == PROMPT[:3]
+    alone = SpeculativeDecoder(target)
+    assert len(alone.generate(PROMPT, SamplingParams(), 4).tokens) == 4
