@@ -16,6 +16,7 @@ from specdec_cli.chat.text import Piece, ReplyText
 from specdec_cli.engine import Budget, GenerationStats
 from specdec_cli.errors import InputError, PromptTooLongError, SpecdecError
 from specdec_cli.models import LoadedModel
+from specdec_cli.models.prefill import finish_loading
 from specdec_cli.session import build_decoder, encode_chat, make_drafter, policy_for
 from specdec_cli.settings import DecodingSettings, parse_k, sampling_params
 
@@ -50,6 +51,7 @@ class Conversation:
         SpecdecError before the first token leaves the history as it was, so the message can be sent again."""
         self.history.messages.append(Message("user", user_text))
         try:
+            finish_loading(self.target.model)  # --prefill's copy, where it is still loading (cli/chat.py)
             prompt = self.prompt_ids()
             self.budget = self._fit(len(prompt))
         except BaseException:
@@ -101,6 +103,7 @@ class Conversation:
 
     def reset(self) -> None:
         """Forget the history and both models' caches (the system prompt and the totals stay)."""
+        finish_loading(self.target.model)  # no torch beside a load (models/prefill.py: load_meanwhile)
         self.history.messages.clear()
         self.decoder.reset()
 
@@ -111,6 +114,7 @@ class Conversation:
     def set_k(self, value: str) -> int | str:
         """A new draft length; the drafter (and its cache) stays, obeying the new policy's stop rule."""
         k = parse_k(value)
+        finish_loading(self.target.model)  # a drafter may be made: no torch beside a load
         drafter = self.decoder.drafter
         if drafter is None and k != 0:
             drafter = make_drafter(self.drafter_name, self.draft, k, self.target)

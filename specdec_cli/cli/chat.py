@@ -75,15 +75,20 @@ def chat(
     target's corrections, bonus tokens. Type /help in the chat for commands; a line ending in \\ goes
     on on the next line. Input may be piped: `echo hi | specdec chat`."""
     from specdec_cli.chat import Conversation, run_chat  # torch and the models: not for --help
+    from specdec_cli.models.prefill import load_meanwhile, settle
     from specdec_cli.settings import choose_models, decoding_settings, load_choice
 
     _check_stdin()  # before minutes of model loading
     choice = choose_models(options.model_overrides(locals()))
     settings = decoding_settings(choice.profile, **options.decoding_overrides(locals()))
-    # The target's bfloat16 prompt reader (--prefill) loads while the first message is typed.
+    # The target's bfloat16 prompt reader (--prefill) loads while the first message is typed (load_meanwhile).
     loaded_target, loaded_draft = load_choice(choice, error_console(), background_prefill=True)
     conversation = Conversation(loaded_target, loaded_draft, choice.drafter, settings)
     screen = _screen(no_color)
     if screen.interactive:
         _enable_line_editing()
-    run_chat(conversation, screen)
+    load_meanwhile(loaded_target.model)  # the target's bfloat16 prompt reader (--prefill), if it has one to load
+    try:
+        run_chat(conversation, screen)
+    finally:
+        settle(loaded_target.model)

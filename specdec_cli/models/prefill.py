@@ -20,7 +20,8 @@ be); `none` keeps it off.
 Only prompt parts of `MIN_TOKENS` or more go through it: below ~100 tokens q4 reads as fast.
 
 `chat` loads the copy in a thread of its own (`LoadingPath`) while the first message is typed: its start is the
-quantised pair's; a prompt part long enough for the copy waits for it, a shorter one never does."""
+quantised pair's; a message sent before the load is done waits for it (the load and a forward never run at once:
+`load_meanwhile`)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from collections.abc import Callable
 import torch
 
 from specdec_cli.engine.kv import PREFILL_PATH, full_attention, new_cache, prefill_path
-from specdec_cli.errors import InputError, ModelLoadError, SpecdecError
+from specdec_cli.errors import InputError, InsufficientMemoryError, ModelLoadError, SpecdecError
 from specdec_cli.models import preflight
 from specdec_cli.models.device import cpu_flags
 
@@ -149,21 +150,57 @@ def resolve(setting: str, device: torch.device, target: str, quantization: str |
 
 def attach(target, trust_remote_code: bool = False, allow_pickle: bool = False, progress: bool = True,
            background: bool = False) -> None:
-    """Load the target's weights again in bfloat16 and give its model that decoder as its prefill path; `background`:
-    load them in a thread of its own (`LoadingPath`), no progress shown, and return at once."""
+    """Load the target's weights again in bfloat16 and give its model that decoder as its prefill path. `background`:
+    give it a `LoadingPath` instead, which loads them (no progress shown) in a thread from `load_meanwhile` on, or
+    when first needed; refused at once where the copy does not fit in free memory, as loading it would be."""
     from specdec_cli.models.loaded import load_model
 
     def load() -> PrefillPath:
         copy = load_model(target.name, device="cpu", dtype="bfloat16", quantization="none",
                           trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
                           progress=progress and not background)
-        path = _path_of(target.model, copy.model.model, MIN_TOKENS)
-        # One read now: its weights come in from the file on the first forward (~0.9 s of a 700-token read on the
-        # demo target), which would otherwise land on whichever generation reads a prompt first.
-        path(new_cache(target.model.config), [0] * MIN_TOKENS)
-        return path
+        return _path_of(target.model, copy.model.model, MIN_TOKENS)
 
-    target.model.__dict__[PREFILL_PATH] = LoadingPath(target.model, load, MIN_TOKENS) if background else load()
+    if not background:
+        path = load()
+        warm(path, target.model.config)
+        target.model.__dict__[PREFILL_PATH] = path
+        return
+    needed = preflight.estimate_weight_bytes(target.model.config, torch.bfloat16, None)
+    try:
+        preflight.check_memory({f"{target.name}'s bfloat16 copy (--prefill)": needed}, target.device)
+    except InsufficientMemoryError as error:
+        raise InsufficientMemoryError(error.message, "use --prefill none, or close other programs") from None
+    target.model.__dict__[PREFILL_PATH] = LoadingPath(target.model, load, MIN_TOKENS)
+
+
+def warm(path: PrefillPath, config) -> None:
+    """One read: the copy's weights come in from the file on its first forward (~0.9 s of a 700-token read on the
+    demo target), which would otherwise land on whichever generation reads a prompt first."""
+    path(new_cache(config), [0] * path.min_tokens)
+
+
+def load_meanwhile(model: torch.nn.Module) -> None:
+    """Start loading `model`'s copy in a thread (chat: while the first message is typed), where it has a LoadingPath.
+    Nothing else may run torch until `finish_loading`: transformers' loading sets process-wide state (the default
+    dtype, for one) that a forward in another thread picks up (a decoder's buffers made in bfloat16, then overrun)."""
+    path = prefill_path(model)
+    if isinstance(path, LoadingPath):
+        path.start()
+
+
+def finish_loading(model: torch.nn.Module) -> None:
+    """Wait for `model`'s copy where it is loading (ModelLoadError where that failed)."""
+    path = prefill_path(model)
+    if isinstance(path, LoadingPath):
+        path.ready()
+
+
+def settle(model: torch.nn.Module) -> None:
+    """Before the process ends: a copy still loading finishes its load (no warm-up read) and its thread ends."""
+    path = prefill_path(model)
+    if isinstance(path, LoadingPath):
+        path.close()
 
 
 def attach_decoder(model: torch.nn.Module, decoder: torch.nn.Module, min_tokens: int = MIN_TOKENS) -> None:
@@ -179,28 +216,48 @@ def _path_of(model: torch.nn.Module, decoder: torch.nn.Module, min_tokens: int) 
 
 
 class LoadingPath:
-    """A prefill path whose copy `load` makes in a thread of its own. A read waits for it, then puts the loaded path
-    in its place on the model; a load that failed takes the path off the model instead (the target reads its
-    prompts from then on) and that read raises ModelLoadError saying so. Its memory count waits too."""
+    """A prefill path whose copy `load` makes (then one `warm` read): in a thread of its own once `start`ed, else when
+    first needed. A read waits for it, then puts the loaded path in its place on the model; a load that failed takes
+    the path off the model instead (the target reads its prompts from then on) and that read raises ModelLoadError
+    saying so. Its memory count waits too. The thread is not a daemon, and `close` ends it sooner: a process that
+    ends while the thread runs inside torch is aborted ("terminate called without an active exception")."""
 
     def __init__(self, model: torch.nn.Module, load: Callable[[], PrefillPath], min_tokens: int) -> None:
         self.min_tokens = min_tokens
         self._model = model
+        self._make = load
         self._loaded: PrefillPath | None = None
         self._failure: BaseException | None = None
+        self._closing = False
         self._done = threading.Event()
-        threading.Thread(target=self._load, args=(load,), name="specdec-prefill-copy", daemon=True).start()
+        self._thread: threading.Thread | None = None
 
-    def _load(self, load: Callable[[], PrefillPath]) -> None:
+    def start(self) -> None:
+        if self._thread is None and not self._done.is_set():
+            self._thread = threading.Thread(target=self._load, name="specdec-prefill-copy")
+            self._thread.start()
+
+    def _load(self) -> None:
         try:
-            self._loaded = load()
+            loaded = self._make()
+            if not self._closing:
+                warm(loaded, self._model.config)
+            self._loaded = loaded
         except BaseException as error:  # noqa: BLE001 - said by the read that needs the copy
             self._failure = error
         finally:
             self._done.set()
 
+    def close(self) -> None:
+        """Wait for the load under way, without its warm-up read."""
+        self._closing = True
+        if self._thread is not None:
+            self._thread.join()
+
     def ready(self) -> PrefillPath:
-        """The loaded path, waiting for it (ModelLoadError where the load failed)."""
+        """The loaded path, waiting for it or loading it here (ModelLoadError where the load failed)."""
+        if self._thread is None and not self._done.is_set():
+            self._load()
         self._done.wait()
         if self._model.__dict__.get(PREFILL_PATH) is self:
             if self._loaded is None:

@@ -273,3 +273,66 @@ def test_an_error_before_the_first_token_leaves_the_history_as_it_was(make_conve
     talk(conversation, QUESTIONS[1])
     assert [m.role for m in conversation.history.messages] == ["user", "assistant", "user", "assistant"]
     assert [m.content for m in conversation.history.messages if m.role == "user"] == QUESTIONS[:2]
+
+
+def _loading_copy_on(model, gate, monkeypatch, failure: BaseException | None = None):
+    """Give `model` a --prefill copy still loading (models/prefill.py's LoadingPath) until `gate` opens; the loaded
+    path takes no prompt part (min_tokens too large), so the turns below are the target's own."""
+    from specdec_cli.models import prefill
+
+    class Unused:
+        min_tokens = 10 ** 9
+
+    def load():
+        assert gate.wait(30)
+        if failure is not None:
+            raise failure
+        return Unused()
+
+    monkeypatch.setattr(prefill, "warm", lambda path, config: None)
+    model.__dict__["_specdec_prefill"] = prefill.LoadingPath(model, load, Unused.min_tokens)
+    prefill.load_meanwhile(model)
+    return model.__dict__["_specdec_prefill"]
+
+
+def test_a_turn_waits_for_a_prompt_copy_still_loading(make_conversation, monkeypatch):
+    """No forward runs beside the copy's load (transformers' loading sets the process-wide default dtype): a
+    message sent meanwhile waits for it, short as it is."""
+    import threading
+
+    conversation = make_conversation("draft", k=3)
+    gate = threading.Event()
+    loading = _loading_copy_on(conversation.target.model, gate, monkeypatch)
+    try:
+        turns = record_tokens(conversation)
+        replier = threading.Thread(target=talk, args=(conversation, QUESTIONS[0]))
+        replier.start()
+        replier.join(0.3)
+        assert replier.is_alive() and turns == []  # waiting, no forward yet
+        gate.set()
+        replier.join(30)
+        assert not replier.is_alive() and len(turns) == 1 and turns[0]
+        assert conversation.target.model.__dict__["_specdec_prefill"] is loading._loaded
+    finally:
+        gate.set()
+        conversation.target.model.__dict__.pop("_specdec_prefill", None)
+
+
+def test_a_copy_that_did_not_load_costs_one_turn_and_nothing_else(make_conversation, monkeypatch):
+    import threading
+
+    from specdec_cli.errors import InsufficientMemoryError, ModelLoadError
+
+    conversation = make_conversation("draft", k=3)
+    gate = threading.Event()
+    gate.set()
+    failure = InsufficientMemoryError("2.9 GB needed, 1.0 GB free", "close something")
+    _loading_copy_on(conversation.target.model, gate, monkeypatch, failure)
+    try:
+        with pytest.raises(ModelLoadError, match="did not load"):
+            talk(conversation, QUESTIONS[0])
+        assert conversation.history.messages == [] and "_specdec_prefill" not in conversation.target.model.__dict__
+        talk(conversation, QUESTIONS[0])  # sent again: the target reads it
+        assert [m.role for m in conversation.history.messages] == ["user", "assistant"]
+    finally:
+        conversation.target.model.__dict__.pop("_specdec_prefill", None)

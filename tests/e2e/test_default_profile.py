@@ -149,3 +149,19 @@ def test_compare_measures_the_default_against_the_target_alone(tmp_path):
     assert all(1 <= len(run["tokens"]) <= 16 for run in report["runs"])
     assert sum(run["drafted"] for run in report["runs"] if run["configuration"] == "cascade k=auto") > 0
     assert report["environment"]["target"] == "demo:qwen2.5-coder-1.5b"
+
+
+def test_a_chat_ends_cleanly_while_its_prompt_copy_is_still_loading(tmp_path):
+    """chat loads --prefill's bfloat16 copy in a thread (models/prefill.py; bf16 asks for it on any CPU). A chat that
+    ends while the load is under way waits for it: a process that ended with the thread inside torch was aborted
+    ("terminate called without an active exception", exit -6). A long message waits for the copy, a short one not."""
+    short = specdec("chat", "--prefill", "bf16", "--max-new-tokens", "4", cwd=tmp_path, stdin="Hi\n")
+    assert short.returncode == 0, short.stderr[-3000:]
+    assert "terminate called" not in short.stderr and "Traceback" not in short.stderr
+    assert "prompts read in bfloat16 (--prefill)" in short.stderr
+    long_message = " ".join(["Summarise this sentence about reading prompts in bfloat16 on a CPU."] * 16)
+    both = specdec("chat", "--prefill", "bf16", "--max-new-tokens", "4", cwd=tmp_path,
+                   stdin=f"{long_message}\nThanks\n")
+    assert both.returncode == 0, both.stderr[-3000:]
+    assert "Traceback" not in both.stderr and "did not load" not in both.stderr
+    assert sum(bool(STATS_LINE.fullmatch(line)) for line in both.stdout.splitlines()) == 2

@@ -235,6 +235,7 @@ def _loading_copy(gate: threading.Event, failure: BaseException | None = None):
         return prefill._path_of(waiting, copy.deepcopy(float_model).to(torch.bfloat16).model, MIN_TOKENS)
 
     waiting.__dict__["_specdec_prefill"] = prefill.LoadingPath(waiting, load, MIN_TOKENS)
+    prefill.load_meanwhile(waiting)
     return waiting, eager
 
 
@@ -280,3 +281,53 @@ def test_a_copy_that_failed_to_load_is_said_once_and_the_target_reads_from_then_
     assert runner.ids == PROMPT[:3]
     alone = SpeculativeDecoder(target)
     assert len(alone.generate(PROMPT, SamplingParams(), 4).tokens) == 4
+
+
+def test_closing_waits_for_the_load_without_its_warm_up_read(monkeypatch):
+    """What chat does before it ends (prefill.settle): the thread ends with the load, and skips the warm-up read;
+    a load left alone reads once to warm up."""
+    warmed = []
+    real_warm = prefill.warm
+    monkeypatch.setattr(prefill, "warm", lambda path, config: warmed.append(path) or real_warm(path, config))
+    alone_gate, closed_gate = threading.Event(), threading.Event()
+    alone, _ = _loading_copy(alone_gate)
+    closed, _ = _loading_copy(closed_gate)
+    loading = prefill_path(closed)
+    closer = threading.Thread(target=prefill.settle, args=(closed,))
+    closer.start()
+    closer.join(0.3)
+    assert closer.is_alive() and loading._closing  # waiting for the load, which waits for its gate
+    alone_gate.set()
+    closed_gate.set()
+    closer.join(30)
+    prefill_path(alone).ready()
+    assert not closer.is_alive() and not loading._thread.is_alive()
+    assert warmed == [prefill_path(alone)]  # only the one left alone warmed up
+    prefill.settle(alone)  # loaded: nothing to wait for
+    prefill.settle(torch.nn.Linear(2, 2))
+
+
+def test_a_background_copy_that_cannot_fit_is_refused_at_once(target, monkeypatch):
+    from specdec_cli.models import preflight
+
+    class Loaded:
+        name, device, model = "tiny", torch.device("cpu"), quantize(tiny_causal_lm("qwen2", seed=2, layers=2), "q4")
+
+    monkeypatch.setattr(preflight, "available_memory_bytes", lambda device: 1000)
+    before = threading.active_count()
+    with pytest.raises(InsufficientMemoryError) as raised:
+        prefill.attach(Loaded, background=True)
+    assert "bfloat16 copy (--prefill)" in raised.value.message and "--prefill none" in raised.value.hint
+    assert prefill_path(Loaded.model) is None and threading.active_count() == before
+
+
+@torch.inference_mode()
+def test_a_copy_never_started_loads_where_it_is_first_needed():
+    float_model = tiny_causal_lm("qwen2", seed=2, logit_scale=8.0, layers=4)
+    target = quantize(copy.deepcopy(float_model), "q4")
+    loading = prefill.LoadingPath(
+        target, lambda: prefill._path_of(target, copy.deepcopy(float_model).to(torch.bfloat16).model, MIN_TOKENS),
+        MIN_TOKENS)
+    target.__dict__["_specdec_prefill"] = loading
+    prefill.finish_loading(target)  # no load_meanwhile: loaded here, in this thread
+    assert loading._thread is None and isinstance(prefill_path(target), prefill.PrefillPath)
