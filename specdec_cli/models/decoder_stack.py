@@ -89,7 +89,8 @@ def stack_forward(self, input_ids: torch.Tensor | None = None, attention_mask: t
     layers = None if _stack_declines(self, input_ids, inputs_embeds, cache, kwargs) else _stack_layers(self)
     if layers is not None:
         cached, tokens = cache.get_seq_length(), input_ids.shape[1]
-        hidden = torch.empty(1, tokens, self.config.hidden_size)  # the C's scratch; its shape tells the mask builder T
+        # the C's scratch, float32 whatever torch's default dtype is now; its shape tells the mask builder T
+        hidden = torch.empty(1, tokens, self.config.hidden_size, dtype=torch.float32)
         in_order = position_ids is None  # the new tokens at cached, cached + 1, ... (not a tree's or a batch's)
         if in_order:
             position_ids = torch.arange(cached, cached + tokens).unsqueeze(0)

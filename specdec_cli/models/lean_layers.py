@@ -220,8 +220,9 @@ def _forward_in_c(self, projections: tuple[CLinear, ...], hidden_states: torch.T
     head_dim, (q_size, k_size) = attention.head_dim, attention.qk_sizes
     heads, kv_heads = q_size // head_dim, k_size // head_dim
     cos, sin = (part.float().contiguous() for part in position_embeddings)  # (1, T, D)
-    query = torch.empty(tokens, heads, head_dim)
-    key, value = torch.empty(1, kv_heads, tokens, head_dim), torch.empty(1, kv_heads, tokens, head_dim)
+    # The C writes float32 into them, whatever torch's default dtype is now (a model loading sets it for a while).
+    query = torch.empty(tokens, heads, head_dim, dtype=torch.float32)
+    key, value = (torch.empty(1, kv_heads, tokens, head_dim, dtype=torch.float32) for _ in range(2))
     qkv, o_proj, gate_up, down = projections
     norm = self.input_layernorm
     failed = library.specdec_lean_qkv(isa, threads, hidden.data_ptr(), tokens, width, norm.weight.data_ptr(),

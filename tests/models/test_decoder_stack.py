@@ -147,3 +147,19 @@ def test_an_id_outside_the_embedding_is_an_index_error_on_both_ways():
     assert runner.cache.get_seq_length() == 20 and torch.equal(runner.extend(IDS[:20] + [5], 1),
                                                                 CachedModel(stacked).extend(IDS[:20] + [5], 1))
     assert torch.equal(first, CachedModel(stacked).extend(IDS[:20], 1))
+
+
+@pytest.mark.parametrize("quantization", ["int8", "q4"])
+def test_torchs_default_dtype_changes_nothing(quantization, layer_calls):
+    """A model loading in another thread sets torch's default dtype to bfloat16 for a while (transformers does, and
+    chat loads --prefill's copy in a thread): the C code's float32 scratch must not follow it (a bfloat16 buffer of
+    half the bytes was overrun: a segfault). Both ways, the stack and the layers one by one."""
+    stacked, layered = _pair("qwen2", 2, quantization)
+    expected = [CachedModel(model).extend(IDS[:40], 4) for model in (stacked, layered)]
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        got = [CachedModel(model).extend(IDS[:40], 4) for model in (stacked, layered)]
+    finally:
+        torch.set_default_dtype(torch.float32)
+    for ours, theirs in zip(got, expected):
+        assert ours.dtype == torch.float32 and torch.equal(ours, theirs)
