@@ -4,11 +4,11 @@ with the target each skipped layer costs, without timing noise.
     python scripts/draft_layers.py [--per-category 1] [--max-new-tokens 128] --json benchmarks/....json
 
 The q4 target's greedy output on Spec-Bench prompts (the first question of each category, the chat template) is
-recorded once; then the q4 draft, as the model drafter runs it (its 64k subset head, the last DRAFT_WINDOW prompt
-tokens), is teacher-forced over each output with all its layers and with each one layer left out (and the pairs of
-the --pairs best single ones), and its top token compared with the target's at every position: the agreement a
-chain's next token has. A layer left out saves about 1/L of the draft decoder's weight reads; the agreement it
-costs compounds over a chain's positions."""
+recorded once (policy_replay.record); then the q4 draft, as the model drafter runs it (its 64k subset head, the
+last DRAFT_WINDOW prompt tokens; policy_replay.drafted_over), is teacher-forced over each output with all its
+layers and with each one layer left out (and the pairs of the --pairs best single ones), and its top token compared
+with the target's at every position: the agreement a chain's next token has. A layer left out saves about 1/L of
+the draft decoder's weight reads; the agreement it costs compounds over a chain's positions."""
 
 from __future__ import annotations
 
@@ -20,11 +20,10 @@ from pathlib import Path
 import torch
 
 from levers import spec_bench  # scripts/levers.py: Spec-Bench questions, n per category
-from specdec_cli.drafters.subset_head import draft_vocabulary, shared_subset_head
-from specdec_cli.engine import SamplingParams
+from policy_replay import drafted_over, record  # the same recording and teacher-forcing as the policy replays
 from specdec_cli.models import load_model
 from specdec_cli.models.calibrate import machine
-from specdec_cli.session import DRAFT_WINDOW, build_decoder, encode_chat
+from specdec_cli.session import DRAFT_WINDOW
 
 
 def main() -> None:
@@ -36,11 +35,7 @@ def main() -> None:
     args = parser.parse_args()
     target = load_model("demo:qwen2.5-coder-1.5b", quantization="q4", progress=False)
     draft = load_model("demo:qwen2.5-coder-0.5b", quantization="q4", role="draft", progress=False)
-    recorded = []
-    for category, question in spec_bench(args.per_category):
-        prompt = encode_chat(target.tokenizer, [{"role": "user", "content": question}])
-        output = build_decoder(target, None, "none", 0).generate(prompt, SamplingParams(), args.max_new_tokens).tokens
-        recorded.append({"category": category, "prompt": prompt, "output": output})
+    recorded = record(target, draft, spec_bench(args.per_category), args.max_new_tokens)
     layers = list(draft.model.model.layers)
     agreement = {"none": _agreement(draft, layers, recorded, ())}
     print(f"all {len(layers)} layers: agreement {agreement['none']:.4f}", flush=True)
@@ -66,20 +61,12 @@ def _agreement(draft, layers: list, recorded: list[dict], skipped: tuple[int, ..
     decoder = draft.model.model
     kept = [layer for index, layer in enumerate(layers) if index not in skipped]
     decoder.layers, decoder.config.num_hidden_layers = torch.nn.ModuleList(kept), len(kept)
-    subset = draft_vocabulary(draft.tokenizer, draft.vocab_size)
-    head = shared_subset_head(draft.model, subset) if subset is not None else draft.model
-    agree = total = 0
     try:
-        for sequence in recorded:
-            seen, output = sequence["prompt"][-DRAFT_WINDOW:], sequence["output"]
-            logits = head(input_ids=torch.tensor([seen + output]), use_cache=False).logits[0]
-            top = logits[len(seen) - 1: len(seen) + len(output) - 1].argmax(-1)
-            top = subset[top] if subset is not None else top
-            agree += int((top == torch.tensor(output)).sum())
-            total += len(output)
+        drafted = drafted_over(recorded, draft, DRAFT_WINDOW)
     finally:
         decoder.layers, decoder.config.num_hidden_layers = torch.nn.ModuleList(layers), len(layers)
-    return agree / total
+    agree = sum(sum(top == token for top, token in zip(s["draft_top"], s["output"])) for s in drafted)
+    return agree / sum(len(s["output"]) for s in drafted)
 
 
 if __name__ == "__main__":
