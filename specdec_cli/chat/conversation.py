@@ -14,7 +14,7 @@ from pathlib import Path
 from specdec_cli.chat.history import History, Message, write_jsonl
 from specdec_cli.chat.text import Piece, ReplyText
 from specdec_cli.engine import Budget, GenerationStats
-from specdec_cli.errors import InputError, PromptTooLongError, SpecdecError
+from specdec_cli.errors import InputError, PromptTooLongError
 from specdec_cli.models import LoadedModel
 from specdec_cli.models.prefill import finish_loading
 from specdec_cli.session import build_decoder, encode_chat, make_drafter, policy_for
@@ -47,8 +47,9 @@ class Conversation:
 
     def reply(self, user_text: str) -> Iterator[Piece]:
         """Stream the reply to `user_text`, one piece of text per token. However the stream ends —
-        finished, closed early, or interrupted (Ctrl-C) — the reply as far as it went joins the history; but a
-        SpecdecError before the first token leaves the history as it was, so the message can be sent again."""
+        finished, closed early, or interrupted (Ctrl-C) — the reply as far as it went joins the history. An error
+        before generation (a --prefill copy that did not load, a conversation past the context) leaves the history
+        as it was, so the message can be sent again."""
         self.history.messages.append(Message("user", user_text))
         try:
             finish_loading(self.target.model)  # --prefill's copy, where it is still loading (cli/chat.py)
@@ -61,22 +62,14 @@ class Conversation:
         stats = GenerationStats()
         finish_reason = "interrupted"
         started = time.perf_counter()
-        began = recorded = False
         try:
             for event in self.decoder.stream(prompt, self.sampling(), self.budget.max_new_tokens):
-                began = True
                 stats.add_step(event)
                 yield from text.push(event.tokens, event.provenance)
                 finish_reason = event.finish_reason or finish_reason
-        except SpecdecError:
-            if not began:
-                self.history.messages.pop()
-                recorded = True  # nothing to record
-            raise
         finally:
-            if not recorded:
-                stats.seconds = time.perf_counter() - started
-                self._record(text.shown, finish_reason, stats)
+            stats.seconds = time.perf_counter() - started
+            self._record(text.shown, finish_reason, stats)
 
     def _fit(self, prompt_tokens: int) -> Budget:
         """The reply's budget, checked before any forward: a conversation past the context is refused."""

@@ -81,7 +81,6 @@ def chat(
     _check_stdin()  # before minutes of model loading
     choice = choose_models(options.model_overrides(locals()))
     settings = decoding_settings(choice.profile, **options.decoding_overrides(locals()))
-    # The target's bfloat16 prompt reader (--prefill) loads while the first message is typed (load_meanwhile).
     loaded_target, loaded_draft = load_choice(choice, error_console(), background_prefill=True)
     conversation = Conversation(loaded_target, loaded_draft, choice.drafter, settings)
     screen = _screen(no_color)

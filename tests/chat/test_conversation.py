@@ -251,30 +251,6 @@ def test_totals_add_up_every_reply(make_conversation):
     assert conversation.replies == 2
 
 
-def test_an_error_before_the_first_token_leaves_the_history_as_it_was(make_conversation, monkeypatch):
-    """A turn that fails before its first token (the --prefill copy that did not load) records nothing: the
-    message can be sent again, and the next turn's prompt holds it once."""
-    from specdec_cli.errors import ModelLoadError
-
-    conversation = make_conversation("draft", k=3)
-    talk(conversation, QUESTIONS[0])
-    before = list(conversation.history.messages)
-    stream = conversation.decoder.stream
-
-    def failing(*args, **kwargs):
-        raise ModelLoadError("the bfloat16 copy that reads prompts (--prefill) did not load (MemoryError: )", "x")
-        yield  # a generator, as the decoder's stream is
-
-    monkeypatch.setattr(conversation.decoder, "stream", failing)
-    with pytest.raises(ModelLoadError):
-        talk(conversation, QUESTIONS[1])
-    assert conversation.history.messages == before and conversation.replies == 1
-    monkeypatch.setattr(conversation.decoder, "stream", stream)
-    talk(conversation, QUESTIONS[1])
-    assert [m.role for m in conversation.history.messages] == ["user", "assistant", "user", "assistant"]
-    assert [m.content for m in conversation.history.messages if m.role == "user"] == QUESTIONS[:2]
-
-
 def _loading_copy_on(model, gate, monkeypatch, failure: BaseException | None = None):
     """Give `model` a --prefill copy still loading (models/prefill.py's LoadingPath) until `gate` opens; the loaded
     path takes no prompt part (min_tokens too large), so the turns below are the target's own."""
