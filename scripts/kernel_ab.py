@@ -11,6 +11,9 @@ fresh decoder each time (prefill included, as in `compare`); the tokens must be 
 --prompts Spec-Bench questions (round-robin over the categories, as `compare` encodes them), each library in turn
 (the order alternating per repeat); the tokens must be the same every way.
 
+--amx times the working tree's library on AMX (isa 3: the q4 matmul of several tokens, q4_amx.c) against its own
+VNNI code (isa 2), instead of a base revision's.
+
 --avx2 runs the code an AVX2-only CPU runs (the AVX2 kernels, and 7-bit activations for int8, as such a CPU gets
 them) on a CPU that has AVX512-VNNI too.
 
@@ -53,6 +56,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--avx2", action="store_true", help="the code an AVX2-only CPU runs")
+    parser.add_argument("--amx", action="store_true",
+                        help="the working tree's library with AMX (isa 3) against its VNNI code, instead of --base")
     parser.add_argument("--sizes", default="1,2,4,8", help="new tokens per timed forward, comma-separated")
     parser.add_argument("--generate", type=int, default=0, help="time generations of N prompts instead")
     parser.add_argument("--batched", type=int, default=0, help="time the batched engine at batch size B instead")
@@ -63,9 +68,12 @@ def main() -> None:
         os.environ["SPECDEC_INT8_KERNEL"] = "avx2"
         int8.activation_bits = lambda: 7
     tree = int8_kernel._library()
-    libraries = {args.base: _base_library(args.base, tree[1]), "working tree": tree}
+    if args.amx and tree[1] != 3:
+        raise SystemExit("--amx: this CPU (or this process) cannot use AMX")
+    libraries = ({"VNNI": (tree[0], 2, None), "AMX": tree} if args.amx
+                 else {args.base: _base_library(args.base, tree[1]), "working tree": tree})
     result = {"machine": machine(), "python": platform.python_version(), "format": args.format, "avx2_code": args.avx2,
-              "base": args.base,
+              "base": "VNNI (isa 2)" if args.amx else args.base,
               "base_commit": _git("rev-parse", args.base).strip(), "context_tokens": args.context,
               "repeats": args.repeats, "milliseconds": {}}
     if args.generate or args.batched:

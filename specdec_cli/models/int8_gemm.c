@@ -154,18 +154,21 @@ static void block_avx2(const int8_t *w, const int32_t *tokens, int64_t K4, int64
     }
 }
 
-/* Which instructions this CPU has: 2 = AVX512-VNNI, 1 = AVX2, 0 = neither (the caller uses oneDNN). */
+int specdec_amx_ready(void); /* q4_amx.c */
+
+/* Which instructions this CPU has: 3 = AVX512-VNNI and AMX-INT8 (the q4 matmul of several tokens takes AMX: q4_amx.c;
+   everything else runs as on 2), 2 = AVX512-VNNI, 1 = AVX2, 0 = neither (the caller uses oneDNN). */
 int specdec_isa(void) {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vnni"))
-        return 2;
+        return specdec_amx_ready() ? 3 : 2;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
     return 0;
 }
 
 /* y (M, N) float32 = dequantised (x_q (M, K4*4) uint8) · (W packed (N/32 blocks)) (+ bias).
-   isa: 2 VNNI, 1 AVX2; threads: OpenMP threads over the blocks of output rows.
+   isa: 2 or 3 VNNI, 1 AVX2; threads: OpenMP threads over the blocks of output rows.
    Up to TILE tokens: one pass over each block's weights, straight from memory (the cost is the bytes).
    More (a prefill, a batch): the input is cut into K_CHUNK groups, so a block's chunk of weights stays
    in L1 while every tile of tokens passes over it; integer sums, so the order changes nothing.
@@ -194,7 +197,7 @@ int specdec_int8_gemm(int isa, int threads, const uint8_t *x_q, const float *tok
                 for (int64_t t = 0; t < tiles; t++) {
                     int64_t m_count = M - t * TILE < TILE ? M - t * TILE : TILE;
                     const int32_t *tile_tokens = tokens + t * TILE * K4;
-                    if (isa == 2)
+                    if (isa >= 2)
                         block_vnni(w, tile_tokens, K4, k0, k1, m_count, acc + t * TILE * BLOCK, k0 > 0);
                     else
                         block_avx2(w, tile_tokens, K4, k0, k1, m_count, acc + t * TILE * BLOCK, k0 > 0);

@@ -8,10 +8,12 @@ weights, and torch's oneDNN int8 matmul spends ~80 µs a call around that (measu
 took 90 µs for one token; this kernel 15 µs). It gives the same numbers as the oneDNN path bit for bit
 (tested), so which one runs changes speed only.
 
-Chosen per CPU: AVX512-VNNI or AVX2 instructions, picked by the CPU's flags at run time.
-SPECDEC_INT8_KERNEL=onednn forces torch's matmul and =avx2 the AVX2 code (to compare them; `specdec
-calibrate` names the one it timed; q4 takes the same switch, and with `onednn` does not run). Without a C
-compiler the int8 format runs on oneDNN, q4 does not run, and `kernel_problem()` says why."""
+Chosen per CPU: AVX512-VNNI or AVX2 instructions, picked by the CPU's flags at run time; where the CPU has
+AMX-INT8 too (and the kernel lets the process use it), the q4 matmul of several tokens runs on AMX (q4_amx.c,
+the same bits as VNNI).
+SPECDEC_INT8_KERNEL=onednn forces torch's matmul, =avx2 the AVX2 code and =vnni the VNNI code without AMX (to
+compare them; `specdec calibrate` names the one it timed; q4 takes the same switch, and with `onednn` does not
+run). Without a C compiler the int8 format runs on oneDNN, q4 does not run, and `kernel_problem()` says why."""
 
 from __future__ import annotations
 
@@ -30,10 +32,11 @@ import torch
 from specdec_cli.models import row_kernels
 from specdec_cli.models.paths import atomic_folder, cache_dir, one_maker
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("int8_gemm.c", "q4_gemm.c", "layer_kernels.c",
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("int8_gemm.c", "q4_gemm.c", "q4_amx.c", "layer_kernels.c",
                                                                   "sampling_kernels.c"))  # one library
+HEADERS = (Path(__file__).with_name("q4_layout.h"),)  # included by the sources: part of the build's key
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off")  # no contraction: the exact float steps
-ISA_NAMES = {2: "AVX512-VNNI", 1: "AVX2"}
+ISA_NAMES = {3: "AVX512-VNNI + AMX", 2: "AVX512-VNNI", 1: "AVX2"}
 BLOCK = 32  # output rows per packed block (int8_gemm.c)
 
 
@@ -43,8 +46,8 @@ def _library() -> tuple[ctypes.CDLL | None, int, str | None]:
 
 
 def load_library() -> tuple[ctypes.CDLL | None, int, str | None]:
-    """(the loaded library, the ISA it runs: 2 AVX512-VNNI or 1 AVX2, None) or (None, 0, why not); the
-    library is compiled into the specdec home on first use. Once per process (`_library`)."""
+    """(the loaded library, the ISA it runs: 3 AVX512-VNNI + AMX, 2 AVX512-VNNI or 1 AVX2, None) or (None, 0,
+    why not); the library is compiled into the specdec home on first use. Once per process (`_library`)."""
     choice = os.environ.get("SPECDEC_INT8_KERNEL", "").strip().lower()
     if choice == "onednn":
         return None, 0, "SPECDEC_INT8_KERNEL=onednn"
@@ -60,13 +63,14 @@ def load_library() -> tuple[ctypes.CDLL | None, int, str | None]:
     if not isa:
         return None, 0, "this CPU has neither AVX512-VNNI nor AVX2"
     row_kernels.install(library)
-    return library, (1 if choice == "avx2" else isa), None
+    forced = {"avx2": 1, "vnni": min(isa, 2)}.get(choice, isa)
+    return library, forced, None
 
 
 def _built() -> Path:
     """The shared library for this source and compiler, compiled into the cache if it is not there yet."""
     compiler = c_compiler()
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     key = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
     final = cache_dir("kernels") / f"int8-{key}"
     library = final / "libspecdec_int8.so"

@@ -31,22 +31,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define Q4_ROWS 16      /* output rows per block */
-#define Q4_GROUP 32     /* input channels per scale */
-#define Q4_GROUP_BYTES 320
-#define Q4K_SUPER_BYTES 2368 /* layout 1: 8 groups' values, sc and m, and their rows' d and dmin */
-#define Q4K_SC 2048          /* layout 1: where a superblock's sc lie (16 bytes a group); its m 128 bytes on */
-#define Q4K_D 2304           /* and its rows' d (float16); their dmin 32 bytes on */
+#include "q4_layout.h"
+
 #define Q4_TILE 8       /* tokens held in registers at once (AVX512) */
 #define Q4_AVX2_TILE 4  /* and on AVX2 (16 registers) */
-#define Q4_CHUNK 32     /* groups per pass when there are more tokens than a tile: 10 KB of a block, in L1 */
-#define Q4_AHEAD 16384  /* bytes to prefetch ahead, into L2 (_MM_HINT_T1): the unpacking is compute the hardware
-                           prefetcher does not hide. Into L1 (T0, 2560 bytes ahead until 2026-12-03) the lines
-                           ahead fill L1's few miss buffers and the loads wait on memory: the draft's layer weights
-                           streamed at 18-26 GB/s where a 2-thread read took 29-50; 4-32 KB into L2 all do better
-                           (8-32 KB within noise), VNNI and AVX2 code alike. The demo pair's decoders, one token,
-                           interleaved in one process (scripts/kernel_ab.py, AMD EPYC AVX512): draft 12.4 → 11.0
-                           ms, target 41.8 → 35.7 ms; the AVX2 code 15.2 → 11.8 and 49.0 → 36.4 ms */
+#define Q4_AMX_TOKENS 9 /* from this many tokens on, AMX where the CPU has it (isa 3; q4_amx.c); VNNI is faster below */
 
 /* One whole group of 32 channels of a row, 8 at a time: the same steps as the scalar loop below (amax is exact,
    x / scale the same IEEE division, rounding to nearest even as nearbyintf does, the sum in integers), so the
@@ -121,46 +110,6 @@ void specdec_q8_groups(int threads, const float *x, int64_t M, int64_t K, int64_
     }
 }
 
-/* Where a block's last groups leave their sums: token j's `lanes` rows (the block's rows below N) at y + j·stride,
-   each + bias[lane] where there is a bias. */
-typedef struct {
-    float *y;
-    int64_t stride;
-    const float *bias;
-    int64_t lanes;
-} Q4Out;
-
-/* Where group g of a block (w) lies: its 256 bytes of values first. */
-static inline const uint8_t *q4_group(const uint8_t *w, int layout, int64_t g) {
-    return layout ? w + (g >> 3) * Q4K_SUPER_BYTES + (g & 7) * 256 : w + g * Q4_GROUP_BYTES;
-}
-
-/* Group g's 16 rows' step and minimum: layout 0 the float16 ones after the values; layout 1 d·sc and −dmin·m,
-   each one exact float32 product (so the order of the steps after it is layout 0's), with d and dmin (`super_d`,
-   `super_dmin`) converted once per superblock (q4_super_vnni: at its first group, or the call's). */
-__attribute__((target("avx512f,f16c")))
-static inline void q4_super_vnni(const uint8_t *w, int64_t g, __m512 *super_d, __m512 *super_dmin) {
-    const uint8_t *super = w + (g >> 3) * Q4K_SUPER_BYTES;
-    *super_d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(super + Q4K_D)));
-    *super_dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(super + Q4K_D + 32)));
-}
-
-__attribute__((target("avx512f,f16c")))
-static inline void q4_steps_vnni(const uint8_t *w, int layout, int64_t g, const uint8_t *p, __m512 super_d,
-                                 __m512 super_dmin, __m512 *d, __m512 *mins) {
-    if (!layout) {
-        *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 256)));
-        *mins = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 288)));
-        return;
-    }
-    const uint8_t *sub = w + (g >> 3) * Q4K_SUPER_BYTES + Q4K_SC + (g & 7) * 16;
-    __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)sub)));
-    __m512 m = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sub + 128))));
-    *d = _mm512_mul_ps(super_d, sc);
-    __m512 scaled = _mm512_mul_ps(super_dmin, m);
-    *mins = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(scaled), _mm512_set1_epi32((int)0x80000000u)));
-}
-
 /* The same for 8 of the 16 rows (`half`), as the AVX2 code takes them. */
 __attribute__((target("avx2,f16c")))
 static inline void q4_super_avx2(const uint8_t *w, int64_t g, int half, __m256 *super_d, __m256 *super_dmin) {
@@ -198,7 +147,6 @@ static void q4_block_vnni(const uint8_t *w, int layout, const int32_t *tokens, c
     __m512 total[Q4_TILE];
     for (int j = 0; j < Q4_TILE; j++)
         total[j] = accumulate && j < m_count ? _mm512_loadu_ps(sums + j * Q4_ROWS) : _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi8(0x0F);
     const int64_t group_bytes = layout ? Q4K_SUPER_BYTES / 8 : Q4_GROUP_BYTES; /* on average: what to prefetch */
     __m512 super_d = _mm512_setzero_ps(), super_dmin = _mm512_setzero_ps();
 #define Q4_VNNI_CASE(T)                                                                                       \
@@ -207,25 +155,21 @@ static void q4_block_vnni(const uint8_t *w, int layout, const int32_t *tokens, c
             const uint8_t *p = q4_group(w, layout, g), *ahead = w + g * group_bytes + Q4_AHEAD;               \
             for (int line = 0; line < Q4_GROUP_BYTES; line += 64)                                             \
                 _mm_prefetch((const char *)(ahead + line), _MM_HINT_T1);                                      \
-            __m512i c0 = _mm512_loadu_si512((const void *)p), c1 = _mm512_loadu_si512((const void *)(p + 64)); \
-            __m512i c2 = _mm512_loadu_si512((const void *)(p + 128)), c3 = _mm512_loadu_si512((const void *)(p + 192)); \
-            __m512i w0 = _mm512_and_si512(c0, low), w4 = _mm512_and_si512(_mm512_srli_epi16(c0, 4), low);   \
-            __m512i w1 = _mm512_and_si512(c1, low), w5 = _mm512_and_si512(_mm512_srli_epi16(c1, 4), low);   \
-            __m512i w2 = _mm512_and_si512(c2, low), w6 = _mm512_and_si512(_mm512_srli_epi16(c2, 4), low);   \
-            __m512i w3 = _mm512_and_si512(c3, low), w7 = _mm512_and_si512(_mm512_srli_epi16(c3, 4), low);   \
+            __m512i v[8];                                                                                     \
+            q4_values_vnni(p, v);                                                                             \
             __m512 d, mins;                                                                                   \
             if (layout && (g == g_begin || (g & 7) == 0)) q4_super_vnni(w, g, &super_d, &super_dmin);         \
             q4_steps_vnni(w, layout, g, p, super_d, super_dmin, &d, &mins);                                   \
             for (int j = 0; j < T; j++) {                                                                     \
                 const int32_t *x = tokens + j * steps + g * 8;                                                \
-                __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, _mm512_set1_epi32(x[0]));         \
-                __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w4, _mm512_set1_epi32(x[4]));         \
-                a = _mm512_dpbusd_epi32(a, w1, _mm512_set1_epi32(x[1]));                                      \
-                b = _mm512_dpbusd_epi32(b, w5, _mm512_set1_epi32(x[5]));                                      \
-                a = _mm512_dpbusd_epi32(a, w2, _mm512_set1_epi32(x[2]));                                      \
-                b = _mm512_dpbusd_epi32(b, w6, _mm512_set1_epi32(x[6]));                                      \
-                a = _mm512_dpbusd_epi32(a, w3, _mm512_set1_epi32(x[3]));                                      \
-                b = _mm512_dpbusd_epi32(b, w7, _mm512_set1_epi32(x[7]));                                      \
+                __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], _mm512_set1_epi32(x[0]));       \
+                __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[4], _mm512_set1_epi32(x[4]));       \
+                a = _mm512_dpbusd_epi32(a, v[1], _mm512_set1_epi32(x[1]));                                    \
+                b = _mm512_dpbusd_epi32(b, v[5], _mm512_set1_epi32(x[5]));                                    \
+                a = _mm512_dpbusd_epi32(a, v[2], _mm512_set1_epi32(x[2]));                                    \
+                b = _mm512_dpbusd_epi32(b, v[6], _mm512_set1_epi32(x[6]));                                    \
+                a = _mm512_dpbusd_epi32(a, v[3], _mm512_set1_epi32(x[3]));                                    \
+                b = _mm512_dpbusd_epi32(b, v[7], _mm512_set1_epi32(x[7]));                                    \
                 __m512 exact = _mm512_cvtepi32_ps(_mm512_add_epi32(a, b));                                    \
                 __m512 step = _mm512_mul_ps(d, _mm512_set1_ps(scales[j * groups + g]));                       \
                 total[j] = _mm512_fmadd_ps(exact, step, total[j]);                                            \
@@ -328,16 +272,23 @@ static void q4_block_avx2(const uint8_t *w, int layout, const int32_t *tokens, c
 
 /* y (M, N) float32 = x · Wᵀ (+ bias) with x given as specdec_q8_groups made it (values (M, groups*32),
    scales and scaled sums (M, groups)) and W packed (ceil(N/16) blocks of groups × 320 bytes; layout 1:
-   groups / 8 × 2368). isa: 2 VNNI, 1 AVX2; threads: OpenMP threads over the blocks. Up to Q4_TILE tokens: one pass
+   groups / 8 × 2368). isa: 3 AMX from Q4_AMX_TOKENS tokens (q4_amx.c, the same bits) and VNNI below, 2 VNNI,
+   1 AVX2; threads: OpenMP threads over the blocks. Up to Q4_TILE tokens: one pass
    over each block's weights, straight from memory. More: Q4_CHUNK groups at a time, so a block's chunk stays in L1
    while every tile of tokens passes over it; each sum still takes its groups in order, so the result is
    the same. A block's last groups store their sums (+ bias) straight into y from the registers: copying them
    there from a buffer, a memcpy of 16 floats per token and block, cost (demo pair, interleaved, AMD EPYC AVX512,
    scripts/kernel_ab.py) draft 10.9 / target 32.7 ms a token against 10.1 / 31.9, a 150-token forward of the
    target 1090 against 1046 ms. Returns 0, or 1 when its buffers could not be allocated (y is then unwritten). */
+int specdec_q4_gemm_amx(int layout, int threads, const int8_t *values, const float *scales,
+                        const float *scaled_sums, int64_t M, int64_t groups, const uint8_t *w_packed,
+                        const float *bias, int64_t N, float *y); /* q4_amx.c */
+
 int specdec_q4_gemm(int isa, int layout, int threads, const int8_t *values, const float *scales,
                     const float *scaled_sums, int64_t M, int64_t groups, const uint8_t *w_packed, const float *bias,
                     int64_t N, float *y) {
+    if (isa == 3 && M >= Q4_AMX_TOKENS)
+        return specdec_q4_gemm_amx(layout, threads, values, scales, scaled_sums, M, groups, w_packed, bias, N, y);
     int64_t blocks = (N + Q4_ROWS - 1) / Q4_ROWS;
     int64_t tiles = (M + Q4_TILE - 1) / Q4_TILE;
     int64_t chunk = M <= Q4_TILE ? groups : Q4_CHUNK;
@@ -369,7 +320,7 @@ int specdec_q4_gemm(int isa, int layout, int threads, const int8_t *values, cons
                     float *tile_out = sums ? sums + t * Q4_TILE * Q4_ROWS : NULL;
                     Q4Out out = {y + t * Q4_TILE * N + first, N, bias ? bias + first : NULL, lanes};
                     const Q4Out *last = g1 == groups ? &out : NULL; /* the sums' last groups: straight into y */
-                    if (isa == 2)
+                    if (isa >= 2)
                         q4_block_vnni(w, layout, tile_tokens, tile_scales, tile_sums, steps, groups, g0, g1, m_count,
                                       tile_out, g0 > 0, last);
                     else

@@ -77,7 +77,7 @@ def resolve_auto(role: str, device: torch.device, spec: str | None = None, dtype
 #   gets q4 only where its profile allows it (AUTO_FORMATS: int8 by default, closer to the float model).
 # - AVX2 only: int8, the format measured on such a CPU (torch's dynamic int8: 4x faster than float32, flat to 4
 #   tokens); q4 has not run on one (only its AVX2 code on an AVX512 CPU), so it waits for a calibration there.
-UNCALIBRATED = {"AVX512-VNNI": ("q4", "int8"), "AVX2": ("int8",)}
+UNCALIBRATED = {"AVX512-VNNI + AMX": ("q4", "int8"), "AVX512-VNNI": ("q4", "int8"), "AVX2": ("int8",)}
 
 
 def uncalibrated_format(runnable: list[str]) -> str | None:

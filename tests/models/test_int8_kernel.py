@@ -37,7 +37,7 @@ def code_path(request, monkeypatch):
     """Each ISA the CPU runs: the AVX2 code runs on an AVX512 CPU too, with 7-bit activations (as without VNNI)."""
     library, isa, _ = int8_kernel._library()
     if request.param == "vnni":
-        if isa != 2:
+        if isa < 2:
             pytest.skip("this CPU has no AVX512-VNNI")
         return 8
     monkeypatch.setattr(int8_kernel, "_library", lambda: (library, 1, None))
@@ -188,5 +188,5 @@ def test_a_kernel_another_process_built_meanwhile_is_used(monkeypatch, tmp_path)
 
     monkeypatch.setattr(int8_kernel.subprocess, "run", build_twice)
     library, isa, problem = int8_kernel.load_library()
-    assert problem is None and library is not None and isa in (1, 2)
+    assert problem is None and library is not None and isa in (1, 2, 3)
     assert [path.name for path in (tmp_path / "home" / "kernels").iterdir()] == [Path(library._name).parent.name]

@@ -1,6 +1,6 @@
 """specdec's q4 matmul (q4_gemm.c, the `q4` format): the numbers of its definition (4-bit weights with a
 scale and minimum per 32, int8 activations per 32) up to float rounding; each token's output bit for bit
-the same whatever else is in the call, on both code paths, which agree bit for bit; the layout kept
+the same whatever else is in the call, on every code path (AMX, VNNI, AVX2), which agree bit for bit; the layout kept
 exactly; and one line saying what to use instead where it cannot run. Each for both layouts: q4's own
 (Q4Linear) and a .gguf's Q4_K blocks as they are (Q4KLinear: d·sc and −dmin·m made in the kernel)."""
 
@@ -21,7 +21,7 @@ needs_kernel = pytest.mark.skipif(q4.kernel_problem() is not None and not os.env
 # Odd shapes on purpose: rows not a multiple of 16, widths not a multiple of 32; 1100 channels = 35 groups,
 # past one 32-group chunk of the many-token path.
 SHAPES = [(37, 18), (64, 100), (200, 131), (8, 7), (48, 1100)]
-TOKEN_COUNTS = [1, 2, 3, 4, 5, 8, 9, 17]
+TOKEN_COUNTS = [1, 2, 3, 4, 5, 8, 9, 12, 16, 17, 33]  # AMX (where the CPU has it) from 9: tiles of 16
 # Layout 1's widths are whole Q4_K superblocks of 256; 1280 channels = 40 groups, past one 32-group chunk.
 K_SHAPES = [(256, 37), (768, 200), (512, 8), (1280, 48)]
 LAYOUTS = ["q4", "q4k"]
@@ -55,14 +55,17 @@ def _shapes(layout: str) -> list[tuple[int, int]]:
 LAYOUT_SHAPES = [(layout, *shape) for layout in LAYOUTS for shape in _shapes(layout)]
 
 
-@pytest.fixture(params=["vnni", "avx2"])
+CODE_PATHS = {"amx": 3, "vnni": 2, "avx2": 1}
+
+
+@pytest.fixture(params=list(CODE_PATHS))
 def code_path(request, monkeypatch):
-    """Each ISA: the AVX2 code runs on an AVX512 CPU too (and takes the same 8-bit activations)."""
+    """Each ISA: the AVX2 code runs on an AVX512 CPU too (and takes the same 8-bit activations), the VNNI code on
+    an AMX one (which takes AMX for 9 tokens or more)."""
     library, isa, _ = int8_kernel._library()
-    if request.param == "vnni" and isa != 2:
-        pytest.skip("this CPU has no AVX512-VNNI")
-    if request.param == "avx2":
-        monkeypatch.setattr(int8_kernel, "_library", lambda: (library, 1, None))
+    if isa < CODE_PATHS[request.param]:
+        pytest.skip(f"this CPU has no {request.param.upper()}")
+    monkeypatch.setattr(int8_kernel, "_library", lambda: (library, CODE_PATHS[request.param], None))
     return request.param
 
 
@@ -109,16 +112,18 @@ def test_a_tokens_output_does_not_depend_on_the_others(code_path, layout, in_fea
 
 
 @needs_kernel
+@pytest.mark.parametrize(("faster", "slower"), [("vnni", "avx2"), ("amx", "vnni")])
 @pytest.mark.parametrize(("layout", "width"), [("q4", 1100), ("q4k", 1280)])
-def test_the_vnni_and_avx2_code_agree_bit_for_bit(monkeypatch, layout, width):
+def test_the_code_paths_agree_bit_for_bit(monkeypatch, faster, slower, layout, width):
     library, isa, _ = int8_kernel._library()
-    if isa != 2:
-        pytest.skip("this CPU has no AVX512-VNNI")
+    if isa < CODE_PATHS[faster]:
+        pytest.skip(f"this CPU has no {faster.upper()}")
     layer = _layer(layout, width, 70, bias=True, seed=11)
-    x = _inputs(17, width)
-    on_vnni = [layer(x[:tokens]) for tokens in TOKEN_COUNTS]
-    monkeypatch.setattr(int8_kernel, "_library", lambda: (library, 1, None))
-    assert all(torch.equal(layer(x[:tokens]), out) for tokens, out in zip(TOKEN_COUNTS, on_vnni))
+    x = _inputs(40, width)
+    monkeypatch.setattr(int8_kernel, "_library", lambda: (library, CODE_PATHS[faster], None))
+    on_faster = [layer(x[:tokens]) for tokens in [*TOKEN_COUNTS, 40]]
+    monkeypatch.setattr(int8_kernel, "_library", lambda: (library, CODE_PATHS[slower], None))
+    assert all(torch.equal(layer(x[:tokens]), out) for tokens, out in zip([*TOKEN_COUNTS, 40], on_faster))
 
 
 @needs_kernel

@@ -75,7 +75,7 @@ def test_int8_needs_no_extra(llama_folder, monkeypatch):
 
 
 def _kernels_as(monkeypatch, isa: int, problem: str | None = None) -> None:
-    """This process's matmul kernels as a CPU of this kind would have them (1 AVX2, 2 AVX512-VNNI)."""
+    """This process's matmul kernels as a CPU of this kind would have them (1 AVX2, 2 AVX512-VNNI, 3 with AMX)."""
     from specdec_cli.models import int8_kernel
 
     library = int8_kernel._library()[0]
@@ -89,6 +89,8 @@ def test_auto_without_calibration_is_q4_on_a_vnni_cpu_and_int8_on_an_avx2_one(sp
     assert resolve_auto("target", CPU, allowed=("none", "int8")) == "int8"
     assert resolve_auto("target", CPU, allowed=("none",)) is None  # a profile that allows no quantisation
     assert resolve_auto("draft", torch.device("cuda")) is None
+    _kernels_as(monkeypatch, 3)  # AMX too: as AVX512-VNNI
+    assert resolve_auto("draft", CPU) == "q4" and resolve_auto("target", CPU, allowed=("none", "int8", "q4")) == "q4"
     _kernels_as(monkeypatch, 1)  # AVX2 only: int8, whatever else is allowed
     assert resolve_auto("draft", CPU) == "int8"
     assert resolve_auto("target", CPU, allowed=("none", "int8", "q4")) == "int8"
@@ -102,7 +104,7 @@ def test_auto_in_a_pair_loads_the_cpus_default_and_a_profile_can_keep_the_target
                                                                                           specdec_home):
     from specdec_cli.models import int8_kernel
 
-    draft_default = "q4" if int8_kernel._library()[1] == 2 else "int8"  # this CPU's kind (the test above)
+    draft_default = "q4" if int8_kernel._library()[1] >= 2 else "int8"  # this CPU's kind (the test above)
     target, draft = load_pair(str(llama_folder), str(llama_folder), device="cpu", dtype="float32",
                               target_quantization="auto", draft_quantization="auto", progress=False)
     assert (target.quantization, draft.quantization) == ("int8", draft_default)

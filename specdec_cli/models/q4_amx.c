@@ -1,0 +1,187 @@
+/* specdec's q4 matmul on AMX (Intel's tile instructions, Sapphire Rapids on): the VNNI code's numbers, bit for bit,
+   for forwards of 9 tokens or more (q4_gemm.c's Q4_AMX_TOKENS).
+
+   The VNNI code takes a group of 32 channels a token at a time: 8 vpdpbusd a token, so 16 tokens cost 16 times
+   one. One AMX tdpbsud takes a group for up to 16 tokens and the block's 16 rows at once: the activations as they
+   lie (a token's 32 int8 values of the group, `groups`·32 bytes apart: tile A, up to 16 rows), the weights' 4-bit
+   values unpacked to bytes in the layout vpdpbusd already takes (channels 4t..4t+3 of the 16 rows in 64 bytes: tile
+   B, 8 rows). Its int32 sums are the VNNI code's integers (exact: Σ q·a over 32 channels), and the float steps
+   after them are the VNNI code's, in its order:
+       sum = fma(float(Σ q·a), d·s, sum);  sum = fma(m, s·Σa, sum)
+   so a verify on AMX gives each token what a one-token forward (VNNI) gives it, bit for bit (tested).
+
+   Why only from 9 tokens: every group has its own scales (the weights' d, the activations' s), so each group's
+   sums leave the tiles (a tile store, ~5 ns even for 2 rows) and pass through the float steps above, per token.
+   Those costs do not shrink with the tokens, and below 9 tokens the VNNI code is as fast or faster (demo target's
+   decoder, Intel Xeon AMX, scripts/kernel_ab.py --amx: 2 tokens 47.7 ms on AMX against 38.2, 8 tokens 63.4
+   against 57.2; 12 tokens 73.3 against 79.6, 16 tokens 84.0 against 97.8). Tiles that kept their sums across
+   groups would need one scale for many groups: the int8 format's per-row scales, not q4's.
+
+   AMX needs the kernel's leave (arch_prctl, once a process: specdec_amx_ready) and a tile configuration in each
+   thread that uses the tiles (loaded at each call, since torch's oneDNN loads its own; released at its end). */
+
+#include <cpuid.h>
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "q4_layout.h"
+
+#define AMX_TOKENS 16            /* a tile's rows: tokens per pass */
+#define AMX_BATCH 8              /* groups a step takes before the next step */
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* 1 where this CPU has AMX-INT8 and the kernel lets this process use the tiles, else 0. */
+int specdec_amx_ready(void) {
+    unsigned eax, ebx, ecx, edx;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return 0;
+    if (!(edx & (1u << 24)) || !(edx & (1u << 25))) return 0; /* AMX-TILE, AMX-INT8 */
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+/* Tiles 0 and 3 (sums: tokens × 16 int32), 1 and 4 (activations: tokens × 32 bytes), 2 and 5 (weights: 8 × 64
+   bytes). */
+__attribute__((target("amx-tile")))
+static void amx_configure(int64_t tokens) {
+    TileConfig config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int set = 0; set < 6; set += 3) {
+        config.rows[set] = (uint8_t)tokens, config.bytes_per_row[set] = 64;
+        config.rows[set + 1] = (uint8_t)tokens, config.bytes_per_row[set + 1] = Q4_GROUP;
+        config.rows[set + 2] = 8, config.bytes_per_row[set + 2] = 64;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* Group g's weights unpacked into `into` (512 bytes: tile B's rows), and the lines ahead prefetched. */
+__attribute__((target("avx512f,avx512bw")))
+static inline void amx_unpack(const uint8_t *w, int layout, int64_t g, uint8_t *into) {
+    const int64_t group_bytes = layout ? Q4K_SUPER_BYTES / 8 : Q4_GROUP_BYTES; /* on average: what to prefetch */
+    const uint8_t *ahead = w + g * group_bytes + Q4_AHEAD;
+    for (int line = 0; line < Q4_GROUP_BYTES; line += 64) _mm_prefetch((const char *)(ahead + line), _MM_HINT_T1);
+    __m512i v[8];
+    q4_values_vnni(q4_group(w, layout, g), v);
+    for (int t = 0; t < 8; t++) _mm512_store_si512((void *)(into + 64 * t), v[t]);
+}
+
+/* Group g's integer sums into `exact` (tokens × 16 int32) through tiles C (sums), A (activations), B (weights,
+   from `unpacked`): tile numbers, so a macro. */
+#define AMX_SUMS(C, A, B, g, unpacked, exact)                                                                 \
+    do {                                                                                                      \
+        _tile_loadd(B, unpacked, 64);                                                                         \
+        _tile_loadd(A, values + (g) * Q4_GROUP, groups * Q4_GROUP);                                           \
+        _tile_zero(C);                                                                                        \
+        _tile_dpbsud(C, A, B);                                                                                \
+        _tile_stored(C, exact, 64);                                                                           \
+    } while (0)
+
+/* Group g's sums (`exact`) into the tokens' totals: the VNNI code's float steps, in its order. */
+__attribute__((target("avx512f,f16c,fma")))
+static inline void amx_add(const uint8_t *w, int layout, int64_t g, int64_t g_begin, const int32_t *exact,
+                           const float *scales, const float *scaled_sums, int64_t groups, int64_t m_count,
+                           __m512 *super_d, __m512 *super_dmin, __m512 *total) {
+    __m512 d, mins;
+    if (layout && (g == g_begin || (g & 7) == 0)) q4_super_vnni(w, g, super_d, super_dmin);
+    q4_steps_vnni(w, layout, g, q4_group(w, layout, g), *super_d, *super_dmin, &d, &mins);
+    for (int j = 0; j < m_count; j++) {
+        __m512 sum = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)(exact + j * 16)));
+        __m512 step = _mm512_mul_ps(d, _mm512_set1_ps(scales[j * groups + g]));
+        total[j] = _mm512_fmadd_ps(sum, step, total[j]);
+        total[j] = _mm512_fmadd_ps(mins, _mm512_set1_ps(scaled_sums[j * groups + g]), total[j]);
+    }
+}
+
+/* One block of 16 rows, groups [g_begin, g_end), up to AMX_TOKENS tokens (the configured tile rows): as
+   q4_block_vnni, with `values` the tile's first token's int8 values (groups·32 a token). `unpacked`
+   (AMX_BATCH × 512 bytes) and `exact` (AMX_BATCH × AMX_TOKENS × 16 int32) are the thread's, 64-byte aligned.
+   AMX_BATCH groups at a time, each step over all of them before the next: unpack, tile sums, float steps. A buffer
+   read back right after it was written waits for the store (a tile load of bytes just stored, vector loads of a
+   tile just stored): one group at a time took twice as long (2 tokens, the demo target's layer shapes). Two tile
+   sets alternate (C 0 and 3, A 1 and 4, B 2 and 5) so that one group's sums need not wait for the last group's
+   store. */
+__attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,f16c,fma")))
+static void q4_block_amx(const uint8_t *w, int layout, const int8_t *values, const float *scales,
+                         const float *scaled_sums, int64_t groups, int64_t g_begin, int64_t g_end, int64_t m_count,
+                         float *sums, int accumulate, const Q4Out *out, uint8_t *unpacked, int32_t *exact) {
+    __m512 total[AMX_TOKENS];
+    for (int j = 0; j < m_count; j++)
+        total[j] = accumulate ? _mm512_loadu_ps(sums + j * Q4_ROWS) : _mm512_setzero_ps();
+    __m512 super_d = _mm512_setzero_ps(), super_dmin = _mm512_setzero_ps();
+    for (int64_t g0 = g_begin; g0 < g_end; g0 += AMX_BATCH) {
+        int64_t count = g_end - g0 < AMX_BATCH ? g_end - g0 : AMX_BATCH;
+        for (int64_t i = 0; i < count; i++) amx_unpack(w, layout, g0 + i, unpacked + 512 * i);
+        for (int64_t i = 0; i < count; i++) {
+            if (i & 1)
+                AMX_SUMS(3, 4, 5, g0 + i, unpacked + 512 * i, exact + AMX_TOKENS * 16 * i);
+            else
+                AMX_SUMS(0, 1, 2, g0 + i, unpacked + 512 * i, exact + AMX_TOKENS * 16 * i);
+        }
+        for (int64_t i = 0; i < count; i++)
+            amx_add(w, layout, g0 + i, g_begin, exact + AMX_TOKENS * 16 * i, scales, scaled_sums, groups, m_count,
+                    &super_d, &super_dmin, total);
+    }
+    if (out) { /* as the VNNI code: the last groups' sums straight into y, + bias */
+        __mmask16 lanes = (__mmask16)((1u << out->lanes) - 1u);
+        __m512 bias = out->bias ? _mm512_maskz_loadu_ps(lanes, out->bias) : _mm512_setzero_ps();
+        for (int j = 0; j < m_count; j++)
+            _mm512_mask_storeu_ps(out->y + j * out->stride, lanes,
+                                  out->bias ? _mm512_add_ps(total[j], bias) : total[j]);
+    } else
+        for (int j = 0; j < m_count; j++) _mm512_storeu_ps(sums + j * Q4_ROWS, total[j]);
+}
+
+/* specdec_q4_gemm's work on AMX (its arguments, the same result bit for bit): tiles of up to AMX_TOKENS tokens;
+   more tokens than a tile take Q4_CHUNK groups at a time, as the VNNI code does, each sum its groups in order.
+   Returns 0, or 1 when its buffers could not be allocated (y is then unwritten). */
+__attribute__((target("amx-tile")))
+int specdec_q4_gemm_amx(int layout, int threads, const int8_t *values, const float *scales,
+                        const float *scaled_sums, int64_t M, int64_t groups, const uint8_t *w_packed,
+                        const float *bias, int64_t N, float *y) {
+    int64_t blocks = (N + Q4_ROWS - 1) / Q4_ROWS;
+    int64_t tiles = (M + AMX_TOKENS - 1) / AMX_TOKENS;
+    int64_t chunk = M <= AMX_TOKENS ? groups : Q4_CHUNK;
+    int64_t block_bytes = layout ? groups / 8 * Q4K_SUPER_BYTES : groups * Q4_GROUP_BYTES;
+    size_t per_thread = M <= AMX_TOKENS ? 0 : (size_t)(tiles * AMX_TOKENS * Q4_ROWS);
+    float *sums_all = per_thread ? malloc((size_t)threads * per_thread * sizeof(float)) : NULL;
+    if (per_thread && !sums_all) return 1;
+#pragma omp parallel num_threads(threads)
+    {
+        float *sums = per_thread ? sums_all + (size_t)omp_get_thread_num() * per_thread : NULL;
+        uint8_t unpacked[AMX_BATCH * 512] __attribute__((aligned(64)));
+        int32_t exact[AMX_BATCH * AMX_TOKENS * 16] __attribute__((aligned(64)));
+        int64_t configured = 0; /* the tile rows loaded in this thread: none yet */
+#pragma omp for schedule(guided)
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *w = w_packed + b * block_bytes;
+            int64_t first = b * Q4_ROWS, lanes = N - first < Q4_ROWS ? N - first : Q4_ROWS;
+            for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
+                int64_t g1 = g0 + chunk < groups ? g0 + chunk : groups;
+                for (int64_t t = 0; t < tiles; t++) {
+                    int64_t m_count = M - t * AMX_TOKENS < AMX_TOKENS ? M - t * AMX_TOKENS : AMX_TOKENS;
+                    if (m_count != configured) amx_configure(configured = m_count);
+                    int64_t first_token = t * AMX_TOKENS;
+                    Q4Out out = {y + first_token * N + first, N, bias ? bias + first : NULL, lanes};
+                    q4_block_amx(w, layout, values + first_token * groups * Q4_GROUP, scales + first_token * groups,
+                                 scaled_sums + first_token * groups, groups, g0, g1, m_count,
+                                 sums ? sums + first_token * Q4_ROWS : NULL, g0 > 0, g1 == groups ? &out : NULL,
+                                 unpacked, exact);
+                }
+            }
+        }
+        if (configured) _tile_release();
+    }
+    free(sums_all);
+    return 0;
+}
