@@ -68,7 +68,7 @@ def test_a_tokens_output_does_not_depend_on_the_others(code_path):
 @needs_kernel
 def test_the_kernel_takes_a_models_batch_and_dtype_shapes():
     torch.manual_seed(4)
-    own, reference = _pair(64, 40, 8 if int8_kernel._library()[1] == 2 else 7, bias=True)
+    own, reference = _pair(64, 40, 8 if int8_kernel._library()[1] >= 2 else 7, bias=True)
     x = torch.randn(2, 3, 64).to(torch.bfloat16)
     assert own(x).shape == (2, 3, 40) and own(x).dtype == torch.bfloat16
     assert torch.equal(own(x), reference(x))
@@ -103,7 +103,7 @@ def test_packing_keeps_every_weight(rows, width):
 
 @needs_kernel
 def test_a_copied_layer_keeps_the_kernels_layout_and_numbers():
-    own, _ = _pair(100, 64, 8 if int8_kernel._library()[1] == 2 else 7, bias=False)
+    own, _ = _pair(100, 64, 8 if int8_kernel._library()[1] >= 2 else 7, bias=False)
     copied = copy.deepcopy(own)
     x = torch.randn(3, 100)
     assert copied.own_kernel and torch.equal(copied(x), own(x))
