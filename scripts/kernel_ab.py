@@ -102,13 +102,14 @@ def _git(*words: str) -> str:
 def _base_library(revision: str, isa: int) -> tuple[ctypes.CDLL, int, None]:
     folder = Path(tempfile.mkdtemp(prefix="specdec-kernels-"))
     sources = []
-    for path in int8_kernel.SOURCES:
+    for path in (*int8_kernel.SOURCES, *int8_kernel.HEADERS):
         source = folder / path.name
         try:
             source.write_text(_git("show", f"{revision}:{path.relative_to(ROOT)}"))
-        except subprocess.CalledProcessError:  # a source newer than the revision (sampling_kernels.c): this tree's
+        except subprocess.CalledProcessError:  # newer than the revision (sampling_kernels.c, q4_amx.c): this tree's
             source.write_text(path.read_text())
-        sources.append(source)
+        if path in int8_kernel.SOURCES:
+            sources.append(source)
     if "int specdec_q4_linear(int isa, int layout," not in (folder / "q4_gemm.c").read_text():
         raise SystemExit(f"{revision}'s q4 kernel predates its layout argument (2026-12-05): its calls would take "
                          "other arguments than this tree passes; compare revisions from e024405 on")
@@ -116,7 +117,7 @@ def _base_library(revision: str, isa: int) -> tuple[ctypes.CDLL, int, None]:
     int8_kernel.compile_library(sources, built, int8_kernel.c_compiler())
     library = ctypes.CDLL(str(built))
     int8_kernel._declare(library)
-    return library, isa, None
+    return library, min(isa, library.specdec_isa()), None  # a revision before AMX (isa 3) runs its VNNI code
 
 
 QUESTIONS = ROOT.parent / "shared/prompts/spec_bench_questions.jsonl"

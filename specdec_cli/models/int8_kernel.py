@@ -80,7 +80,10 @@ def _built() -> Path:
         if not _whole(library):
             shutil.rmtree(final, ignore_errors=True)  # a library cut short crashes the process that loads it (SIGBUS)
             with atomic_folder(final) as staging:
-                compile_library(SOURCES, staging / library.name, compiler)
+                try:
+                    compile_library(SOURCES, staging / library.name, compiler)
+                except OSError:  # a compiler or assembler without AMX (q4_amx.c): everything else, without it
+                    compile_library(SOURCES, staging / library.name, compiler, defines=("SPECDEC_NO_AMX",))
                 _stamp(staging / library.name).write_text(_digest(staging / library.name), encoding="utf-8")
     return library
 
@@ -110,10 +113,11 @@ def c_compiler() -> str:
     return compiler
 
 
-def compile_library(sources: Sequence[Path], output: Path, compiler: str) -> None:
-    """`sources` into the shared library `output` with specdec's flags; OSError naming the compiler's last line
-    when it fails."""
-    result = subprocess.run([compiler, *FLAGS, "-o", str(output), *map(str, sources), "-lm"],
+def compile_library(sources: Sequence[Path], output: Path, compiler: str, defines: Sequence[str] = ()) -> None:
+    """`sources` into the shared library `output` with specdec's flags (and -D`defines`); OSError naming the
+    compiler's last line when it fails."""
+    result = subprocess.run([compiler, *FLAGS, *(f"-D{name}" for name in defines), "-o", str(output),
+                             *map(str, sources), "-lm"],
                             capture_output=True, text=True, timeout=300)
     if result.returncode:
         last = (result.stderr.strip().splitlines() or ["no output"])[-1]

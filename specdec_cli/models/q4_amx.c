@@ -18,7 +18,12 @@
    groups would need one scale for many groups: the int8 format's per-row scales, not q4's.
 
    AMX needs the kernel's leave (arch_prctl, once a process: specdec_amx_ready) and a tile configuration in each
-   thread that uses the tiles (loaded at each call, since torch's oneDNN loads its own; released at its end). */
+   thread that uses the tiles (loaded at each call, since torch's oneDNN loads its own; released at its end).
+
+   A compiler or assembler without AMX (gcc before 11, binutils before 2.36) fails on this file; int8_kernel.py then
+   builds the library again with SPECDEC_NO_AMX, where this file only says that AMX is not there. */
+
+#ifndef SPECDEC_NO_AMX
 
 #include <cpuid.h>
 #include <immintrin.h>
@@ -185,3 +190,18 @@ int specdec_q4_gemm_amx(int layout, int threads, const int8_t *values, const flo
     free(sums_all);
     return 0;
 }
+
+#else /* SPECDEC_NO_AMX */
+
+#include <stdint.h>
+
+int specdec_amx_ready(void) { return 0; }
+
+int specdec_q4_gemm_amx(int layout, int threads, const int8_t *values, const float *scales, const float *scaled_sums,
+                        int64_t M, int64_t groups, const uint8_t *w_packed, const float *bias, int64_t N, float *y) {
+    (void)layout, (void)threads, (void)values, (void)scales, (void)scaled_sums, (void)M, (void)groups;
+    (void)w_packed, (void)bias, (void)N, (void)y;
+    return 1; /* never called: isa 3 needs specdec_amx_ready */
+}
+
+#endif

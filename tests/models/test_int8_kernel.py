@@ -190,3 +190,27 @@ def test_a_kernel_another_process_built_meanwhile_is_used(monkeypatch, tmp_path)
     library, isa, problem = int8_kernel.load_library()
     assert problem is None and library is not None and isa in (1, 2, 3)
     assert [path.name for path in (tmp_path / "home" / "kernels").iterdir()] == [Path(library._name).parent.name]
+
+
+def test_a_compiler_without_amx_still_builds_the_kernels(monkeypatch, tmp_path):
+    """gcc before 11 (or binutils before 2.36) cannot build q4_amx.c: the library is built again without it, and
+    q4 runs on VNNI or AVX2, the same numbers."""
+    import shutil
+    import stat
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    wrapper = tmp_path / "cc-without-amx"
+    wrapper.write_text(f"#!/bin/sh\ncase \"$*\" in *-DSPECDEC_NO_AMX*) exec {compiler} \"$@\";; esac\n"
+                       "echo 'q4_amx.c: error: no such instruction: tdpbsud' >&2\nexit 1\n")
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("CC", str(wrapper))
+    library, isa, problem = int8_kernel.load_library()
+    assert problem is None and isa in (1, 2) and library.specdec_amx_ready() == 0
+    from specdec_cli.models.q4 import Q4Linear
+
+    layer = Q4Linear.from_linear(torch.nn.Linear(64, 40))
+    x = torch.randn(12, 64)  # AMX's token counts where the CPU has it
+    expected = layer(x)
+    monkeypatch.setattr(int8_kernel, "_library", lambda: (library, isa, None))
+    assert torch.equal(layer(x), expected)
