@@ -27,17 +27,17 @@
 
 #include <cpuid.h>
 #include <immintrin.h>
-#include <omp.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include "q4_layout.h"
 
-#define AMX_TOKENS 16            /* a tile's rows: tokens per pass */
-#define AMX_BATCH 8              /* groups a step takes before the next step */
+/* gcc's _tile_loadconfig tells the compiler it reads 8 bytes of the configuration, and _tile_loadd that it reads
+   no memory at all: without this, stores they depend on may be dropped or moved past them (the configuration's
+   were dropped, and ldtilecfg faulted). A compiler barrier, no instruction. */
+#define SPECDEC_MEMORY_BARRIER() __asm__ __volatile__("" ::: "memory")
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -55,10 +55,10 @@ int specdec_amx_ready(void) {
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
-/* Tiles 0 and 3 (sums: tokens × 16 int32), 1 and 4 (activations: tokens × 32 bytes), 2 and 5 (weights: 8 × 64
-   bytes). */
+/* This thread's tiles for `tokens` tokens (1..Q4_AMX_TILE): 0 and 3 (sums: tokens × 16 int32), 1 and 4
+   (activations: tokens × 32 bytes), 2 and 5 (weights: 8 × 64 bytes). */
 __attribute__((target("amx-tile")))
-static void amx_configure(int64_t tokens) {
+void specdec_amx_configure(int64_t tokens) {
     TileConfig config;
     memset(&config, 0, sizeof config);
     config.palette = 1;
@@ -67,8 +67,13 @@ static void amx_configure(int64_t tokens) {
         config.rows[set + 1] = (uint8_t)tokens, config.bytes_per_row[set + 1] = Q4_GROUP;
         config.rows[set + 2] = 8, config.bytes_per_row[set + 2] = 64;
     }
+    SPECDEC_MEMORY_BARRIER();
     _tile_loadconfig(&config);
 }
+
+/* This thread is done with the tiles. */
+__attribute__((target("amx-tile")))
+void specdec_amx_release(void) { _tile_release(); }
 
 /* Group g's weights unpacked into `into` (512 bytes: tile B's rows), and the lines ahead prefetched. */
 __attribute__((target("avx512f,avx512bw")))
@@ -85,6 +90,7 @@ static inline void amx_unpack(const uint8_t *w, int layout, int64_t g, uint8_t *
    from `unpacked`): tile numbers, so a macro. */
 #define AMX_SUMS(C, A, B, g, unpacked, exact)                                                                 \
     do {                                                                                                      \
+        SPECDEC_MEMORY_BARRIER();                                                                             \
         _tile_loadd(B, unpacked, 64);                                                                         \
         _tile_loadd(A, values + (g) * Q4_GROUP, groups * Q4_GROUP);                                           \
         _tile_zero(C);                                                                                        \
@@ -108,33 +114,33 @@ static inline void amx_add(const uint8_t *w, int layout, int64_t g, int64_t g_be
     }
 }
 
-/* One block of 16 rows, groups [g_begin, g_end), up to AMX_TOKENS tokens (the configured tile rows): as
+/* One block of 16 rows, groups [g_begin, g_end), up to Q4_AMX_TILE tokens (the configured tile rows): as
    q4_block_vnni, with `values` the tile's first token's int8 values (groups·32 a token). `unpacked`
-   (AMX_BATCH × 512 bytes) and `exact` (AMX_BATCH × AMX_TOKENS × 16 int32) are the thread's, 64-byte aligned.
-   AMX_BATCH groups at a time, each step over all of them before the next: unpack, tile sums, float steps. A buffer
-   read back right after it was written waits for the store (a tile load of bytes just stored, vector loads of a
-   tile just stored): one group at a time took twice as long (2 tokens, the demo target's layer shapes). Two tile
-   sets alternate (C 0 and 3, A 1 and 4, B 2 and 5) so that one group's sums need not wait for the last group's
-   store. */
+   (Q4_AMX_BATCH × 512 bytes) and `exact` (Q4_AMX_BATCH × Q4_AMX_TILE × 16 int32) are the thread's, 64-byte
+   aligned. Q4_AMX_BATCH groups at a time, each step over all of them before the next: unpack, tile sums, float
+   steps. A buffer read back right after it was written waits for the store (a tile load of bytes just stored,
+   vector loads of a tile just stored): one group at a time took twice as long (2 tokens, the demo target's layer
+   shapes). Two tile sets alternate (C 0 and 3, A 1 and 4, B 2 and 5) so that one group's sums need not wait for
+   the last group's store. */
 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,f16c,fma")))
-static void q4_block_amx(const uint8_t *w, int layout, const int8_t *values, const float *scales,
-                         const float *scaled_sums, int64_t groups, int64_t g_begin, int64_t g_end, int64_t m_count,
-                         float *sums, int accumulate, const Q4Out *out, uint8_t *unpacked, int32_t *exact) {
-    __m512 total[AMX_TOKENS];
+void specdec_q4_block_amx(const uint8_t *w, int layout, const int8_t *values, const float *scales,
+                          const float *scaled_sums, int64_t groups, int64_t g_begin, int64_t g_end, int64_t m_count,
+                          float *sums, int accumulate, const Q4Out *out, uint8_t *unpacked, int32_t *exact) {
+    __m512 total[Q4_AMX_TILE];
     for (int j = 0; j < m_count; j++)
         total[j] = accumulate ? _mm512_loadu_ps(sums + j * Q4_ROWS) : _mm512_setzero_ps();
     __m512 super_d = _mm512_setzero_ps(), super_dmin = _mm512_setzero_ps();
-    for (int64_t g0 = g_begin; g0 < g_end; g0 += AMX_BATCH) {
-        int64_t count = g_end - g0 < AMX_BATCH ? g_end - g0 : AMX_BATCH;
+    for (int64_t g0 = g_begin; g0 < g_end; g0 += Q4_AMX_BATCH) {
+        int64_t count = g_end - g0 < Q4_AMX_BATCH ? g_end - g0 : Q4_AMX_BATCH;
         for (int64_t i = 0; i < count; i++) amx_unpack(w, layout, g0 + i, unpacked + 512 * i);
         for (int64_t i = 0; i < count; i++) {
             if (i & 1)
-                AMX_SUMS(3, 4, 5, g0 + i, unpacked + 512 * i, exact + AMX_TOKENS * 16 * i);
+                AMX_SUMS(3, 4, 5, g0 + i, unpacked + 512 * i, exact + Q4_AMX_TILE * 16 * i);
             else
-                AMX_SUMS(0, 1, 2, g0 + i, unpacked + 512 * i, exact + AMX_TOKENS * 16 * i);
+                AMX_SUMS(0, 1, 2, g0 + i, unpacked + 512 * i, exact + Q4_AMX_TILE * 16 * i);
         }
         for (int64_t i = 0; i < count; i++)
-            amx_add(w, layout, g0 + i, g_begin, exact + AMX_TOKENS * 16 * i, scales, scaled_sums, groups, m_count,
+            amx_add(w, layout, g0 + i, g_begin, exact + Q4_AMX_TILE * 16 * i, scales, scaled_sums, groups, m_count,
                     &super_d, &super_dmin, total);
     }
     if (out) { /* as the VNNI code: the last groups' sums straight into y, + bias */
@@ -147,61 +153,18 @@ static void q4_block_amx(const uint8_t *w, int layout, const int8_t *values, con
         for (int j = 0; j < m_count; j++) _mm512_storeu_ps(sums + j * Q4_ROWS, total[j]);
 }
 
-/* specdec_q4_gemm's work on AMX (its arguments, the same result bit for bit): tiles of up to AMX_TOKENS tokens;
-   more tokens than a tile take Q4_CHUNK groups at a time, as the VNNI code does, each sum its groups in order.
-   Returns 0, or 1 when its buffers could not be allocated (y is then unwritten). */
-__attribute__((target("amx-tile")))
-int specdec_q4_gemm_amx(int layout, int threads, const int8_t *values, const float *scales,
-                        const float *scaled_sums, int64_t M, int64_t groups, const uint8_t *w_packed,
-                        const float *bias, int64_t N, float *y) {
-    int64_t blocks = (N + Q4_ROWS - 1) / Q4_ROWS;
-    int64_t tiles = (M + AMX_TOKENS - 1) / AMX_TOKENS;
-    int64_t chunk = M <= AMX_TOKENS ? groups : Q4_CHUNK;
-    int64_t block_bytes = layout ? groups / 8 * Q4K_SUPER_BYTES : groups * Q4_GROUP_BYTES;
-    size_t per_thread = M <= AMX_TOKENS ? 0 : (size_t)(tiles * AMX_TOKENS * Q4_ROWS);
-    float *sums_all = per_thread ? malloc((size_t)threads * per_thread * sizeof(float)) : NULL;
-    if (per_thread && !sums_all) return 1;
-#pragma omp parallel num_threads(threads)
-    {
-        float *sums = per_thread ? sums_all + (size_t)omp_get_thread_num() * per_thread : NULL;
-        uint8_t unpacked[AMX_BATCH * 512] __attribute__((aligned(64)));
-        int32_t exact[AMX_BATCH * AMX_TOKENS * 16] __attribute__((aligned(64)));
-        int64_t configured = 0; /* the tile rows loaded in this thread: none yet */
-#pragma omp for schedule(guided)
-        for (int64_t b = 0; b < blocks; b++) {
-            const uint8_t *w = w_packed + b * block_bytes;
-            int64_t first = b * Q4_ROWS, lanes = N - first < Q4_ROWS ? N - first : Q4_ROWS;
-            for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
-                int64_t g1 = g0 + chunk < groups ? g0 + chunk : groups;
-                for (int64_t t = 0; t < tiles; t++) {
-                    int64_t m_count = M - t * AMX_TOKENS < AMX_TOKENS ? M - t * AMX_TOKENS : AMX_TOKENS;
-                    if (m_count != configured) amx_configure(configured = m_count);
-                    int64_t first_token = t * AMX_TOKENS;
-                    Q4Out out = {y + first_token * N + first, N, bias ? bias + first : NULL, lanes};
-                    q4_block_amx(w, layout, values + first_token * groups * Q4_GROUP, scales + first_token * groups,
-                                 scaled_sums + first_token * groups, groups, g0, g1, m_count,
-                                 sums ? sums + first_token * Q4_ROWS : NULL, g0 > 0, g1 == groups ? &out : NULL,
-                                 unpacked, exact);
-                }
-            }
-        }
-        if (configured) _tile_release();
-    }
-    free(sums_all);
-    return 0;
-}
+#else /* SPECDEC_NO_AMX: never called, since isa 3 needs specdec_amx_ready */
 
-#else /* SPECDEC_NO_AMX */
-
-#include <stdint.h>
+#include "q4_layout.h"
 
 int specdec_amx_ready(void) { return 0; }
-
-int specdec_q4_gemm_amx(int layout, int threads, const int8_t *values, const float *scales, const float *scaled_sums,
-                        int64_t M, int64_t groups, const uint8_t *w_packed, const float *bias, int64_t N, float *y) {
-    (void)layout, (void)threads, (void)values, (void)scales, (void)scaled_sums, (void)M, (void)groups;
-    (void)w_packed, (void)bias, (void)N, (void)y;
-    return 1; /* never called: isa 3 needs specdec_amx_ready */
+void specdec_amx_configure(int64_t tokens) { (void)tokens; }
+void specdec_amx_release(void) {}
+void specdec_q4_block_amx(const uint8_t *w, int layout, const int8_t *values, const float *scales,
+                          const float *scaled_sums, int64_t groups, int64_t g_begin, int64_t g_end, int64_t m_count,
+                          float *sums, int accumulate, const Q4Out *out, uint8_t *unpacked, int32_t *exact) {
+    (void)w, (void)layout, (void)values, (void)scales, (void)scaled_sums, (void)groups, (void)g_begin, (void)g_end;
+    (void)m_count, (void)sums, (void)accumulate, (void)out, (void)unpacked, (void)exact;
 }
 
 #endif

@@ -272,36 +272,35 @@ static void q4_block_avx2(const uint8_t *w, int layout, const int32_t *tokens, c
 
 /* y (M, N) float32 = x · Wᵀ (+ bias) with x given as specdec_q8_groups made it (values (M, groups*32),
    scales and scaled sums (M, groups)) and W packed (ceil(N/16) blocks of groups × 320 bytes; layout 1:
-   groups / 8 × 2368). isa: 3 AMX from Q4_AMX_TOKENS tokens (q4_amx.c, the same bits) and VNNI below, 2 VNNI,
-   1 AVX2; threads: OpenMP threads over the blocks. Up to Q4_TILE tokens: one pass
+   groups / 8 × 2368). isa: 3 AMX from Q4_AMX_TOKENS tokens (q4_amx.c: tiles of Q4_AMX_TILE, the same bits) and
+   VNNI below, 2 VNNI, 1 AVX2; threads: OpenMP threads over the blocks. Up to a tile of tokens (Q4_TILE): one pass
    over each block's weights, straight from memory. More: Q4_CHUNK groups at a time, so a block's chunk stays in L1
    while every tile of tokens passes over it; each sum still takes its groups in order, so the result is
    the same. A block's last groups store their sums (+ bias) straight into y from the registers: copying them
    there from a buffer, a memcpy of 16 floats per token and block, cost (demo pair, interleaved, AMD EPYC AVX512,
    scripts/kernel_ab.py) draft 10.9 / target 32.7 ms a token against 10.1 / 31.9, a 150-token forward of the
    target 1090 against 1046 ms. Returns 0, or 1 when its buffers could not be allocated (y is then unwritten). */
-int specdec_q4_gemm_amx(int layout, int threads, const int8_t *values, const float *scales,
-                        const float *scaled_sums, int64_t M, int64_t groups, const uint8_t *w_packed,
-                        const float *bias, int64_t N, float *y); /* q4_amx.c */
-
 int specdec_q4_gemm(int isa, int layout, int threads, const int8_t *values, const float *scales,
                     const float *scaled_sums, int64_t M, int64_t groups, const uint8_t *w_packed, const float *bias,
                     int64_t N, float *y) {
-    if (isa == 3 && M >= Q4_AMX_TOKENS)
-        return specdec_q4_gemm_amx(layout, threads, values, scales, scaled_sums, M, groups, w_packed, bias, N, y);
+    int amx = isa == 3 && M >= Q4_AMX_TOKENS;
+    int64_t tile = amx ? Q4_AMX_TILE : Q4_TILE; /* tokens a pass */
     int64_t blocks = (N + Q4_ROWS - 1) / Q4_ROWS;
-    int64_t tiles = (M + Q4_TILE - 1) / Q4_TILE;
-    int64_t chunk = M <= Q4_TILE ? groups : Q4_CHUNK;
+    int64_t tiles = (M + tile - 1) / tile;
+    int64_t chunk = M <= tile ? groups : Q4_CHUNK;
     int64_t steps = groups * 8; /* 4-channel steps per token */
     int64_t block_bytes = layout ? groups / 8 * Q4K_SUPER_BYTES : groups * Q4_GROUP_BYTES;
     const int32_t *tokens = (const int32_t *)values;
     /* More tokens than a tile: each thread's sums of every tile over the groups so far (none needed else) */
-    size_t per_thread = M <= Q4_TILE ? 0 : (size_t)(tiles * Q4_TILE * Q4_ROWS);
+    size_t per_thread = M <= tile ? 0 : (size_t)(tiles * tile * Q4_ROWS);
     float *sums_all = per_thread ? malloc((size_t)threads * per_thread * sizeof(float)) : NULL;
     if (per_thread && !sums_all) return 1;
 #pragma omp parallel num_threads(threads)
     {
         float *sums = per_thread ? sums_all + (size_t)omp_get_thread_num() * per_thread : NULL;
+        uint8_t unpacked[Q4_AMX_BATCH * 512] __attribute__((aligned(64))); /* AMX's scratch (12 KB, unread by VNNI) */
+        int32_t exact[Q4_AMX_BATCH * Q4_AMX_TILE * 16] __attribute__((aligned(64)));
+        int64_t configured = 0; /* the tile rows this thread's AMX tiles have: none yet */
         /* guided, not static halves: a block is one thread's whole work either way (the same bits), but when the VM
            slows one core the other takes more blocks instead of waiting at the end. Interleaved against static (demo
            pair, AMD EPYC AVX512, scripts/kernel_ab.py): a noisy moment, draft 12.0 -> 10.8 ms a token, target 33.4 ->
@@ -313,14 +312,18 @@ int specdec_q4_gemm(int isa, int layout, int threads, const int8_t *values, cons
             for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
                 int64_t g1 = g0 + chunk < groups ? g0 + chunk : groups;
                 for (int64_t t = 0; t < tiles; t++) {
-                    int64_t m_count = M - t * Q4_TILE < Q4_TILE ? M - t * Q4_TILE : Q4_TILE;
-                    const int32_t *tile_tokens = tokens + t * Q4_TILE * steps;
-                    const float *tile_scales = scales + t * Q4_TILE * groups;
-                    const float *tile_sums = scaled_sums + t * Q4_TILE * groups;
-                    float *tile_out = sums ? sums + t * Q4_TILE * Q4_ROWS : NULL;
-                    Q4Out out = {y + t * Q4_TILE * N + first, N, bias ? bias + first : NULL, lanes};
+                    int64_t m_count = M - t * tile < tile ? M - t * tile : tile;
+                    const int32_t *tile_tokens = tokens + t * tile * steps;
+                    const float *tile_scales = scales + t * tile * groups;
+                    const float *tile_sums = scaled_sums + t * tile * groups;
+                    float *tile_out = sums ? sums + t * tile * Q4_ROWS : NULL;
+                    Q4Out out = {y + t * tile * N + first, N, bias ? bias + first : NULL, lanes};
                     const Q4Out *last = g1 == groups ? &out : NULL; /* the sums' last groups: straight into y */
-                    if (isa >= 2)
+                    if (amx) {
+                        if (m_count != configured) specdec_amx_configure(configured = m_count);
+                        specdec_q4_block_amx(w, layout, (const int8_t *)tile_tokens, tile_scales, tile_sums, groups,
+                                             g0, g1, m_count, tile_out, g0 > 0, last, unpacked, exact);
+                    } else if (isa >= 2)
                         q4_block_vnni(w, layout, tile_tokens, tile_scales, tile_sums, steps, groups, g0, g1, m_count,
                                       tile_out, g0 > 0, last);
                     else
@@ -329,6 +332,7 @@ int specdec_q4_gemm(int isa, int layout, int threads, const int8_t *values, cons
                 }
             }
         }
+        if (configured) specdec_amx_release();
     }
     free(sums_all);
     return 0;

@@ -75,4 +75,14 @@ static inline void q4_values_vnni(const uint8_t *p, __m512i values[8]) {
     }
 }
 
+/* The AMX code (q4_amx.c), which q4_gemm.c's loop calls for a tile of 9 tokens or more where the CPU has AMX. */
+#define Q4_AMX_TILE 16  /* a tile's rows: tokens per pass */
+#define Q4_AMX_BATCH 8  /* groups a step takes before the next step */
+int specdec_amx_ready(void);
+void specdec_amx_configure(int64_t tokens);
+void specdec_amx_release(void);
+void specdec_q4_block_amx(const uint8_t *w, int layout, const int8_t *values, const float *scales,
+                          const float *scaled_sums, int64_t groups, int64_t g_begin, int64_t g_end, int64_t m_count,
+                          float *sums, int accumulate, const Q4Out *out, uint8_t *unpacked, int32_t *exact);
+
 #endif
