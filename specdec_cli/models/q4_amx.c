@@ -143,14 +143,7 @@ void specdec_q4_block_amx(const uint8_t *w, int layout, const int8_t *values, co
             amx_add(w, layout, g0 + i, g_begin, exact + Q4_AMX_TILE * 16 * i, scales, scaled_sums, groups, m_count,
                     &super_d, &super_dmin, total);
     }
-    if (out) { /* as the VNNI code: the last groups' sums straight into y, + bias */
-        __mmask16 lanes = (__mmask16)((1u << out->lanes) - 1u);
-        __m512 bias = out->bias ? _mm512_maskz_loadu_ps(lanes, out->bias) : _mm512_setzero_ps();
-        for (int j = 0; j < m_count; j++)
-            _mm512_mask_storeu_ps(out->y + j * out->stride, lanes,
-                                  out->bias ? _mm512_add_ps(total[j], bias) : total[j]);
-    } else
-        for (int j = 0; j < m_count; j++) _mm512_storeu_ps(sums + j * Q4_ROWS, total[j]);
+    q4_finish_vnni(total, m_count, sums, out);
 }
 
 #else /* SPECDEC_NO_AMX: never called, since isa 3 needs specdec_amx_ready */

@@ -182,14 +182,7 @@ static void q4_block_vnni(const uint8_t *w, int layout, const int32_t *tokens, c
         Q4_VNNI_CASE(5) Q4_VNNI_CASE(6) Q4_VNNI_CASE(7) Q4_VNNI_CASE(8)
     }
 #undef Q4_VNNI_CASE
-    if (out) { /* the last groups: each token's rows straight into y, + bias (the same single add per element) */
-        __mmask16 lanes = (__mmask16)((1u << out->lanes) - 1u);
-        __m512 bias = out->bias ? _mm512_maskz_loadu_ps(lanes, out->bias) : _mm512_setzero_ps();
-        for (int j = 0; j < m_count; j++)
-            _mm512_mask_storeu_ps(out->y + j * out->stride, lanes,
-                                  out->bias ? _mm512_add_ps(total[j], bias) : total[j]);
-    } else
-        for (int j = 0; j < m_count; j++) _mm512_storeu_ps(sums + j * Q4_ROWS, total[j]);
+    q4_finish_vnni(total, m_count, sums, out);
 }
 
 /* The same on AVX2 for 8 of the 16 rows (`half` 0 or 1) and up to 4 tokens: uint8 × int8 pairs summed in

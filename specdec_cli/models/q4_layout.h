@@ -63,6 +63,20 @@ static inline void q4_steps_vnni(const uint8_t *w, int layout, int64_t g, const 
     *mins = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(scaled), _mm512_set1_epi32((int)0x80000000u)));
 }
 
+/* A block's sums of `m_count` tokens (`total`, 16 rows each) where they go: with `out` (the block's last groups)
+   each token's rows straight into y, + bias (one add per element), else into `sums` for the next groups. */
+__attribute__((target("avx512f")))
+static inline void q4_finish_vnni(const __m512 *total, int64_t m_count, float *sums, const Q4Out *out) {
+    if (out) {
+        __mmask16 lanes = (__mmask16)((1u << out->lanes) - 1u);
+        __m512 bias = out->bias ? _mm512_maskz_loadu_ps(lanes, out->bias) : _mm512_setzero_ps();
+        for (int j = 0; j < m_count; j++)
+            _mm512_mask_storeu_ps(out->y + j * out->stride, lanes,
+                                  out->bias ? _mm512_add_ps(total[j], bias) : total[j]);
+    } else
+        for (int j = 0; j < m_count; j++) _mm512_storeu_ps(sums + j * Q4_ROWS, total[j]);
+}
+
 /* Group g's 32 channels of the block's 16 rows as 8 × 64 bytes, channels 4t..4t+3 of the 16 rows in values[t]
    (0..15 each): the low nibbles of the group's 4 chunks, then their high nibbles. */
 __attribute__((target("avx512f,avx512bw")))
