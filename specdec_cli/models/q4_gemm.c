@@ -312,7 +312,7 @@ int specdec_q4_gemm(int isa, int layout, int threads, const int8_t *values, cons
                     float *tile_out = sums ? sums + t * tile * Q4_ROWS : NULL;
                     Q4Out out = {y + t * tile * N + first, N, bias ? bias + first : NULL, lanes};
                     const Q4Out *last = g1 == groups ? &out : NULL; /* the sums' last groups: straight into y */
-                    if (amx) {
+                    if (amx && m_count >= Q4_AMX_TOKENS) { /* a last tile of fewer (at most 8): VNNI's */
                         if (m_count != configured) specdec_amx_configure(configured = m_count);
                         specdec_q4_block_amx(w, layout, (const int8_t *)tile_tokens, tile_scales, tile_sums, groups,
                                              g0, g1, m_count, tile_out, g0 > 0, last, unpacked, exact);
