@@ -1,5 +1,5 @@
 /* specdec's q4 matmul on AMX (Intel's tile instructions, Sapphire Rapids on): the VNNI code's numbers, bit for bit,
-   for forwards of 9 tokens or more (q4_gemm.c's Q4_AMX_TOKENS).
+   for forwards of 9 tokens or more (q4_gemm.c's Q4_AMX_TOKENS; a last tile of fewer than 9 stays on VNNI).
 
    The VNNI code takes a group of 32 channels a token at a time: 8 vpdpbusd a token, so 16 tokens cost 16 times
    one. One AMX tdpbsud takes a group for up to 16 tokens and the block's 16 rows at once: the activations as they
