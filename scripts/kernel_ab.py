@@ -9,7 +9,8 @@ fresh decoder each time (prefill included, as in `compare`); the tokens must be 
 
 --batched B instead times `run --batch-size B` (the batched engine, the target alone, greedy, 128 new tokens) over
 --prompts Spec-Bench questions (round-robin over the categories, as `compare` encodes them), each library in turn
-(the order alternating per repeat); the tokens must be the same every way.
+(the order alternating per repeat); the tokens must be the same every way. --batched-drafter cascade makes it
+speculative (the profile's draft, k = auto).
 
 --amx times the working tree's library on AMX (isa 3: the q4 matmul of several tokens, q4_amx.c) against its own
 VNNI code (isa 2), instead of a base revision's.
@@ -62,6 +63,8 @@ def main() -> None:
     parser.add_argument("--generate", type=int, default=0, help="time generations of N prompts instead")
     parser.add_argument("--batched", type=int, default=0, help="time the batched engine at batch size B instead")
     parser.add_argument("--prompts", type=int, default=16, help="with --batched: how many requests")
+    parser.add_argument("--batched-drafter", default="none",
+                        help="with --batched: the drafter (none: the target alone; cascade: speculative, k = auto)")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     if args.avx2:
@@ -77,7 +80,8 @@ def main() -> None:
               "base_commit": _git("rev-parse", args.base).strip(), "context_tokens": args.context,
               "repeats": args.repeats, "milliseconds": {}}
     if args.generate or args.batched:
-        result["generations"] = (_batched(libraries, args.batched, args.prompts, args.repeats) if args.batched
+        result["generations"] = (_batched(libraries, args.batched, args.prompts, args.repeats, args.batched_drafter)
+                                 if args.batched
                                  else _generations(libraries, args.generate))
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1))
@@ -177,35 +181,36 @@ def _generations(libraries: dict, count: int) -> dict:
 
 
 @torch.inference_mode()
-def _batched(libraries: dict, batch_size: int, count: int, repeats: int) -> dict:
+def _batched(libraries: dict, batch_size: int, count: int, repeats: int, drafter: str = "none") -> dict:
     from specdec_cli.engine import SamplingParams
     from specdec_cli.engine.batched import RowRequest
     from specdec_cli.session import build_batched_decoder
     from specdec_cli.settings import ModelOverrides, choose_models, load_choice
 
     choice = choose_models(ModelOverrides(profile="demo"))
-    target, _ = load_choice(choice)  # the draft too (the profile's pair): the target alone runs
+    target, draft = load_choice(choice)  # the profile's pair: the draft runs with --batched-drafter
     prompts = spec_bench_prompts(target.tokenizer, choice.profile.system, count, per_category=count)
     requests = [RowRequest(prompt, SamplingParams(), 128) for prompt in prompts]
-    seconds = {which: {"none": 0.0} for which in libraries}
-    tokens = {which: {"none": 0} for which in libraries}
+    seconds = {which: {drafter: 0.0} for which in libraries}
+    tokens = {which: {drafter: 0} for which in libraries}
     outputs = {}
     for repeat in range(repeats):
         for which in list(libraries)[:: 1 if repeat % 2 == 0 else -1]:
-            decoder = build_batched_decoder(target, None, "none", 0, batch_size)
+            decoder = (build_batched_decoder(target, None, "none", 0, batch_size) if drafter == "none"
+                       else build_batched_decoder(target, draft, drafter, "auto", batch_size))
             with _kernels(libraries[which]):
                 start = time.perf_counter()
                 results = decoder.generate_many(requests)
-                seconds[which]["none"] += time.perf_counter() - start
+                seconds[which][drafter] += time.perf_counter() - start
             made = [result.tokens for result in results]
-            tokens[which]["none"] += sum(map(len, made))
+            tokens[which][drafter] += sum(map(len, made))
             if outputs.setdefault(repeat, made) != made:
                 raise SystemExit(f"repeat {repeat}: the outputs differ between libraries")
         print(f"repeat {repeat + 1}/{repeats}:", " ".join(
-            f"{which} {tokens[which]['none'] / seconds[which]['none']:.1f} tok/s" for which in libraries), flush=True)
-    return {"batch_size": batch_size, "prompts": len(prompts), "max_new_tokens": 128, "seconds": seconds,
-            "tokens": tokens, "tokens_per_second": {which: tokens[which]["none"] / seconds[which]["none"]
-                                                    for which in libraries}}
+            f"{which} {tokens[which][drafter] / seconds[which][drafter]:.1f} tok/s" for which in libraries), flush=True)
+    return {"batch_size": batch_size, "drafter": drafter, "prompts": len(prompts), "max_new_tokens": 128,
+            "seconds": seconds, "tokens": tokens,
+            "tokens_per_second": {which: tokens[which][drafter] / seconds[which][drafter] for which in libraries}}
 
 
 def timed_generation(decoder, prompt: list[int]) -> tuple[list[int], float]:
