@@ -30,7 +30,7 @@ from specdec_cli.models.paths import atomic_file, specdec_home
 
 KIND = "layers"
 FORMAT = 2  # the entry's own layout (below); bump on a change to it
-_CODE = ("q4.py", "gguf_q4.py", "q4_gemm.c", "int8.py", "int8_kernel.py", "int8_gemm.c")  # what makes the bytes
+_CODE = ("q4.py", "gguf_q4.py", "q4_gemm.c", "q4_layout.h", "int8.py", "int8_kernel.py", "int8_gemm.c")  # the bytes
 NOTE = "_specdec_q4_from_gguf"  # a model's note on its layers that an entry keeps (q4: taken from the .gguf, of all)
 
 
