@@ -13,9 +13,10 @@
    Why only from 9 tokens: every group has its own scales (the weights' d, the activations' s), so each group's
    sums leave the tiles (a tile store, ~5 ns even for 2 rows) and pass through the float steps above, per token.
    Those costs do not shrink with the tokens, and below 9 tokens the VNNI code is as fast or faster (demo target's
-   decoder, Intel Xeon AMX, scripts/kernel_ab.py --amx: 2 tokens 47.7 ms on AMX against 38.2, 8 tokens 63.4
-   against 57.2; 12 tokens 73.3 against 79.6, 16 tokens 84.0 against 97.8). Tiles that kept their sums across
-   groups would need one scale for many groups: the int8 format's per-row scales, not q4's.
+   decoder, Intel Xeon AMX, AMX at every token count: 2 tokens 51.7 ms against VNNI's 41.3, 8 tokens 67.5 against
+   61.7, 16 tokens 88.9 against 101.9; benchmarks/2026-12-05-kernel-ab-amx-int8-q4-not-kept-intel.json). Tiles
+   that kept their sums across groups would need one scale for many groups: the int8 format's per-row scales, not
+   q4's.
 
    AMX needs the kernel's leave (arch_prctl, once a process: specdec_amx_ready) and a tile configuration in each
    thread that uses the tiles (loaded at each call, since torch's oneDNN loads its own; released at its end).
@@ -78,9 +79,7 @@ void specdec_amx_release(void) { _tile_release(); }
 /* Group g's weights unpacked into `into` (512 bytes: tile B's rows), and the lines ahead prefetched. */
 __attribute__((target("avx512f,avx512bw")))
 static inline void amx_unpack(const uint8_t *w, int layout, int64_t g, uint8_t *into) {
-    const int64_t group_bytes = layout ? Q4K_SUPER_BYTES / 8 : Q4_GROUP_BYTES; /* on average: what to prefetch */
-    const uint8_t *ahead = w + g * group_bytes + Q4_AHEAD;
-    for (int line = 0; line < Q4_GROUP_BYTES; line += 64) _mm_prefetch((const char *)(ahead + line), _MM_HINT_T1);
+    q4_prefetch_ahead(w, layout, g);
     __m512i v[8];
     q4_values_vnni(q4_group(w, layout, g), v);
     for (int t = 0; t < 8; t++) _mm512_store_si512((void *)(into + 64 * t), v[t]);
@@ -98,7 +97,7 @@ static inline void amx_unpack(const uint8_t *w, int layout, int64_t g, uint8_t *
         _tile_stored(C, exact, 64);                                                                           \
     } while (0)
 
-/* Group g's sums (`exact`) into the tokens' totals: the VNNI code's float steps, in its order. */
+/* Group g's sums (`exact`) into the tokens' totals: the VNNI code's float steps (q4_add_group_vnni). */
 __attribute__((target("avx512f,f16c,fma")))
 static inline void amx_add(const uint8_t *w, int layout, int64_t g, int64_t g_begin, const int32_t *exact,
                            const float *scales, const float *scaled_sums, int64_t groups, int64_t m_count,
@@ -106,12 +105,9 @@ static inline void amx_add(const uint8_t *w, int layout, int64_t g, int64_t g_be
     __m512 d, mins;
     if (layout && (g == g_begin || (g & 7) == 0)) q4_super_vnni(w, g, super_d, super_dmin);
     q4_steps_vnni(w, layout, g, q4_group(w, layout, g), *super_d, *super_dmin, &d, &mins);
-    for (int j = 0; j < m_count; j++) {
-        __m512 sum = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)(exact + j * 16)));
-        __m512 step = _mm512_mul_ps(d, _mm512_set1_ps(scales[j * groups + g]));
-        total[j] = _mm512_fmadd_ps(sum, step, total[j]);
-        total[j] = _mm512_fmadd_ps(mins, _mm512_set1_ps(scaled_sums[j * groups + g]), total[j]);
-    }
+    for (int j = 0; j < m_count; j++)
+        total[j] = q4_add_group_vnni(total[j], _mm512_load_si512((const void *)(exact + j * 16)), d, mins,
+                                     scales[j * groups + g], scaled_sums[j * groups + g]);
 }
 
 /* One block of 16 rows, groups [g_begin, g_end), up to Q4_AMX_TILE tokens (the configured tile rows): as

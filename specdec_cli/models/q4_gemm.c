@@ -147,14 +147,12 @@ static void q4_block_vnni(const uint8_t *w, int layout, const int32_t *tokens, c
     __m512 total[Q4_TILE];
     for (int j = 0; j < Q4_TILE; j++)
         total[j] = accumulate && j < m_count ? _mm512_loadu_ps(sums + j * Q4_ROWS) : _mm512_setzero_ps();
-    const int64_t group_bytes = layout ? Q4K_SUPER_BYTES / 8 : Q4_GROUP_BYTES; /* on average: what to prefetch */
     __m512 super_d = _mm512_setzero_ps(), super_dmin = _mm512_setzero_ps();
 #define Q4_VNNI_CASE(T)                                                                                       \
     case T:                                                                                                   \
         for (int64_t g = g_begin; g < g_end; g++) {                                                           \
-            const uint8_t *p = q4_group(w, layout, g), *ahead = w + g * group_bytes + Q4_AHEAD;               \
-            for (int line = 0; line < Q4_GROUP_BYTES; line += 64)                                             \
-                _mm_prefetch((const char *)(ahead + line), _MM_HINT_T1);                                      \
+            const uint8_t *p = q4_group(w, layout, g);                                                        \
+            q4_prefetch_ahead(w, layout, g);                                                                  \
             __m512i v[8];                                                                                     \
             q4_values_vnni(p, v);                                                                             \
             __m512 d, mins;                                                                                   \
@@ -170,10 +168,8 @@ static void q4_block_vnni(const uint8_t *w, int layout, const int32_t *tokens, c
                 b = _mm512_dpbusd_epi32(b, v[6], _mm512_set1_epi32(x[6]));                                    \
                 a = _mm512_dpbusd_epi32(a, v[3], _mm512_set1_epi32(x[3]));                                    \
                 b = _mm512_dpbusd_epi32(b, v[7], _mm512_set1_epi32(x[7]));                                    \
-                __m512 exact = _mm512_cvtepi32_ps(_mm512_add_epi32(a, b));                                    \
-                __m512 step = _mm512_mul_ps(d, _mm512_set1_ps(scales[j * groups + g]));                       \
-                total[j] = _mm512_fmadd_ps(exact, step, total[j]);                                            \
-                total[j] = _mm512_fmadd_ps(mins, _mm512_set1_ps(scaled_sums[j * groups + g]), total[j]);      \
+                total[j] = q4_add_group_vnni(total[j], _mm512_add_epi32(a, b), d, mins, scales[j * groups + g], \
+                                             scaled_sums[j * groups + g]);                                    \
             }                                                                                                 \
         }                                                                                                     \
         break;
@@ -196,7 +192,6 @@ static void q4_half_avx2(const uint8_t *w, int layout, int half, const int32_t *
     for (int j = 0; j < Q4_AVX2_TILE; j++)
         total[j] = accumulate && j < m_count ? _mm256_loadu_ps(sums + j * Q4_ROWS + half * 8) : _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    const int64_t group_bytes = layout ? Q4K_SUPER_BYTES / 8 : Q4_GROUP_BYTES; /* on average: what to prefetch */
     __m256 super_d = _mm256_setzero_ps(), super_dmin = _mm256_setzero_ps();
 /* Pairs of uint8 × int8 summed in int16 (each ≤ 2·15·127 = 3810), and the 8 chunks' sums in int16 too: ≤ 30480,
    so they cannot wrap; one vpmaddwd then widens each lane's two to int32. The same integer as summing in int32. */
@@ -204,9 +199,8 @@ static void q4_half_avx2(const uint8_t *w, int layout, int half, const int32_t *
 #define Q4_AVX2_CASE(T)                                                                                       \
     case T:                                                                                                   \
         for (int64_t g = g_begin; g < g_end; g++) {                                                           \
-            const uint8_t *p = q4_group(w, layout, g), *ahead = w + g * group_bytes + Q4_AHEAD;               \
-            for (int line = 0; line < Q4_GROUP_BYTES; line += 64)                                             \
-                _mm_prefetch((const char *)(ahead + line), _MM_HINT_T1);                                      \
+            const uint8_t *p = q4_group(w, layout, g);                                                        \
+            q4_prefetch_ahead(w, layout, g);                                                                  \
             __m256i c0 = _mm256_loadu_si256((const __m256i *)(p + half * 32));                                \
             __m256i c1 = _mm256_loadu_si256((const __m256i *)(p + 64 + half * 32));                           \
             __m256i c2 = _mm256_loadu_si256((const __m256i *)(p + 128 + half * 32));                          \

@@ -37,6 +37,13 @@ static inline const uint8_t *q4_group(const uint8_t *w, int layout, int64_t g) {
     return layout ? w + (g >> 3) * Q4K_SUPER_BYTES + (g & 7) * 256 : w + g * Q4_GROUP_BYTES;
 }
 
+/* The lines Q4_AHEAD bytes past group g of a block (w) into L2: the unpacking is compute the hardware prefetcher
+   does not hide. A layout-1 group is 2368 / 8 bytes on average. */
+static inline void q4_prefetch_ahead(const uint8_t *w, int layout, int64_t g) {
+    const uint8_t *ahead = w + g * (layout ? Q4K_SUPER_BYTES / 8 : Q4_GROUP_BYTES) + Q4_AHEAD;
+    for (int line = 0; line < Q4_GROUP_BYTES; line += 64) _mm_prefetch((const char *)(ahead + line), _MM_HINT_T1);
+}
+
 /* Group g's 16 rows' step and minimum: layout 0 the float16 ones after the values; layout 1 d·sc and −dmin·m,
    each one exact float32 product (so the order of the steps after it is layout 0's), with d and dmin (`super_d`,
    `super_dmin`) converted once per superblock (q4_super_vnni: at its first group, or the call's). */
@@ -61,6 +68,17 @@ static inline void q4_steps_vnni(const uint8_t *w, int layout, int64_t g, const 
     *d = _mm512_mul_ps(super_d, sc);
     __m512 scaled = _mm512_mul_ps(super_dmin, m);
     *mins = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(scaled), _mm512_set1_epi32((int)0x80000000u)));
+}
+
+/* One token's group into its 16 rows' total: the group's exact integer sums, then the float steps every q4 code path
+   takes in this order (the AVX2 code the same on 8 rows), so a token's output is the same whatever else is in the
+   call: sum = fma(float(Σ q·a), d·s, sum); sum = fma(m, s·Σa, sum). */
+__attribute__((target("avx512f,fma")))
+static inline __m512 q4_add_group_vnni(__m512 total, __m512i exact, __m512 d, __m512 mins, float scale,
+                                       float scaled_sum) {
+    __m512 step = _mm512_mul_ps(d, _mm512_set1_ps(scale));
+    total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), step, total);
+    return _mm512_fmadd_ps(mins, _mm512_set1_ps(scaled_sum), total);
 }
 
 /* A block's sums of `m_count` tokens (`total`, 16 rows each) where they go: with `out` (the block's last groups)
