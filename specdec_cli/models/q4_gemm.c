@@ -133,52 +133,72 @@ static inline void q4_steps_avx2(const uint8_t *w, int layout, int64_t g, const 
     *mins = _mm256_xor_ps(_mm256_mul_ps(super_dmin, m), _mm256_set1_ps(-0.0f));
 }
 
-/* One block of 16 rows, groups [g_begin, g_end), up to Q4_TILE tokens; `sums` (Q4_TILE, 16) float is
+/* Group g of one block (W) for T tokens into their totals (TOTAL, an array of the caller's): the unpacking, the
+   group's steps (SUPER_D, SUPER_DMIN: the superblock's, layout 1), and per token 8 vpdpbusd and the float steps
+   (q4_add_group_vnni). A macro: the totals stay in registers. */
+#define Q4_VNNI_GROUP(W, TOTAL, SUPER_D, SUPER_DMIN, T)                                                       \
+    do {                                                                                                      \
+        const uint8_t *p = q4_group(W, layout, g);                                                            \
+        q4_prefetch_ahead(W, layout, g);                                                                      \
+        __m512i v[8];                                                                                         \
+        q4_values_vnni(p, v);                                                                                 \
+        __m512 d, mins;                                                                                       \
+        if (layout && (g == g_begin || (g & 7) == 0)) q4_super_vnni(W, g, &SUPER_D, &SUPER_DMIN);             \
+        q4_steps_vnni(W, layout, g, p, SUPER_D, SUPER_DMIN, &d, &mins);                                       \
+        for (int j = 0; j < T; j++) {                                                                         \
+            const int32_t *x = tokens + j * steps + g * 8;                                                    \
+            __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], _mm512_set1_epi32(x[0]));           \
+            __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[4], _mm512_set1_epi32(x[4]));           \
+            a = _mm512_dpbusd_epi32(a, v[1], _mm512_set1_epi32(x[1]));                                        \
+            b = _mm512_dpbusd_epi32(b, v[5], _mm512_set1_epi32(x[5]));                                        \
+            a = _mm512_dpbusd_epi32(a, v[2], _mm512_set1_epi32(x[2]));                                        \
+            b = _mm512_dpbusd_epi32(b, v[6], _mm512_set1_epi32(x[6]));                                        \
+            a = _mm512_dpbusd_epi32(a, v[3], _mm512_set1_epi32(x[3]));                                        \
+            b = _mm512_dpbusd_epi32(b, v[7], _mm512_set1_epi32(x[7]));                                        \
+            TOTAL[j] = q4_add_group_vnni(TOTAL[j], _mm512_add_epi32(a, b), d, mins, scales[j * groups + g],   \
+                                         scaled_sums[j * groups + g]);                                        \
+        }                                                                                                     \
+    } while (0)
+
+/* One block of 16 rows (w), groups [g_begin, g_end), up to Q4_TILE tokens; `sums` (Q4_TILE, 16) float is
    added to when `accumulate`, else started from 0; with `out` (the block's last groups) the sums go to y instead.
    tokens: the tile's first token's values as int32 (4 int8 each), `steps` of them a token (8 a group); scales,
    scaled_sums: the tile's first token's, `groups` a token. Read where specdec_q8_groups wrote them: a token's 4
    channels are one broadcast either way. Copying them into a panel of the tile's tokens side by side first, and the
    barrier after it, cost every call: against it, the demo target's layer shapes (synthetic weights, interleaved)
-   take 8 tokens 68.7 → 56.5 ms, 4 tokens 35.6 → 31.0 ms, 200 tokens the same within 3%. */
+   take 8 tokens 68.7 → 56.5 ms, 4 tokens 35.6 → 31.0 ms, 200 tokens the same within 3%.
+   With `next` (and `next_out`), a second block's groups alternate with w's, each into totals of its own, so each
+   block's sums are what they are alone: two weight streams in flight instead of one (see specdec_q4_gemm). */
 __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma")))
 static void q4_block_vnni(const uint8_t *w, int layout, const int32_t *tokens, const float *scales,
                           const float *scaled_sums, int64_t steps, int64_t groups, int64_t g_begin, int64_t g_end,
-                          int64_t m_count, float *sums, int accumulate, const Q4Out *out) {
-    __m512 total[Q4_TILE];
-    for (int j = 0; j < Q4_TILE; j++)
+                          int64_t m_count, float *sums, int accumulate, const Q4Out *out, const uint8_t *next,
+                          const Q4Out *next_out) {
+    __m512 total[Q4_TILE], total_next[Q4_TILE];
+    for (int j = 0; j < Q4_TILE; j++) {
         total[j] = accumulate && j < m_count ? _mm512_loadu_ps(sums + j * Q4_ROWS) : _mm512_setzero_ps();
+        total_next[j] = _mm512_setzero_ps();
+    }
     __m512 super_d = _mm512_setzero_ps(), super_dmin = _mm512_setzero_ps();
+    __m512 next_d = _mm512_setzero_ps(), next_dmin = _mm512_setzero_ps();
 #define Q4_VNNI_CASE(T)                                                                                       \
     case T:                                                                                                   \
-        for (int64_t g = g_begin; g < g_end; g++) {                                                           \
-            const uint8_t *p = q4_group(w, layout, g);                                                        \
-            q4_prefetch_ahead(w, layout, g);                                                                  \
-            __m512i v[8];                                                                                     \
-            q4_values_vnni(p, v);                                                                             \
-            __m512 d, mins;                                                                                   \
-            if (layout && (g == g_begin || (g & 7) == 0)) q4_super_vnni(w, g, &super_d, &super_dmin);         \
-            q4_steps_vnni(w, layout, g, p, super_d, super_dmin, &d, &mins);                                   \
-            for (int j = 0; j < T; j++) {                                                                     \
-                const int32_t *x = tokens + j * steps + g * 8;                                                \
-                __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], _mm512_set1_epi32(x[0]));       \
-                __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[4], _mm512_set1_epi32(x[4]));       \
-                a = _mm512_dpbusd_epi32(a, v[1], _mm512_set1_epi32(x[1]));                                    \
-                b = _mm512_dpbusd_epi32(b, v[5], _mm512_set1_epi32(x[5]));                                    \
-                a = _mm512_dpbusd_epi32(a, v[2], _mm512_set1_epi32(x[2]));                                    \
-                b = _mm512_dpbusd_epi32(b, v[6], _mm512_set1_epi32(x[6]));                                    \
-                a = _mm512_dpbusd_epi32(a, v[3], _mm512_set1_epi32(x[3]));                                    \
-                b = _mm512_dpbusd_epi32(b, v[7], _mm512_set1_epi32(x[7]));                                    \
-                total[j] = q4_add_group_vnni(total[j], _mm512_add_epi32(a, b), d, mins, scales[j * groups + g], \
-                                             scaled_sums[j * groups + g]);                                    \
+        if (next)                                                                                             \
+            for (int64_t g = g_begin; g < g_end; g++) {                                                       \
+                Q4_VNNI_GROUP(w, total, super_d, super_dmin, T);                                              \
+                Q4_VNNI_GROUP(next, total_next, next_d, next_dmin, T);                                        \
             }                                                                                                 \
-        }                                                                                                     \
+        else                                                                                                  \
+            for (int64_t g = g_begin; g < g_end; g++) Q4_VNNI_GROUP(w, total, super_d, super_dmin, T);        \
         break;
     switch (m_count) {
         Q4_VNNI_CASE(1) Q4_VNNI_CASE(2) Q4_VNNI_CASE(3) Q4_VNNI_CASE(4)
         Q4_VNNI_CASE(5) Q4_VNNI_CASE(6) Q4_VNNI_CASE(7) Q4_VNNI_CASE(8)
     }
 #undef Q4_VNNI_CASE
+#undef Q4_VNNI_GROUP
     q4_finish_vnni(total, m_count, sums, out);
+    if (next) q4_finish_vnni(total_next, m_count, NULL, next_out);
 }
 
 /* The same on AVX2 for 8 of the 16 rows (`half` 0 or 1) and up to 4 tokens: uint8 × int8 pairs summed in
@@ -261,8 +281,14 @@ static void q4_block_avx2(const uint8_t *w, int layout, const int32_t *tokens, c
    scales and scaled sums (M, groups)) and W packed (ceil(N/16) blocks of groups × 320 bytes; layout 1:
    groups / 8 × 2368). isa: 3 AMX from Q4_AMX_TOKENS tokens (q4_amx.c: tiles of Q4_AMX_TILE, the same bits) and
    VNNI below, 2 VNNI, 1 AVX2; threads: OpenMP threads over the blocks. Up to a tile of tokens (Q4_TILE): one pass
-   over each block's weights, straight from memory. More: Q4_CHUNK groups at a time, so a block's chunk stays in L1
-   while every tile of tokens passes over it; each sum still takes its groups in order, so the result is
+   over each block's weights, straight from memory; on VNNI two blocks at a time, their groups alternating, so that
+   two streams of weights are in flight where one was (each block's sums are taken as alone: the same bits): with
+   one, a forward of a few tokens waited on memory and on its arithmetic in turn rather than at once. Pairs,
+   interleaved against single blocks on the demo pair (Intel Xeon AMX, scripts/kernel_ab.py, the same logits;
+   benchmarks/2026-12-06-kernel-ab-q4-paired-blocks-intel-amx.json): target decoder 1 / 2 / 4 / 8 tokens 35.3 / 38.2 /
+   45.0 / 57.6 -> 33.3 / 35.4 / 41.3 / 56.6 ms, draft decoder 11.8 -> 11.2 ms a token; four blocks at a time was no
+   better than two. More: Q4_CHUNK groups at a time, so a block's chunk stays in L1 while every tile of tokens passes
+   over it; each sum still takes its groups in order, so the result is
    the same. A block's last groups store their sums (+ bias) straight into y from the registers: copying them
    there from a buffer, a memcpy of 16 floats per token and block, cost (demo pair, interleaved, AMD EPYC AVX512,
    scripts/kernel_ab.py) draft 10.9 / target 32.7 ms a token against 10.1 / 31.9, a 150-token forward of the
@@ -278,6 +304,9 @@ int specdec_q4_gemm(int isa, int layout, int threads, const int8_t *values, cons
     int64_t steps = groups * 8; /* 4-channel steps per token */
     int64_t block_bytes = layout ? groups / 8 * Q4K_SUPER_BYTES : groups * Q4_GROUP_BYTES;
     const int32_t *tokens = (const int32_t *)values;
+    /* Up to a tile of tokens on VNNI: blocks two at a time (q4_block_vnni's `next`) */
+    int paired = isa >= 2 && !amx && M <= Q4_TILE;
+    int64_t units = paired ? (blocks + 1) / 2 : blocks;
     /* More tokens than a tile: each thread's sums of every tile over the groups so far (none needed else) */
     size_t per_thread = M <= tile ? 0 : (size_t)(tiles * tile * Q4_ROWS);
     float *sums_all = per_thread ? malloc((size_t)threads * per_thread * sizeof(float)) : NULL;
@@ -293,9 +322,19 @@ int specdec_q4_gemm(int isa, int layout, int threads, const int8_t *values, cons
            pair, AMD EPYC AVX512, scripts/kernel_ab.py): a noisy moment, draft 12.0 -> 10.8 ms a token, target 33.4 ->
            31.1, 150 tokens 1105 -> 1069; a quiet one, draft the same, target 26.8 / 36.2 -> 26.1 / 34.2 (1 / 4) */
 #pragma omp for schedule(guided)
-        for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t unit = 0; unit < units; unit++) {
+            int64_t b = paired ? 2 * unit : unit;
             const uint8_t *w = w_packed + b * block_bytes;
             int64_t first = b * Q4_ROWS, lanes = N - first < Q4_ROWS ? N - first : Q4_ROWS;
+            if (paired) { /* one tile, all groups, VNNI: this block and the next together */
+                const uint8_t *next = b + 1 < blocks ? w + block_bytes : NULL;
+                int64_t next_lanes = N - first - Q4_ROWS < Q4_ROWS ? N - first - Q4_ROWS : Q4_ROWS;
+                Q4Out out = {y + first, N, bias ? bias + first : NULL, lanes};
+                Q4Out next_out = {y + first + Q4_ROWS, N, bias ? bias + first + Q4_ROWS : NULL, next_lanes};
+                q4_block_vnni(w, layout, tokens, scales, scaled_sums, steps, groups, 0, groups, M, NULL, 0, &out, next,
+                              &next_out);
+                continue;
+            }
             for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
                 int64_t g1 = g0 + chunk < groups ? g0 + chunk : groups;
                 for (int64_t t = 0; t < tiles; t++) {
@@ -312,7 +351,7 @@ int specdec_q4_gemm(int isa, int layout, int threads, const int8_t *values, cons
                                              g0, g1, m_count, tile_out, g0 > 0, last, unpacked, exact);
                     } else if (isa >= 2)
                         q4_block_vnni(w, layout, tile_tokens, tile_scales, tile_sums, steps, groups, g0, g1, m_count,
-                                      tile_out, g0 > 0, last);
+                                      tile_out, g0 > 0, last, NULL, NULL);
                     else
                         q4_block_avx2(w, layout, tile_tokens, tile_scales, tile_sums, steps, groups, g0, g1, m_count,
                                       tile_out, g0 > 0, last);
