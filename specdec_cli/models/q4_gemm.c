@@ -204,52 +204,40 @@ static void q4_block_vnni(const uint8_t *w, int layout, const int32_t *tokens, c
 /* The same on AVX2 for 8 of the 16 rows (`half` 0 or 1) and up to 4 tokens: uint8 × int8 pairs summed in
    int16 (vpmaddubsw: 2·15·127 cannot saturate, so activations keep 8 bits), the group's 8 chunks too, then in
    int32 (one vpmaddwd a group and token where each chunk took one: 16 integer ops against 23). */
-__attribute__((target("avx2,f16c,fma")))
-static void q4_half_avx2(const uint8_t *w, int layout, int half, const int32_t *tokens, const float *scales,
-                         const float *scaled_sums, int64_t steps, int64_t groups, int64_t g_begin, int64_t g_end,
-                         int64_t m_count, float *sums, int accumulate, const Q4Out *out) {
-    __m256 total[Q4_AVX2_TILE];
-    for (int j = 0; j < Q4_AVX2_TILE; j++)
-        total[j] = accumulate && j < m_count ? _mm256_loadu_ps(sums + j * Q4_ROWS + half * 8) : _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    __m256 super_d = _mm256_setzero_ps(), super_dmin = _mm256_setzero_ps();
-/* Pairs of uint8 × int8 summed in int16 (each ≤ 2·15·127 = 3810), and the 8 chunks' sums in int16 too: ≤ 30480,
-   so they cannot wrap; one vpmaddwd then widens each lane's two to int32. The same integer as summing in int32. */
-#define Q4_PAIRS(weights, t) _mm256_maddubs_epi16(weights, _mm256_set1_epi32(x[t]))
-#define Q4_AVX2_CASE(T)                                                                                       \
-    case T:                                                                                                   \
-        for (int64_t g = g_begin; g < g_end; g++) {                                                           \
-            const uint8_t *p = q4_group(w, layout, g);                                                        \
-            q4_prefetch_ahead(w, layout, g);                                                                  \
-            __m256i c0 = _mm256_loadu_si256((const __m256i *)(p + half * 32));                                \
-            __m256i c1 = _mm256_loadu_si256((const __m256i *)(p + 64 + half * 32));                           \
-            __m256i c2 = _mm256_loadu_si256((const __m256i *)(p + 128 + half * 32));                          \
-            __m256i c3 = _mm256_loadu_si256((const __m256i *)(p + 192 + half * 32));                          \
-            __m256i w0 = _mm256_and_si256(c0, low), w4 = _mm256_and_si256(_mm256_srli_epi16(c0, 4), low);    \
-            __m256i w1 = _mm256_and_si256(c1, low), w5 = _mm256_and_si256(_mm256_srli_epi16(c1, 4), low);    \
-            __m256i w2 = _mm256_and_si256(c2, low), w6 = _mm256_and_si256(_mm256_srli_epi16(c2, 4), low);    \
-            __m256i w3 = _mm256_and_si256(c3, low), w7 = _mm256_and_si256(_mm256_srli_epi16(c3, 4), low);    \
-            __m256 d, mins;                                                                                   \
-            if (layout && (g == g_begin || (g & 7) == 0)) q4_super_avx2(w, g, half, &super_d, &super_dmin);   \
-            q4_steps_avx2(w, layout, g, p, half, super_d, super_dmin, &d, &mins);                             \
-            for (int j = 0; j < T; j++) {                                                                     \
-                const int32_t *x = tokens + j * steps + g * 8;                                                \
-                __m256i a = _mm256_add_epi16(Q4_PAIRS(w0, 0), Q4_PAIRS(w1, 1));                              \
-                __m256i b = _mm256_add_epi16(Q4_PAIRS(w4, 4), Q4_PAIRS(w5, 5));                              \
-                a = _mm256_add_epi16(a, _mm256_add_epi16(Q4_PAIRS(w2, 2), Q4_PAIRS(w3, 3)));                 \
-                b = _mm256_add_epi16(b, _mm256_add_epi16(Q4_PAIRS(w6, 6), Q4_PAIRS(w7, 7)));                 \
-                __m256 exact = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(a, b), ones));           \
-                __m256 step = _mm256_mul_ps(d, _mm256_set1_ps(scales[j * groups + g]));                       \
-                total[j] = _mm256_fmadd_ps(exact, step, total[j]);                                            \
-                total[j] = _mm256_fmadd_ps(mins, _mm256_set1_ps(scaled_sums[j * groups + g]), total[j]);      \
-            }                                                                                                 \
+/* Group g of one block (W), this half's 8 rows, for T tokens into their totals (TOTAL, the caller's array): the
+   unpacking, the group's steps (SUPER_D, SUPER_DMIN: the superblock's, layout 1), the integer sums and the float
+   steps. A macro: the totals stay in registers. */
+#define Q4_AVX2_GROUP(W, TOTAL, SUPER_D, SUPER_DMIN, T)                                                       \
+    do {                                                                                                      \
+        const uint8_t *p = q4_group(W, layout, g);                                                            \
+        q4_prefetch_ahead(W, layout, g);                                                                      \
+        __m256i c0 = _mm256_loadu_si256((const __m256i *)(p + half * 32));                                    \
+        __m256i c1 = _mm256_loadu_si256((const __m256i *)(p + 64 + half * 32));                               \
+        __m256i c2 = _mm256_loadu_si256((const __m256i *)(p + 128 + half * 32));                              \
+        __m256i c3 = _mm256_loadu_si256((const __m256i *)(p + 192 + half * 32));                              \
+        __m256i w0 = _mm256_and_si256(c0, low), w4 = _mm256_and_si256(_mm256_srli_epi16(c0, 4), low);        \
+        __m256i w1 = _mm256_and_si256(c1, low), w5 = _mm256_and_si256(_mm256_srli_epi16(c1, 4), low);        \
+        __m256i w2 = _mm256_and_si256(c2, low), w6 = _mm256_and_si256(_mm256_srli_epi16(c2, 4), low);        \
+        __m256i w3 = _mm256_and_si256(c3, low), w7 = _mm256_and_si256(_mm256_srli_epi16(c3, 4), low);        \
+        __m256 d, mins;                                                                                       \
+        if (layout && (g == g_begin || (g & 7) == 0)) q4_super_avx2(W, g, half, &SUPER_D, &SUPER_DMIN);       \
+        q4_steps_avx2(W, layout, g, p, half, SUPER_D, SUPER_DMIN, &d, &mins);                                 \
+        for (int j = 0; j < T; j++) {                                                                         \
+            const int32_t *x = tokens + j * steps + g * 8;                                                    \
+            __m256i a = _mm256_add_epi16(Q4_PAIRS(w0, 0), Q4_PAIRS(w1, 1));                                  \
+            __m256i b = _mm256_add_epi16(Q4_PAIRS(w4, 4), Q4_PAIRS(w5, 5));                                  \
+            a = _mm256_add_epi16(a, _mm256_add_epi16(Q4_PAIRS(w2, 2), Q4_PAIRS(w3, 3)));                     \
+            b = _mm256_add_epi16(b, _mm256_add_epi16(Q4_PAIRS(w6, 6), Q4_PAIRS(w7, 7)));                     \
+            __m256 exact = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(a, b), ones));               \
+            __m256 step = _mm256_mul_ps(d, _mm256_set1_ps(scales[j * groups + g]));                           \
+            TOTAL[j] = _mm256_fmadd_ps(exact, step, TOTAL[j]);                                                \
+            TOTAL[j] = _mm256_fmadd_ps(mins, _mm256_set1_ps(scaled_sums[j * groups + g]), TOTAL[j]);          \
         }                                                                                                     \
-        break;
-    switch (m_count) {
-        Q4_AVX2_CASE(1) Q4_AVX2_CASE(2) Q4_AVX2_CASE(3) Q4_AVX2_CASE(4)
-    }
-#undef Q4_AVX2_CASE
-#undef Q4_PAIRS
+    } while (0)
+
+/* This half's rows of each token into y (+ bias) from `total`, or into `sums`. */
+__attribute__((target("avx2")))
+static void q4_finish_avx2(const __m256 *total, int half, int64_t m_count, float *sums, const Q4Out *out) {
     if (out) { /* as the VNNI code: this half's rows of each token into y, + bias */
         int64_t lanes = out->lanes - half * 8;
         if (lanes <= 0) return;
@@ -263,6 +251,45 @@ static void q4_half_avx2(const uint8_t *w, int layout, int half, const int32_t *
         for (int j = 0; j < m_count; j++) _mm256_storeu_ps(sums + j * Q4_ROWS + half * 8, total[j]);
 }
 
+/* The same on AVX2 for 8 of the 16 rows (`half` 0 or 1) and up to 4 tokens: uint8 × int8 pairs summed in
+   int16 (vpmaddubsw: 2·15·127 cannot saturate, so activations keep 8 bits), the group's 8 chunks too, then in
+   int32 (one vpmaddwd a group and token where each chunk took one: 16 integer ops against 23). With `next` (and
+   `next_out`), a second block's half alternates with w's, as in q4_block_vnni. */
+__attribute__((target("avx2,f16c,fma")))
+static void q4_half_avx2(const uint8_t *w, int layout, int half, const int32_t *tokens, const float *scales,
+                         const float *scaled_sums, int64_t steps, int64_t groups, int64_t g_begin, int64_t g_end,
+                         int64_t m_count, float *sums, int accumulate, const Q4Out *out, const uint8_t *next,
+                         const Q4Out *next_out) {
+    __m256 total[Q4_AVX2_TILE], total_next[Q4_AVX2_TILE];
+    for (int j = 0; j < Q4_AVX2_TILE; j++) {
+        total[j] = accumulate && j < m_count ? _mm256_loadu_ps(sums + j * Q4_ROWS + half * 8) : _mm256_setzero_ps();
+        total_next[j] = _mm256_setzero_ps();
+    }
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 super_d = _mm256_setzero_ps(), super_dmin = _mm256_setzero_ps();
+    __m256 next_d = _mm256_setzero_ps(), next_dmin = _mm256_setzero_ps();
+/* Pairs of uint8 × int8 summed in int16 (each ≤ 2·15·127 = 3810), and the 8 chunks' sums in int16 too: ≤ 30480,
+   so they cannot wrap; one vpmaddwd then widens each lane's two to int32. The same integer as summing in int32. */
+#define Q4_PAIRS(weights, t) _mm256_maddubs_epi16(weights, _mm256_set1_epi32(x[t]))
+#define Q4_AVX2_CASE(T)                                                                                       \
+    case T:                                                                                                   \
+        if (next)                                                                                             \
+            for (int64_t g = g_begin; g < g_end; g++) {                                                       \
+                Q4_AVX2_GROUP(w, total, super_d, super_dmin, T);                                              \
+                Q4_AVX2_GROUP(next, total_next, next_d, next_dmin, T);                                        \
+            }                                                                                                 \
+        else                                                                                                  \
+            for (int64_t g = g_begin; g < g_end; g++) Q4_AVX2_GROUP(w, total, super_d, super_dmin, T);        \
+        break;
+    switch (m_count) {
+        Q4_AVX2_CASE(1) Q4_AVX2_CASE(2) Q4_AVX2_CASE(3) Q4_AVX2_CASE(4)
+    }
+#undef Q4_AVX2_CASE
+#undef Q4_PAIRS
+    q4_finish_avx2(total, half, m_count, sums, out);
+    if (next) q4_finish_avx2(total_next, half, m_count, NULL, next_out);
+}
+
 static void q4_block_avx2(const uint8_t *w, int layout, const int32_t *tokens, const float *scales,
                           const float *scaled_sums, int64_t steps, int64_t groups, int64_t g_begin, int64_t g_end,
                           int64_t m_count, float *sums, int accumulate, const Q4Out *out) {
@@ -273,26 +300,31 @@ static void q4_block_avx2(const uint8_t *w, int layout, const int32_t *tokens, c
         for (int half = 0; half < 2; half++)
             q4_half_avx2(w, layout, half, tokens + m0 * steps, scales + m0 * groups, scaled_sums + m0 * groups, steps,
                          groups, g_begin, g_end, count, sums ? sums + m0 * Q4_ROWS : NULL, accumulate,
-                         out ? &part : NULL);
+                         out ? &part : NULL, NULL, NULL);
     }
 }
 
 /* y (M, N) float32 = x · Wᵀ (+ bias) with x given as specdec_q8_groups made it (values (M, groups*32),
    scales and scaled sums (M, groups)) and W packed (ceil(N/16) blocks of groups × 320 bytes; layout 1:
    groups / 8 × 2368). isa: 3 AMX from Q4_AMX_TOKENS tokens (q4_amx.c: tiles of Q4_AMX_TILE, the same bits) and
-   VNNI below, 2 VNNI, 1 AVX2; threads: OpenMP threads over the blocks. Up to a tile of tokens (Q4_TILE): one pass
-   over each block's weights, straight from memory; on VNNI two blocks at a time, their groups alternating, so that
-   two streams of weights are in flight where one was (each block's sums are taken as alone: the same bits): with
-   one, a forward of a few tokens waited on memory and on its arithmetic in turn rather than at once. Pairs,
-   interleaved against single blocks on the demo pair (Intel Xeon AMX, scripts/kernel_ab.py, the same logits;
-   benchmarks/2026-12-06-kernel-ab-q4-paired-blocks-intel-amx.json): target decoder 1 / 2 / 4 / 8 tokens 35.3 / 38.2 /
-   45.0 / 57.6 -> 33.3 / 35.4 / 41.3 / 56.6 ms, draft decoder 11.8 -> 11.2 ms a token; four blocks at a time was no
-   better than two. More: Q4_CHUNK groups at a time, so a block's chunk stays in L1 while every tile of tokens passes
-   over it; each sum still takes its groups in order, so the result is
-   the same. A block's last groups store their sums (+ bias) straight into y from the registers: copying them
-   there from a buffer, a memcpy of 16 floats per token and block, cost (demo pair, interleaved, AMD EPYC AVX512,
-   scripts/kernel_ab.py) draft 10.9 / target 32.7 ms a token against 10.1 / 31.9, a 150-token forward of the
-   target 1090 against 1046 ms. Returns 0, or 1 when its buffers could not be allocated (y is then unwritten). */
+   VNNI below, 2 VNNI, 1 AVX2; threads: OpenMP threads over the blocks.
+
+   Up to a tile of tokens (Q4_TILE; AVX2: Q4_AVX2_TILE): one pass over each block's weights, straight from memory,
+   two blocks at a time, their groups alternating, so that two streams of weights are in flight where one was (each
+   block's sums are taken as alone: the same bits). With one, a forward of a few tokens waited on memory and on its
+   arithmetic in turn rather than at once. Pairs, interleaved against single blocks on the demo pair (Intel Xeon AMX,
+   scripts/kernel_ab.py, the same logits; benchmarks/2026-12-06-kernel-ab-q4-paired-blocks-intel-amx.json): target
+   decoder 1 / 2 / 4 / 8 tokens 35.3 / 38.2 / 45.0 / 57.6 -> 33.3 / 35.4 / 41.3 / 56.6 ms, draft decoder 11.8 -> 11.2
+   ms a token; four blocks at a time was no better than two. The AVX2 code on the same CPU (--avx2,
+   ...-paired-blocks-avx2-code-intel-amx.json): target decoder 1 / 2 / 4 tokens 40.0 / 48.3 / 64.6 -> 39.1 / 46.1 /
+   59.0 ms, draft 11.6 -> 11.4 ms (not timed on an AVX2-only CPU).
+
+   More tokens: Q4_CHUNK groups at a time, so a block's chunk stays in L1 while every tile of tokens passes over it;
+   each sum still takes its groups in order, so the result is the same. A block's last groups store their sums (+
+   bias) straight into y from the registers: copying them there from a buffer, a memcpy of 16 floats per token and
+   block, cost (demo pair, interleaved, AMD EPYC AVX512, scripts/kernel_ab.py) draft 10.9 / target 32.7 ms a token
+   against 10.1 / 31.9, a 150-token forward of the target 1090 against 1046 ms. Returns 0, or 1 when its buffers
+   could not be allocated (y is then unwritten). */
 int specdec_q4_gemm(int isa, int layout, int threads, const int8_t *values, const float *scales,
                     const float *scaled_sums, int64_t M, int64_t groups, const uint8_t *w_packed, const float *bias,
                     int64_t N, float *y) {
@@ -304,8 +336,8 @@ int specdec_q4_gemm(int isa, int layout, int threads, const int8_t *values, cons
     int64_t steps = groups * 8; /* 4-channel steps per token */
     int64_t block_bytes = layout ? groups / 8 * Q4K_SUPER_BYTES : groups * Q4_GROUP_BYTES;
     const int32_t *tokens = (const int32_t *)values;
-    /* Up to a tile of tokens on VNNI: blocks two at a time (q4_block_vnni's `next`) */
-    int paired = isa >= 2 && !amx && M <= Q4_TILE;
+    /* Up to a tile of tokens (VNNI below AMX's, AVX2 a tile of its own): blocks two at a time (their `next`) */
+    int paired = isa >= 2 ? !amx && M <= Q4_TILE : M <= Q4_AVX2_TILE;
     int64_t units = paired ? (blocks + 1) / 2 : blocks;
     /* More tokens than a tile: each thread's sums of every tile over the groups so far (none needed else) */
     size_t per_thread = M <= tile ? 0 : (size_t)(tiles * tile * Q4_ROWS);
@@ -326,13 +358,18 @@ int specdec_q4_gemm(int isa, int layout, int threads, const int8_t *values, cons
             int64_t b = paired ? 2 * unit : unit;
             const uint8_t *w = w_packed + b * block_bytes;
             int64_t first = b * Q4_ROWS, lanes = N - first < Q4_ROWS ? N - first : Q4_ROWS;
-            if (paired) { /* one tile, all groups, VNNI: this block and the next together */
+            if (paired) { /* one tile, all groups: this block and the next together */
                 const uint8_t *next = b + 1 < blocks ? w + block_bytes : NULL;
                 int64_t next_lanes = N - first - Q4_ROWS < Q4_ROWS ? N - first - Q4_ROWS : Q4_ROWS;
                 Q4Out out = {y + first, N, bias ? bias + first : NULL, lanes};
                 Q4Out next_out = {y + first + Q4_ROWS, N, bias ? bias + first + Q4_ROWS : NULL, next_lanes};
-                q4_block_vnni(w, layout, tokens, scales, scaled_sums, steps, groups, 0, groups, M, NULL, 0, &out, next,
-                              &next_out);
+                if (isa >= 2)
+                    q4_block_vnni(w, layout, tokens, scales, scaled_sums, steps, groups, 0, groups, M, NULL, 0, &out,
+                                  next, &next_out);
+                else
+                    for (int half = 0; half < 2; half++)
+                        q4_half_avx2(w, layout, half, tokens, scales, scaled_sums, steps, groups, 0, groups, M, NULL, 0,
+                                     &out, next, &next_out);
                 continue;
             }
             for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
