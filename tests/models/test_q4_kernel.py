@@ -21,7 +21,7 @@ needs_kernel = pytest.mark.skipif(q4.kernel_problem() is not None and not os.env
 # Odd shapes on purpose: rows not a multiple of 16, widths not a multiple of 32; 1100 channels = 35 groups,
 # past one 32-group chunk of the many-token path.
 SHAPES = [(37, 18), (64, 100), (200, 131), (8, 7), (48, 1100)]
-TOKEN_COUNTS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, 33]  # every case of the few-token code; AMX (where the CPU has it) from 9
+TOKEN_COUNTS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, 33]  # each few-token case; AMX (if any) from 9
 # Layout 1's widths are whole Q4_K superblocks of 256; 1280 channels = 40 groups, past one 32-group chunk.
 K_SHAPES = [(256, 37), (768, 200), (512, 8), (1280, 48)]
 LAYOUTS = ["q4", "q4k"]
