@@ -16,17 +16,14 @@ control (the same values as the draft's but rounding). The output head stays as 
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
 
+from draft_layers import top_agreement, write_record  # the same measure and record as for skipped layers
 from levers import spec_bench  # scripts/levers.py: Spec-Bench questions, n per category
-from policy_replay import drafted_over, record  # the same recording and teacher-forcing as the policy replays
+from policy_replay import record  # the same recording and teacher-forcing as the policy replays
 from specdec_cli.models import load_model
-from specdec_cli.models.calibrate import machine
 from specdec_cli.models.q4 import GROUP, Q4KLinear, Q4Linear
-from specdec_cli.session import DRAFT_WINDOW
 
 SHRINKS = (0.0, 0.05, 0.1, 0.15, 0.2)  # of a group's range, from below and from above, when searched
 WAYS = {"4-bit requantised": (4, False), "3-bit": (3, False), "3-bit searched": (3, True),
@@ -44,21 +41,17 @@ def main() -> None:
     recorded = record(target, draft, spec_bench(args.per_category), args.max_new_tokens)
     layers = {name: module for name, module in draft.model.named_modules()
               if name != "lm_head" and isinstance(module, (Q4Linear, Q4KLinear))}
-    agreement = {"as loaded": _agreement(draft, recorded)}
+    agreement = {"as loaded": top_agreement(draft, recorded)}
     print(f"as loaded: agreement {agreement['as loaded']:.4f}", flush=True)
     for way, (bits, searched) in WAYS.items():
         for name, layer in layers.items():
             _replace(draft.model, name, _requantised(layer, bits, searched))
-        agreement[way] = _agreement(draft, recorded)
+        agreement[way] = top_agreement(draft, recorded)
         print(f"{way}: agreement {agreement[way]:.4f}", flush=True)
         for name, layer in layers.items():
             _replace(draft.model, name, layer)
-    result = {"machine": machine(), "target": target.describe("target"), "draft": draft.describe("draft"),
-              "draft_window": DRAFT_WINDOW, "prompts": len(recorded),
-              "positions": sum(len(r["output"]) for r in recorded), "layers_requantised": len(layers),
-              "agreement": agreement}
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        write_record(args.json, target, draft, recorded, layers_requantised=len(layers), agreement=agreement)
 
 
 def _requantised(layer: Q4Linear, bits: int, searched: bool) -> Q4Linear:
@@ -91,14 +84,6 @@ def _requantised(layer: Q4Linear, bits: int, searched: bool) -> Q4Linear:
 def _replace(model: torch.nn.Module, name: str, layer: torch.nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent), child, layer)
-
-
-@torch.inference_mode()
-def _agreement(draft, recorded: list[dict]) -> float:
-    """The share of output positions where the draft has the target's token on top."""
-    drafted = drafted_over(recorded, draft, DRAFT_WINDOW)
-    agree = sum(sum(top == token for top, token in zip(s["draft_top"], s["output"])) for s in drafted)
-    return agree / sum(len(s["output"]) for s in drafted)
 
 
 if __name__ == "__main__":

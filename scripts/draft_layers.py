@@ -47,12 +47,17 @@ def main() -> None:
         key = ",".join(map(str, pair))
         agreement[key] = _agreement(draft, layers, recorded, pair)
         print(f"without layers {key}: {agreement[key]:.4f}", flush=True)
+    if args.json:
+        write_record(args.json, target, draft, recorded, layers=len(layers), agreement_without=agreement)
+
+
+def write_record(path: str, target, draft, recorded: list[dict], **measured) -> None:
+    """The JSON of a teacher-forced draft measurement: the machine, both models, the prompts and positions, and
+    `measured`."""
     result = {"machine": machine(), "target": target.describe("target"), "draft": draft.describe("draft"),
               "draft_window": DRAFT_WINDOW, "prompts": len(recorded),
-              "positions": sum(len(r["output"]) for r in recorded), "layers": len(layers),
-              "agreement_without": agreement}
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+              "positions": sum(len(r["output"]) for r in recorded), **measured}
+    Path(path).write_text(json.dumps(result, indent=1))
 
 
 @torch.inference_mode()
@@ -62,9 +67,16 @@ def _agreement(draft, layers: list, recorded: list[dict], skipped: tuple[int, ..
     kept = [layer for index, layer in enumerate(layers) if index not in skipped]
     decoder.layers, decoder.config.num_hidden_layers = torch.nn.ModuleList(kept), len(kept)
     try:
-        drafted = drafted_over(recorded, draft, DRAFT_WINDOW)
+        return top_agreement(draft, recorded)
     finally:
         decoder.layers, decoder.config.num_hidden_layers = torch.nn.ModuleList(layers), len(layers)
+
+
+@torch.inference_mode()
+def top_agreement(draft, recorded: list[dict]) -> float:
+    """The share of the recorded output positions where the draft, as the model drafter runs it, has the target's
+    token on top."""
+    drafted = drafted_over(recorded, draft, DRAFT_WINDOW)
     agree = sum(sum(top == token for top, token in zip(s["draft_top"], s["output"])) for s in drafted)
     return agree / sum(len(s["output"]) for s in drafted)
 
