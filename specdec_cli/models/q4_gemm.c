@@ -286,6 +286,7 @@ static void q4_half_avx2(const uint8_t *w, int layout, int half, const int32_t *
     }
 #undef Q4_AVX2_CASE
 #undef Q4_PAIRS
+#undef Q4_AVX2_GROUP
     q4_finish_avx2(total, half, m_count, sums, out);
     if (next) q4_finish_avx2(total_next, half, m_count, NULL, next_out);
 }
