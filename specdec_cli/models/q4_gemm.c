@@ -291,17 +291,21 @@ static void q4_half_avx2(const uint8_t *w, int layout, int half, const int32_t *
     if (next) q4_finish_avx2(total_next, half, m_count, NULL, next_out);
 }
 
+/* A block (and `next`, as q4_block_vnni takes it) on AVX2: each tile of Q4_AVX2_TILE tokens, each half of the rows. */
 static void q4_block_avx2(const uint8_t *w, int layout, const int32_t *tokens, const float *scales,
                           const float *scaled_sums, int64_t steps, int64_t groups, int64_t g_begin, int64_t g_end,
-                          int64_t m_count, float *sums, int accumulate, const Q4Out *out) {
+                          int64_t m_count, float *sums, int accumulate, const Q4Out *out, const uint8_t *next,
+                          const Q4Out *next_out) {
     for (int64_t m0 = 0; m0 < m_count; m0 += Q4_AVX2_TILE) {
         int64_t count = m_count - m0 < Q4_AVX2_TILE ? m_count - m0 : Q4_AVX2_TILE;
-        Q4Out part;
+        Q4Out part, next_part;
         if (out) part = (Q4Out){out->y + m0 * out->stride, out->stride, out->bias, out->lanes};
+        if (next) next_part = (Q4Out){next_out->y + m0 * next_out->stride, next_out->stride, next_out->bias,
+                                      next_out->lanes};
         for (int half = 0; half < 2; half++)
             q4_half_avx2(w, layout, half, tokens + m0 * steps, scales + m0 * groups, scaled_sums + m0 * groups, steps,
                          groups, g_begin, g_end, count, sums ? sums + m0 * Q4_ROWS : NULL, accumulate,
-                         out ? &part : NULL, NULL, NULL);
+                         out ? &part : NULL, next, next ? &next_part : NULL);
     }
 }
 
@@ -359,20 +363,9 @@ int specdec_q4_gemm(int isa, int layout, int threads, const int8_t *values, cons
             int64_t b = paired ? 2 * unit : unit;
             const uint8_t *w = w_packed + b * block_bytes;
             int64_t first = b * Q4_ROWS, lanes = N - first < Q4_ROWS ? N - first : Q4_ROWS;
-            if (paired) { /* one tile, all groups: this block and the next together */
-                const uint8_t *next = b + 1 < blocks ? w + block_bytes : NULL;
-                int64_t next_lanes = N - first - Q4_ROWS < Q4_ROWS ? N - first - Q4_ROWS : Q4_ROWS;
-                Q4Out out = {y + first, N, bias ? bias + first : NULL, lanes};
-                Q4Out next_out = {y + first + Q4_ROWS, N, bias ? bias + first + Q4_ROWS : NULL, next_lanes};
-                if (isa >= 2)
-                    q4_block_vnni(w, layout, tokens, scales, scaled_sums, steps, groups, 0, groups, M, NULL, 0, &out,
-                                  next, &next_out);
-                else
-                    for (int half = 0; half < 2; half++)
-                        q4_half_avx2(w, layout, half, tokens, scales, scaled_sums, steps, groups, 0, groups, M, NULL, 0,
-                                     &out, next, &next_out);
-                continue;
-            }
+            /* paired: one tile and one pass over all groups (below), this block and the next together */
+            const uint8_t *next = paired && b + 1 < blocks ? w + block_bytes : NULL;
+            int64_t next_lanes = N - first - Q4_ROWS < Q4_ROWS ? N - first - Q4_ROWS : Q4_ROWS;
             for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
                 int64_t g1 = g0 + chunk < groups ? g0 + chunk : groups;
                 for (int64_t t = 0; t < tiles; t++) {
@@ -382,6 +375,7 @@ int specdec_q4_gemm(int isa, int layout, int threads, const int8_t *values, cons
                     const float *tile_sums = scaled_sums + t * tile * groups;
                     float *tile_out = sums ? sums + t * tile * Q4_ROWS : NULL;
                     Q4Out out = {y + t * tile * N + first, N, bias ? bias + first : NULL, lanes};
+                    Q4Out next_out = {out.y + Q4_ROWS, N, bias ? bias + first + Q4_ROWS : NULL, next_lanes};
                     const Q4Out *last = g1 == groups ? &out : NULL; /* the sums' last groups: straight into y */
                     if (amx && m_count >= Q4_AMX_TOKENS) { /* a last tile of fewer (at most 8): VNNI's */
                         if (m_count != configured) specdec_amx_configure(configured = m_count);
@@ -389,10 +383,10 @@ int specdec_q4_gemm(int isa, int layout, int threads, const int8_t *values, cons
                                              g0, g1, m_count, tile_out, g0 > 0, last, unpacked, exact);
                     } else if (isa >= 2)
                         q4_block_vnni(w, layout, tile_tokens, tile_scales, tile_sums, steps, groups, g0, g1, m_count,
-                                      tile_out, g0 > 0, last, NULL, NULL);
+                                      tile_out, g0 > 0, last, next, &next_out);
                     else
                         q4_block_avx2(w, layout, tile_tokens, tile_scales, tile_sums, steps, groups, g0, g1, m_count,
-                                      tile_out, g0 > 0, last);
+                                      tile_out, g0 > 0, last, next, &next_out);
                 }
             }
         }
