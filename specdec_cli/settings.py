@@ -60,7 +60,7 @@ class ModelChoice:
     trust_remote_code: bool
     allow_pickle: bool
     draft_int8_flag: bool | None = None  # --draft-int8 / --no-draft-int8 as given (None: the profile decides)
-    prefill: str = "auto"  # who reads a prompt: "auto", "bf16" (a bfloat16 copy of the target), "none" (the target)
+    prefill: str = "auto"  # who reads a prompt: "auto", "bf16" (in bfloat16: models/prefill.py), "none" (the target)
 
 
 def choose_models(flags: ModelOverrides) -> ModelChoice:

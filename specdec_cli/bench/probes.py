@@ -83,10 +83,12 @@ def forward_seconds(model: torch.nn.Module, prompt_ids: list[int], repeats: int 
 
 
 def prompt_reader(target: LoadedModel) -> str:
-    """Who reads the target's prompts: "bfloat16 copy" (--prefill, models/prefill.py) or "target"."""
+    """Who reads the target's prompts: "bfloat16 copy" or "target in bfloat16 on AMX" (--prefill, models/prefill.py),
+    or "target"."""
     from specdec_cli.engine.kv import prefill_path
 
-    return "bfloat16 copy" if prefill_path(target.model) is not None else "target"
+    path = prefill_path(target.model)
+    return "target" if path is None else getattr(path, "reader", "bfloat16 copy")
 
 
 def environment(target: LoadedModel, draft: LoadedModel | None) -> dict:

@@ -169,9 +169,10 @@ PROMPT_TOKENS = 256  # the prompt `time_prompt_read` times: Spec-Bench's long pr
 def time_prompt_read(loaded: LoadedModel, tokens: int = PROMPT_TOKENS, repeats: int = 3,
                      clock: str = "wall") -> dict | None:
     """{"model", "quantization", "tokens", "model_seconds", "copy_seconds"}: median seconds of a `tokens`-token
-    prompt read from an empty cache by the loaded target and by its bfloat16 copy (models/prefill.py, attached to
-    it here), in turn; None where the copy cannot read its prompts (a float target among them) or does not fit in
-    memory beside it."""
+    prompt read from an empty cache by the loaded target and by its prefill path (models/prefill.py, attached to it
+    here: a q4 target's own weights on AMX where the CPU has AMX-BF16, else its bfloat16 copy; "copy_seconds" for
+    either, the name calibration files have), in turn; None where the path cannot read its prompts (a float target
+    among them) or the copy does not fit in memory beside it."""
     from specdec_cli.errors import InsufficientMemoryError
     from specdec_cli.models import prefill
 

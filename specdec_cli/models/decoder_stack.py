@@ -130,10 +130,32 @@ def _rotary_rows(decoder: torch.nn.Module, hidden: torch.Tensor, position_ids: t
     return cos[:, first:first + tokens], sin[:, first:first + tokens]
 
 
+def read_prompt(decoder: torch.nn.Module, cache, input_ids: torch.Tensor, isa: int) -> bool:
+    """Append input_ids' (1, T) keys and values to `cache` (the engine's) in one call into C with the matmuls of
+    `isa` (4: a prompt read's, q4_amx.c's bfloat16 matmul), the positions following the cached ones, no mask; False
+    (nothing done) where the decoder's forward would not take the C stack."""
+    layers = None if _stack_declines(decoder, input_ids, None, cache, {}) else _stack_layers(decoder)
+    if layers is None:
+        return False
+    cached, tokens = cache.get_seq_length(), input_ids.shape[1]
+    hidden = torch.empty(1, tokens, decoder.config.hidden_size, dtype=torch.float32)
+    rotary = _rotary_rows(decoder, hidden, torch.arange(cached, cached + tokens).unsqueeze(0), cached)
+    _stack_in_c(decoder, layers, cache, input_ids, hidden, cached, rotary, None, isa)
+    return True
+
+
+def stacks_in_c(decoder: torch.nn.Module) -> bool:
+    """Whether the decoder has the stack's forward and all its layers run in C (so read_prompt can run)."""
+    forward = getattr(decoder.__dict__.get("forward"), "__func__", None)
+    return forward is stack_forward and _stack_layers(decoder) is not None
+
+
 def _stack_in_c(decoder: torch.nn.Module, layers, cache, input_ids: torch.Tensor, hidden: torch.Tensor,
-                cached: int, rotary: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None) -> torch.Tensor:
+                cached: int, rotary: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
+                isa: int | None = None) -> torch.Tensor:
     """The decoder's output (1, T, H) for input_ids (1, T), normalised, in one call into C; each cache layer then
-    holds its T new entries. hidden (1, T, H): scratch; rotary: cos, sin (1, T, D) float32, contiguous rows."""
+    holds its T new entries. hidden (1, T, H): scratch; rotary: cos, sin (1, T, D) float32, contiguous rows; isa:
+    the matmuls' (None: the library's)."""
     tokens = hidden.shape[1]
     attention = decoder.layers[0].self_attn
     head_dim, (q_size, k_size) = attention.head_dim, attention.qk_sizes
@@ -146,7 +168,8 @@ def _stack_in_c(decoder: torch.nn.Module, layers, cache, input_ids: torch.Tensor
     cos, sin = rotary  # (1, T, D)
     ids, embed, norm = input_ids.contiguous(), decoder.embed_tokens.weight, decoder.norm
     normed = torch.empty_like(hidden)
-    library, isa, _ = int8_kernel._library()
+    library, library_isa, _ = int8_kernel._library()
+    isa = library_isa if isa is None else isa
     failed = library.specdec_decoder_forward(
         isa, torch.get_num_threads(), embed.data_ptr(), embed.shape[0], ids.data_ptr(), layers, len(buffers), keys,
         values, capacity, cached, hidden.data_ptr(), tokens, hidden.shape[-1], cos.data_ptr(), sin.data_ptr(),

@@ -127,6 +127,7 @@ def compile_library(sources: Sequence[Path], output: Path, compiler: str, define
 def _declare(library: ctypes.CDLL) -> None:
     pointer, size, integer = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     library.specdec_isa.restype = integer
+    library.specdec_amx_bf16_ready.restype = integer
     library.specdec_int8_linear.restype = integer
     library.specdec_int8_linear.argtypes = [integer, integer, pointer, size, size, size, integer, pointer, pointer,
                                             pointer, pointer, size, pointer]

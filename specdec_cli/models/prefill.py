@@ -1,23 +1,35 @@
-"""A quantised target reads its prompts with a bfloat16 copy of its decoder, where that is faster (`--prefill`).
+"""A quantised target reads its prompts in bfloat16, where that is faster (`--prefill`): a q4 target on a CPU with
+AMX-BF16 with its own weights (`AmxPromptPath`), else with a bfloat16 copy of its decoder.
 
 Why: a prompt's forward is arithmetic, not memory. specdec's q4 and int8 matmuls multiply on the vector unit
-(VNNI), so a q4 target reads a 700-token prompt in ~4.7 s on the 2-core Intel Xeon with AMX, where oneDNN's
-bfloat16 matmul on AMX's tiles reads it with the same weights in bfloat16 in ~1.5 s (200 tokens: ~1.2 against
-~0.55 s); the tokens after the prompt are still decoded and verified by the quantised target, which is what is
-fast for 1-20 tokens.
+(VNNI), or for q4 on AMX's tiles with a float step per group of 32 and token, so a q4 target reads a 700-token prompt
+in ~4.1 s on the 2-core Intel Xeon with AMX, where oneDNN's bfloat16 matmul on AMX's tiles reads it with the same
+weights in bfloat16 in ~1.6 s; the tokens after the prompt are still decoded and verified by the quantised target,
+which is what is fast for 1-20 tokens.
 
-The bfloat16 copy is the target's own weights loaded again without quantisation (for a .gguf, its dequantised
-values), its decoder only: the embedding rows come from the quantised model, and no logits are made. It computes
-the prompt's keys and values, which go into the target's cache in float32; everything after them runs as
-before. So the target is "the prompt read in bfloat16, the answer written in q4": a prompt's entries are not the
-ones q4 would make, but they are the same for the target alone and for every drafter (the engine reads a prompt
-through the path in one way: kv.py's `prefill`), so speculation stays exact against that target.
+The AMX path (q4 on a CPU with AMX-BF16: `amx_reads`) needs no copy: the C decoder stack with q4_amx.c's bfloat16
+matmul (isa 4: each weight's exact value rounded to bfloat16, the matmul's inputs rounded to bfloat16, products
+summed in float32 on the tiles; norms, attention and the residual stream in float32 as the target has them).
+scripts/prompt_read_ab.py, demo target, Intel Xeon AMX (benchmarks/2026-12-06-prompt-read-ab-amx-bf16-intel-amx.json):
+24 / 64 / 256 / 700 tokens 0.13 / 0.27 / 1.31 / 4.12 s by q4 itself, 0.10 / 0.15 / 0.55 / 1.80 s this way, and the
+copy 0.20 / 0.29 / 0.56 / 1.63 s — without the copy's 2.9 GB and its load.
 
-Where: `auto` takes it for a q4 or int8 Llama/Qwen2 target whose bfloat16 copy fits in memory beside what is
-loaded, where `specdec calibrate` timed the copy reading a prompt at least GAIN times as fast as the target on this
+The bfloat16 copy (an int8 target, or a CPU without AMX-BF16) is the target's own weights loaded again without
+quantisation (for a .gguf, its dequantised values), its decoder only: the embedding rows come from the quantised
+model, and no logits are made.
+
+Either way the path computes the prompt's keys and values, which go into the target's cache in float32; everything
+after them runs as before. So the target is "the prompt read in bfloat16, the answer written in q4": a prompt's
+entries are not the ones q4 would make, but they are the same for the target alone and for every drafter (the
+engine reads a prompt through the path in one way: kv.py's `prefill`), so speculation stays exact against that
+target.
+
+Where: `auto` takes it for a q4 or int8 Llama/Qwen2 target (the copy: where it fits in memory beside what is
+loaded), where `specdec calibrate` timed the path reading a prompt at least GAIN times as fast as the target on this
 machine, or, not calibrated, on a CPU with AMX-BF16; `bf16` asks for it (refused in one line where it cannot
 be); `none` keeps it off.
-Only prompt parts of `MIN_TOKENS` or more go through it: below ~100 tokens q4 reads as fast.
+Only prompt parts of `min_tokens` or more go through it: AMX_MIN_TOKENS for the AMX path, MIN_TOKENS for the copy
+(below ~100 tokens q4 reads as fast as the copy).
 
 `chat` loads the copy in a thread of its own (`LoadingPath`) while the first message is typed: its start is the
 quantised pair's; a message sent before the load is done waits for it (the load and a forward never run at once:
@@ -72,6 +84,54 @@ class PrefillPath:
             layer.update(fresh.keys[..., held:, :].to(dtype), fresh.values[..., held:, :].to(dtype))
 
 
+class AmxPromptPath:
+    """A q4 target reads its prompts with its own weights through q4_amx.c's bfloat16 matmul (the C decoder stack with
+    isa 4): each weight its exact value rounded to bfloat16, each matmul input rounded to bfloat16, their products
+    summed in float32 on AMX's tiles; everything else (norms, attention, the residual stream) in float32 as the
+    target computes it. No copy: no memory, nothing to load. Faster than the target's own q4 read from AMX_MIN_TOKENS
+    tokens on (demo target, Intel Xeon AMX: 32 / 64 / 256 tokens ×1.3 / ×1.7 / ×2.4), and its rows do not depend
+    on how many the forward holds (tested), like the copy's. Only where the CPU has AMX-BF16 (`amx_reads`)."""
+
+    reader = "target in bfloat16 on AMX"
+
+    def __init__(self, model: torch.nn.Module, min_tokens: int = 0) -> None:
+        self.model = model
+        self.min_tokens = min_tokens or AMX_MIN_TOKENS
+
+    @torch.inference_mode()
+    def __call__(self, cache, new_ids: list[int]) -> None:
+        """Append `new_ids`' keys and values, after the entries `cache` (the engine's) holds."""
+        from specdec_cli.models.decoder_stack import read_prompt
+
+        pieces = -(-len(new_ids) // AMX_PIECE)
+        size = -(-len(new_ids) // pieces)  # even pieces: none below AMX_MIN_TOKENS where the whole is not
+        for start in range(0, len(new_ids), size):
+            piece = torch.tensor([new_ids[start:start + size]], dtype=torch.long)
+            if not read_prompt(self.model.model, cache, piece, AMX_ISA):
+                raise RuntimeError("the target's decoder no longer runs in C: its prompt cannot be read on AMX")
+
+
+AMX_ISA = 4  # the C library's isa for a prompt read: q4's bfloat16 matmul on AMX (q4_amx.c)
+AMX_MIN_TOKENS = 24  # q4_layout.h's Q4_BF16_TOKENS: fewer read as fast in q4 (16 tokens: ×0.9 of q4's own read)
+# Tokens a forward at most: a 700-token prompt read 512 + 188 took 1.98 s, 256 + 256 + 188 1.64 s, 128 at a time 1.73
+# (demo target, Intel Xeon AMX): past ~256 rows a matmul's activations no longer stay in the core's L2.
+AMX_PIECE = 256
+
+
+def amx_reads(target, flags: set[str] | None = None) -> bool:
+    """Whether `target` (a LoadedModel) reads its prompts through an AmxPromptPath rather than a copy: a q4 model whose
+    decoder runs in C, on a CPU with AMX-BF16 (`flags`, where given, stand for this CPU's) that the library can use."""
+    from specdec_cli.models import int8_kernel
+    from specdec_cli.models.decoder_stack import stacks_in_c
+
+    if getattr(target, "quantization", None) != "q4" or not (flags if flags is not None else cpu_flags()) >= AMX_FLAGS:
+        return False
+    library, isa, problem = int8_kernel._library()
+    decoder = getattr(target.model, "model", None)
+    return (problem is None and isa == 3 and bool(library.specdec_amx_bf16_ready()) and decoder is not None
+            and stacks_in_c(decoder))
+
+
 GAIN = 1.2  # a calibrated copy must read a prompt at least this much faster than the target itself
 
 
@@ -119,6 +179,8 @@ def wanted(setting: str, target, flags: set[str] | None = None) -> bool:
         return True
     if problem or not _pays(target.name, target.quantization, flags):
         return False
+    if amx_reads(target, flags):
+        return True  # nothing to load
     # The copy's bytes, its embedding and output layer included: loaded, then dropped.
     needed = preflight.estimate_weight_bytes(target.model.config, torch.bfloat16, None)
     return preflight.fits(needed, preflight.available_memory_bytes(target.device))
@@ -141,6 +203,8 @@ def resolve(setting: str, device: torch.device, target: str, quantization: str |
     takes = config.model_type in ("llama", "qwen2") and full_attention(config)
     if not takes or not _pays(target, quantization, flags):
         return "none"
+    if quantization == "q4" and (flags if flags is not None else cpu_flags()) >= AMX_FLAGS:
+        return "bf16"  # read by the q4 target's own weights on AMX (AmxPromptPath): no copy to fit
     needed = preflight.estimate_weight_bytes(config, torch.bfloat16, None)
     needed += preflight.estimate_weight_bytes(config, torch.float32, quantization)
     if draft is not None:
@@ -150,10 +214,15 @@ def resolve(setting: str, device: torch.device, target: str, quantization: str |
 
 def attach(target, trust_remote_code: bool = False, allow_pickle: bool = False, progress: bool = True,
            background: bool = False) -> None:
-    """Load the target's weights again in bfloat16 and give its model that decoder as its prefill path. `background`:
+    """Give the target's model its prefill path: an AmxPromptPath where `amx_reads`, else its weights loaded again in
+    bfloat16, that decoder. `background`:
     give it a `LoadingPath` instead, which loads them (no progress shown) in a thread from `load_meanwhile` on, or
     when first needed; refused at once where the copy does not fit in free memory, as loading it would be."""
     from specdec_cli.models.loaded import load_model
+
+    if amx_reads(target):
+        target.model.__dict__[PREFILL_PATH] = AmxPromptPath(target.model)
+        return
 
     def load() -> PrefillPath:
         copy = load_model(target.name, device="cpu", dtype="bfloat16", quantization="none",

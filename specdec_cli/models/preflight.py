@@ -109,8 +109,8 @@ def held_weight_bytes(model: torch.nn.Module) -> int:
     from specdec_cli.engine.kv import prefill_path
 
     tensors = list(model.parameters()) + list(model.buffers())
-    if (path := prefill_path(model)) is not None:
-        tensors += list(path.decoder.parameters()) + list(path.decoder.buffers())
+    if (copy := getattr(prefill_path(model), "decoder", None)) is not None:  # an AmxPromptPath holds no weights
+        tensors += list(copy.parameters()) + list(copy.buffers())
     packed = [module.weight() for module in model.modules() if isinstance(module, DynamicLinear)]
     return sum(tensor.numel() * tensor.element_size() for tensor in tensors + packed)
 

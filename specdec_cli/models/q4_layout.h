@@ -113,6 +113,11 @@ static inline void q4_values_vnni(const uint8_t *p, __m512i values[8]) {
 int specdec_amx_ready(void);
 void specdec_amx_configure(int64_t tokens);
 void specdec_amx_release(void);
+/* The prompt's matmul in bfloat16 on AMX (q4_amx.c; isa 4, from this many tokens on: fewer read as isa 3) */
+#define Q4_BF16_TOKENS 24
+int specdec_amx_bf16_ready(void);
+int specdec_q4_linear_bf16(int layout, int threads, const float *x, int64_t M, int64_t K, int64_t groups,
+                           const uint8_t *w_packed, const float *bias, int64_t N, float *y);
 void specdec_q4_block_amx(const uint8_t *w, int layout, const int8_t *values, const float *scales,
                           const float *scaled_sums, int64_t groups, int64_t g_begin, int64_t g_end, int64_t m_count,
                           float *sums, int accumulate, const Q4Out *out, uint8_t *unpacked, int32_t *exact);

@@ -1,0 +1,148 @@
+"""A q4 target reading its prompts with its own weights on AMX in bfloat16 (q4_amx.c's isa 4, models/prefill.py's
+AmxPromptPath): the matmul computes its definition (weights and activations rounded to bfloat16, products summed in
+float32) for both layouts, each row whatever else the call holds, the int8 code below Q4_BF16_TOKENS tokens; the path
+reads prompts into the engine's cache (entries near q4's own read, not equal to them) and speculation on it is that
+target alone, turn after turn. These need a CPU with AMX-BF16: they skip elsewhere (this project's CI machines have
+none; the copy path, tests/models/test_prefill.py, is what runs there)."""
+
+import copy
+
+import pytest
+import torch
+
+from specdec_cli.engine import FixedK, SamplingParams, SpeculativeDecoder
+from specdec_cli.engine.kv import CachedModel, prefill_path
+from specdec_cli.models import int8_kernel, preflight, prefill, q4
+from specdec_cli.models.quant import computes_rows_alone, quantize
+
+from tests.conftest import tiny_causal_lm
+from tests.models.test_prefill import NEW_TOKENS, SECOND_TURN, _drafters
+from tests.models.test_q4_kernel import _layer
+
+
+def _amx_bf16() -> bool:
+    library, isa, problem = int8_kernel._library()
+    return problem is None and isa == 3 and bool(library.specdec_amx_bf16_ready())
+
+
+pytestmark = pytest.mark.skipif(q4.kernel_problem() is not None or not _amx_bf16(),
+                                reason="needs specdec's kernels on a CPU with AMX-BF16")
+PROMPT = [1] + [(7 * i + 2) % 90 + 3 for i in range(59)]  # 60 tokens: two pieces of 30 or one of 60
+
+
+def _matmul(layer: q4.Q4Linear, x: torch.Tensor, isa: int) -> torch.Tensor:
+    library = int8_kernel._library()[0]
+    out = torch.empty(x.shape[0], layer.out_features)
+    groups = q4.packed_groups(layer.packed_weight, layer.layout)
+    assert library.specdec_q4_linear(isa, layer.layout, 2, x.data_ptr(), x.shape[0], x.shape[1], groups,
+                                     layer.packed_weight.data_ptr(),
+                                     None if layer.bias is None else layer.bias.data_ptr(), layer.out_features,
+                                     out.data_ptr()) == 0
+    return out
+
+
+@pytest.mark.parametrize(("layout", "in_features", "out_features"),
+                         [("q4", 100, 37), ("q4", 1100, 48), ("q4k", 768, 200), ("q4k", 256, 37)])
+@pytest.mark.parametrize("tokens", [24, 40, 100])
+def test_the_prompt_matmul_sums_bfloat16_products_in_float32(layout, in_features, out_features, tokens):
+    layer = _layer(layout, in_features, out_features, bias=True, seed=tokens + in_features)
+    x = torch.randn(tokens, in_features) * torch.logspace(-2, 1, tokens)[:, None]
+    weight = layer.dequantized_weight().bfloat16().double()
+    expected = x.bfloat16().double() @ weight.T + layer.bias.double()
+    got = _matmul(layer, x, 4).double()
+    # float32 sums of exact products: within a few ulps of the rows' magnitudes; q4's own int8 code is ~1e-2 away
+    scale = (x.bfloat16().double().abs() @ weight.abs().T).clamp_min(1e-30)
+    assert ((got - expected).abs() / scale).max() < 1e-5
+    assert ((_matmul(layer, x, 3).double() - expected).abs() / scale).max() > 1e-4
+
+
+@pytest.mark.parametrize("layout", ["q4", "q4k"])
+def test_a_rows_result_does_not_depend_on_the_others_and_few_rows_take_the_int8_code(layout):
+    layer = _layer(layout, 512, 48, seed=3)
+    x = torch.randn(100, 512)
+    whole = _matmul(layer, x, 4)
+    assert torch.equal(_matmul(layer, x[:24].contiguous(), 4), whole[:24])
+    assert torch.equal(_matmul(layer, x[40:80].contiguous(), 4), whole[40:80])
+    few = x[:23].contiguous()  # under Q4_BF16_TOKENS: the int8 code on AMX, as isa 3
+    assert torch.equal(_matmul(layer, few, 4), _matmul(layer, few, 3))
+
+
+class _Loaded:  # what prefill.attach and wanted read of a LoadedModel
+    name, device, quantization = "tiny", torch.device("cpu"), "q4"
+
+    def __init__(self, model):
+        self.model = model
+
+
+@pytest.fixture(scope="module", params=[("qwen2", 2), ("llama", 0)], ids=["qwen2", "llama"])
+def pair(request):
+    """(a q4 target reading its prompts on AMX, its float model)"""
+    float_model = tiny_causal_lm(request.param[0], seed=request.param[1], logit_scale=8.0, layers=4)
+    target = quantize(copy.deepcopy(float_model), "q4")
+    loaded = _Loaded(target)
+    assert prefill.amx_reads(loaded)
+    prefill.attach(loaded)
+    assert isinstance(prefill_path(target), prefill.AmxPromptPath)
+    return target, float_model
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return quantize(tiny_causal_lm("llama", seed=0, logit_scale=8.0, layers=2), "q4")
+
+
+def _entries(runner: CachedModel, length: int) -> list[torch.Tensor]:
+    return [layer.keys[..., :length, :].clone() for layer in runner.cache.layers]
+
+
+@torch.inference_mode()
+def test_the_path_reads_prompts_near_q4s_own_read_but_not_as_it(pair):
+    target, _ = pair
+    read, own, pieces = CachedModel(target), CachedModel(target), CachedModel(target, prefill_chunk=30)
+    read.prefill(PROMPT)
+    pieces.prefill(PROMPT)  # 30 + 30: the same rows as read in one forward
+    own.extend(PROMPT)
+    assert read.ids == PROMPT and read.cache.layers[0].keys.dtype == torch.float32
+    for mine, split, q4_own in zip(_entries(read, 60), _entries(pieces, 60), _entries(own, 60)):
+        assert torch.equal(mine, split)
+        # the same weights: only the roundings differ (bfloat16 here, int8 per 32 activations in q4's own read)
+        assert not torch.equal(mine, q4_own) and (mine - q4_own).abs().max() < 0.02 * q4_own.abs().max()
+    assert not computes_rows_alone(target)
+
+
+def test_speculation_on_it_is_that_target_alone_turn_after_turn(pair, draft):
+    target, _ = pair
+    alone = SpeculativeDecoder(target, None, FixedK(0), ())
+    first = alone.generate(PROMPT, SamplingParams(), NEW_TOKENS).tokens
+    conversation = PROMPT + first + SECOND_TURN
+    second = alone.generate(conversation, SamplingParams(), NEW_TOKENS).tokens
+    drafted = 0
+    for name, drafter, policy in _drafters(draft):
+        decoder = SpeculativeDecoder(target, drafter, policy, ())
+        result = decoder.generate(PROMPT, SamplingParams(), NEW_TOKENS)
+        assert result.tokens == first, name
+        again = decoder.generate(conversation, SamplingParams(), NEW_TOKENS)
+        assert again.tokens == second, name
+        drafted += result.stats.drafted + again.stats.drafted
+    assert drafted > 0
+
+
+def test_it_holds_no_copy_needs_no_memory_and_says_who_reads(pair, monkeypatch):
+    from specdec_cli.bench.probes import prompt_reader
+    from specdec_cli.models.loaded import LoadedModel
+
+    target, _ = pair
+    path = target.__dict__.pop("_specdec_prefill")
+    try:
+        alone = preflight.held_weight_bytes(target)
+    finally:
+        target.__dict__["_specdec_prefill"] = path
+    assert preflight.held_weight_bytes(target) == alone
+    monkeypatch.setattr(preflight, "available_memory_bytes", lambda device: 1000)
+    assert prefill.wanted("auto", _Loaded(target))
+    assert not prefill.amx_reads(_Loaded(target), flags={"avx512_bf16", "avx2"})  # a CPU without AMX: the copy
+    fake = type("Loaded", (), {"model": target})()
+    assert prompt_reader(fake) == "target in bfloat16 on AMX"
+    assert "prompts read in bfloat16 (--prefill)" in LoadedModel.describe(
+        type("L", (), {"name": "tiny", "device": "cpu", "dtype": torch.float32, "quantization": None,
+                       "model": target})(), "target")
