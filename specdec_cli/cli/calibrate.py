@@ -101,8 +101,8 @@ def calibrate_command(
                           "their rows are those figures", markup=False)
     for read in result["prompt_reads"]:
         console.print(f"target {read['model']} · {read['quantization']}: a {read['tokens']}-token prompt read in "
-                      f"{read['model_seconds']:.2f} s, by its bfloat16 copy in {read['copy_seconds']:.2f} s "
-                      f"(--prefill auto takes the copy where it is {GAIN}x as fast)", markup=False)
+                      f"{read['model_seconds']:.2f} s, in bfloat16 (--prefill) in {read['copy_seconds']:.2f} s "
+                      f"(--prefill auto reads that way where it is {GAIN}x as fast)", markup=False)
     error_console().print(f"wrote {save_calibration(result)}", markup=False)
     if json_path is not None:
         save_calibration(result, json_path)

@@ -41,9 +41,10 @@ TargetQuantOption = _text("--target-quant", help="Target weights: none, int8 (pe
                           "(weight-only, CPU), q4 (4-bit weights, int8 activations, CPU), nf4, bnb8 (bitsandbytes) or auto. Default: the profile's.")
 DraftQuantOption = _text("--draft-quant", help="Draft weights: none, int8, int4, q4, nf4, bnb8 or auto (as --target-quant). "
                          "Default: the profile's.")
-PrefillOption = _text("--prefill", help="Who reads a prompt: auto (a bfloat16 copy of a q4/int8 target on a CPU with "
-                      "AMX, where it fits in memory), bf16 (that copy; refused where it cannot be) or none (the target "
-                      "itself). The answer is always written by the target as chosen. Default: auto.")
+PrefillOption = _text("--prefill", help="Who reads a prompt: auto (a q4/int8 target in bfloat16 on a CPU with AMX: "
+                      "a q4 target with its own weights, else a bfloat16 copy where it fits in memory), bf16 (the "
+                      "same; refused where it cannot be) or none (the target itself). The answer is always written by "
+                      "the target as chosen. Default: auto.")
 TrustRemoteCodeOption = _flag("--trust-remote-code", help="Allow model code from the hub to run (only for models you trust).")
 AllowPickleOption = _flag("--allow-pickle", help="Allow .bin/.pt pickle weights, which can run code when loaded.")
 

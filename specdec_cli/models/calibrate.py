@@ -133,7 +133,7 @@ def measure_forward_costs(
     returned entries hold the final figures). `clock`: "wall" or "cpu" (see CLOCKS). Returns {"machine",
     "context_tokens", "clock", "measured_at", "entries": [...]}, each entry
     {"role", "model", "quantization", "precision", "dtype", "seconds": {"n": s}}, and "prompt_reads": a q4 or int8
-    target's prompt read by itself and by its bfloat16 copy (`time_prompt_read`), where the copy could be loaded."""
+    target's prompt read by itself and by its prefill path (`time_prompt_read`), where it has one."""
     token_counts = tuple(token_counts)
     entries, reads = [], []
     for role, spec in models.items():

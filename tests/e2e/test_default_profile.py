@@ -50,7 +50,7 @@ def check_models_line(stderr: str) -> None:
 
         specs = {"target": "demo:qwen2.5-coder-1.5b", "draft": "demo:qwen2.5-coder-0.5b"}
         formats = {role: auto_format(role, spec) for role, spec in specs.items()}
-        # --prefill auto: a bfloat16 copy reads the target's prompts where this machine takes it (AMX, calibration)
+        # --prefill auto: the target's prompts are read in bfloat16 where this machine takes it (AMX, calibration)
         read = prefill.resolve("auto", torch.device("cpu"), specs["target"], formats["target"], specs["draft"],
                                formats["draft"])
         for line, role in ((target_line, "target"), (draft_line, "draft")):
@@ -152,7 +152,8 @@ def test_compare_measures_the_default_against_the_target_alone(tmp_path):
 
 
 def test_a_chat_ends_cleanly_while_its_prompt_copy_is_still_loading(tmp_path):
-    """chat loads --prefill's bfloat16 copy in a thread (models/prefill.py; bf16 asks for it on any CPU). A chat that
+    """chat loads --prefill's bfloat16 copy in a thread (models/prefill.py; bf16 asks for it on any CPU without
+    AMX-BF16: with it, a q4 target reads in bfloat16 with its own weights and there is nothing to load). A chat that
     ends while the load is under way waits for it: a process that ended with the thread inside torch was aborted
     ("terminate called without an active exception", exit -6). A long message waits for the copy, a short one not."""
     short = specdec("chat", "--prefill", "bf16", "--max-new-tokens", "4", cwd=tmp_path, stdin="Hi\n")

@@ -65,9 +65,10 @@ LONG_QUESTION = ("Here is a function and its tests. Read them, say what the func
 
 
 def test_a_q4_target_reading_prompts_in_bfloat16_is_that_target_alone_for_every_drafter():
-    """`--prefill bf16` on the demo pair (q4 target and draft): the prompt is read by the target's bfloat16 copy,
-    and the chain, the tree and the target alone still give the same tokens; the copy's read changes them from q4's
-    own somewhere in the cache (checked on the prompt's entries)."""
+    """`--prefill bf16` on the demo pair (q4 target and draft): the prompt is read in bfloat16 (by the target's own
+    weights on a CPU with AMX-BF16, else by its bfloat16 copy), and the chain, the tree and the target alone still
+    give the same tokens; that read changes them from q4's own somewhere in the cache (checked on the prompt's
+    entries)."""
     from specdec_cli.drafters.tree import TreeDrafter
     from specdec_cli.engine.kv import CachedModel, prefill_path
     from specdec_cli.models import prefill
