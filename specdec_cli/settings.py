@@ -178,7 +178,7 @@ def load_choice(choice: ModelChoice, console: Printer | None = None,
         progress=not getattr(console, "quiet", False),  # -q: no spinners, no "Loading weights" bars
         target_auto_formats=choice.profile.target_auto_formats,
     )
-    _read_prompts(choice, target, console, background_prefill)
+    _read_prompts(choice, target, draft, console, background_prefill)
     console.print(target.describe("target"), markup=False)
     console.print(draft.describe("draft") if draft else "draft: n-gram lookup", markup=False)
     if choice.drafter == "tree" and draft is not None:
@@ -186,13 +186,17 @@ def load_choice(choice: ModelChoice, console: Printer | None = None,
     return target, draft
 
 
-def _read_prompts(choice: ModelChoice, target: LoadedModel, console: Printer, background: bool) -> None:
-    """Give the target its bfloat16 prefill path where `choice.prefill` wants it (models/prefill.py)."""
+def _read_prompts(choice: ModelChoice, target: LoadedModel, draft: LoadedModel | None, console: Printer,
+                  background: bool) -> None:
+    """Give the target its bfloat16 prefill path where `choice.prefill` wants it (models/prefill.py), and a q4 draft
+    the AMX one where the CPU has it (never a copy) unless `--prefill none`."""
     from specdec_cli.models import prefill
 
     if prefill.wanted(choice.prefill, target):
         prefill.attach(target, choice.trust_remote_code, choice.allow_pickle,
                        progress=not getattr(console, "quiet", False), background=background)
+    if draft is not None and choice.prefill != "none" and prefill.amx_reads(draft):
+        prefill.attach(draft)
 
 
 def say_tree_note(target: LoadedModel, draft: LoadedModel, console: Printer) -> None:

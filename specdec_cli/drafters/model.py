@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdec_cli.engine.draft import EMPTY_DRAFT, Draft, DraftRule, Drafter
-from specdec_cli.drafters.subset_head import subset_head
+from specdec_cli.drafters.subset_head import subset_head, with_prompt_path
 from specdec_cli.drafters.window import DraftWindow
 from specdec_cli.engine.context import context_length
 from specdec_cli.engine.kv import CachedModel
@@ -48,7 +48,7 @@ class DraftModelDrafter(Drafter):
     ) -> None:
         self.subset = token_ids.cpu() if token_ids is not None else None
         self.head = subset_head(model, self.subset, share_head)
-        self.runner = CachedModel(self.head or model)
+        self.runner = CachedModel(with_prompt_path(self.head or model, model))
         self.context = context_length(model)
         self.min_confidence = min_confidence
         self.min_survival = min_survival
@@ -62,6 +62,7 @@ class DraftModelDrafter(Drafter):
         sequence = self.window.seen(ids)
         drafted: list[int] = []
         rows: list[torch.Tensor] = []
+        self.runner.prefill(sequence[:-1])  # a long unread part: through the draft's prompt path, where it has one
         logits = self.runner.extend(sequence, 1)[-1]  # (V_draft,) or (|subset|,)
         survival = 1.0
         for position in range(k):

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import torch
 
+from specdec_cli.engine.kv import PREFILL_PATH
 from specdec_cli.engine.sampling import spread
 
 
@@ -48,6 +49,15 @@ def shared_subset_head(causal_lm: torch.nn.Module, token_ids: torch.Tensor) -> "
     if key not in heads:
         heads[key] = SubsetHeadLM(causal_lm, token_ids)
     return heads[key]
+
+
+def with_prompt_path(runner_model: torch.nn.Module, causal_lm: torch.nn.Module) -> torch.nn.Module:
+    """`runner_model` (the causal LM, or a SubsetHeadLM of it) reading prompts as `causal_lm` does: its prefill path
+    (models/prefill.py: a q4 draft's own weights on AMX), which writes into whatever cache it is given."""
+    path = causal_lm.__dict__.get(PREFILL_PATH)
+    if runner_model is not causal_lm and path is not None:
+        runner_model.__dict__[PREFILL_PATH] = path
+    return runner_model
 
 
 def frequent_token_ids(tokenizer, size: int, vocab_size: int) -> torch.Tensor:

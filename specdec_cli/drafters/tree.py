@@ -50,7 +50,7 @@ import torch
 
 from specdec_cli.engine.context import context_length
 from specdec_cli.engine.draft import EMPTY_DRAFT, Draft, DraftRule, Drafter
-from specdec_cli.drafters.subset_head import subset_head
+from specdec_cli.drafters.subset_head import subset_head, with_prompt_path
 from specdec_cli.drafters.window import DraftWindow
 from specdec_cli.engine.kv import CachedModel
 from specdec_cli.engine.sampling import draft_odds, logits_to_probs, nonzero_ids, top_k
@@ -107,7 +107,7 @@ class TreeDrafter(Drafter):
         if budget < 1 or (branching is not None and branching < 1) or max_depth < 1:
             raise ValueError(f"need budget, branching and max_depth >= 1, got {budget}, {branching}, {max_depth}")
         self.head = subset_head(model, token_ids.cpu() if token_ids is not None else None, share_head)
-        self.runner = CachedModel(self.head or model)
+        self.runner = CachedModel(with_prompt_path(self.head or model, model))
         self.context = context_length(model)
         self.window = DraftWindow(window)  # what the draft model reads of the sequence (window.py)
         self.budget = budget
@@ -129,6 +129,7 @@ class TreeDrafter(Drafter):
         parents: list[int] = []
         rows: list[torch.Tensor] = []     # per node: the distribution it was drawn from
         scores: list[float] = []          # per node: the draft's log probability of its path
+        self.runner.prefill(sequence[:-1])  # a long unread part: through the draft's prompt path, where it has one
         frontier, frontier_logits = [-1], self.runner.extend(sequence, 1)  # (1, V)
         for depth in range(depth_limit):
             level = self._grow_level(frontier, frontier_logits, tree_ids, parents, rows, scores, params, generator)

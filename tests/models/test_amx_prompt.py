@@ -146,3 +146,29 @@ def test_it_holds_no_copy_needs_no_memory_and_says_who_reads(pair, monkeypatch):
     assert "prompts read in bfloat16 (--prefill)" in LoadedModel.describe(
         type("L", (), {"name": "tiny", "device": "cpu", "dtype": torch.float32, "quantization": None,
                        "model": target})(), "target")
+
+
+def test_a_q4_draft_reads_its_window_on_amx_and_the_output_stays_the_targets(pair):
+    """A q4 draft given the AMX path (settings._read_prompts does where the CPU has it) reads a long unread part of its
+    window through it, through a subset head too (drafters.subset_head.with_prompt_path); the drafts change a little,
+    the tokens do not (the target verifies them)."""
+    from specdec_cli.drafters import DraftModelDrafter
+    from specdec_cli.drafters.tree import TreeDrafter
+
+    target, _ = pair
+    draft_model = quantize(tiny_causal_lm("llama", seed=0, logit_scale=8.0, layers=2), "q4")
+    plain = DraftModelDrafter(draft_model, token_ids=torch.arange(80), window=40)
+    prefill.attach(_Loaded(draft_model))
+    assert isinstance(prefill_path(draft_model), prefill.AmxPromptPath)
+    expected = SpeculativeDecoder(target, None, FixedK(0), ()).generate(PROMPT, SamplingParams(), NEW_TOKENS).tokens
+    for drafter in (DraftModelDrafter(draft_model, token_ids=torch.arange(80), window=40),
+                    TreeDrafter(draft_model, budget=8, branching=2, window=40)):
+        assert prefill_path(drafter.runner.model) is prefill_path(draft_model)
+        result = SpeculativeDecoder(target, drafter, FixedK(4), ()).generate(PROMPT, SamplingParams(), NEW_TOKENS)
+        assert result.tokens == expected and result.stats.drafted > 0
+    # the path was taken: the window's entries are not what the draft's own q4 read makes
+    read = DraftModelDrafter(draft_model, token_ids=torch.arange(80), window=40)
+    read.propose(PROMPT, 1, SamplingParams(), torch.Generator())
+    plain.propose(PROMPT, 1, SamplingParams(), torch.Generator())
+    assert read.runner.ids == plain.runner.ids and len(read.runner.ids) >= 40
+    assert not torch.equal(read.runner.cache.layers[0].keys, plain.runner.cache.layers[0].keys)
