@@ -1,13 +1,14 @@
-"""The demo pair's q4 target reading its prompts itself against reading them with its bfloat16 copy (`--prefill`),
-alternated in one process on whole generations.
+"""The demo pair's q4 target reading its prompts itself, with its bfloat16 copy, and (on a CPU with AMX-BF16) with its
+own weights on AMX in bfloat16 (`--prefill`, models/prefill.py), alternated in one process on whole generations.
 
     python scripts/prefill_ab.py [--prompts 13] [--per-category 1] [--drafter cascade] --json benchmarks/....json
 
-The pair is loaded once as `auto` picks it and the copy attached once; per prompt (the first question of each
-Spec-Bench category, as `compare` encodes them, 128 new tokens, greedy) the target alone and the drafter run with
-the copy and without it, the order alternating per prompt, a fresh decoder each time. Within a way the drafter's
-tokens must be the target alone's; between ways they may differ (the prompt's entries differ), so the comparison
-is tokens/s and the first step's seconds (the prompt's read)."""
+The pair is loaded once as `auto` picks it and the copy loaded once (explicitly: `attach` gives a q4 target on AMX
+the AMX path instead); per prompt (the first question of each Spec-Bench category, as `compare` encodes them, 128 new
+tokens, greedy) the target alone and the drafter run each way, the order rotating per prompt, a fresh decoder each
+time. In the AMX way the q4 draft reads its window on AMX too, as `_read_prompts` gives it; in the others it reads
+it itself. Within a way the drafter's tokens must be the target alone's; between ways they may differ (the prompt's
+entries differ), so the comparison is tokens/s and the first step's seconds (the prompt's read)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from specdec_cli.engine import SamplingParams
 from specdec_cli.engine.kv import PREFILL_PATH, prefill_path
 from specdec_cli.models.calibrate import machine
 
-WAYS = ("q4 reads", "bf16 copy reads")
+WAYS = ("q4 reads", "bf16 copy reads", "bf16 on AMX reads")
 
 
 def main() -> None:
@@ -39,33 +40,43 @@ def main() -> None:
     choice = choose_models(ModelOverrides(profile="demo", prefill="none"))
     target, draft = load_choice(choice)
     started = time.perf_counter()
-    prefill.attach(target)
+    from specdec_cli.models.loaded import load_model
+
+    copy = load_model(target.name, device="cpu", dtype="bfloat16", quantization="none", progress=False)
+    paths = {WAYS[1]: (prefill._path_of(target.model, copy.model.model, prefill.MIN_TOKENS), None)}
+    prefill.warm(paths[WAYS[1]][0], target.model.config)
     attach_seconds = time.perf_counter() - started
-    path = prefill_path(target.model)
+    ways = WAYS[:2]
+    if prefill.amx_reads(target) and prefill.amx_reads(draft):
+        paths[WAYS[2]] = (prefill.AmxPromptPath(target.model), prefill.AmxPromptPath(draft.model))
+        ways = WAYS
     prompts = spec_bench_prompts(target.tokenizer, choice.profile.system, args.prompts, args.per_category)
-    rows = _alternated(target, draft, args.drafter, prompts, path)
-    result = {"machine": machine(), "target": target.describe("target"), "draft": draft.describe("draft"),
-              "drafter": args.drafter, "max_new_tokens": 128, "copy_load_seconds": attach_seconds,
-              "min_tokens": path.min_tokens, "prompts": rows, "totals": _totals(rows, args.drafter)}
-    for way in WAYS:
-        print(f"{way:16}", " ".join(f"{key}: {value}" for key, value in result["totals"][way].items()))
-    print("same output both ways:", result["totals"]["same output both ways"], "of", len(rows))
+    described = {"target": target.describe("target"), "draft": draft.describe("draft")}  # as loaded: q4 reads
+    rows = _alternated(target, draft, args.drafter, prompts, paths, ways)
+    result = {"machine": machine(), **described, "drafter": args.drafter, "max_new_tokens": 128, "copy_load_seconds": attach_seconds,
+              "min_tokens": {way: path.min_tokens for way, (path, _) in paths.items()}, "prompts": rows,
+              "totals": _totals(rows, args.drafter, ways)}
+    for way in ways:
+        print(f"{way:18}", " ".join(f"{key}: {value}" for key, value in result["totals"][way].items()))
+    print("same output as q4's own read:", {way: result["totals"][f"same output as {WAYS[0]}"][way] for way in ways[1:]},
+          "of", len(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 
 
 @torch.inference_mode()
-def _alternated(target, draft, drafter: str, prompts: list[list[int]], path) -> list[dict]:
+def _alternated(target, draft, drafter: str, prompts: list[list[int]], paths: dict, ways: tuple[str, ...]) -> list[dict]:
     from specdec_cli.session import build_decoder
 
     rows = []
     for index, prompt in enumerate(prompts):
         row = {"prompt_tokens": len(prompt)}
-        for way in WAYS[:: 1 if index % 2 == 0 else -1]:
-            if way == WAYS[1]:
-                target.model.__dict__[PREFILL_PATH] = path
-            else:
-                target.model.__dict__.pop(PREFILL_PATH, None)
+        for way in ways[index % len(ways):] + ways[:index % len(ways)]:
+            for model, path in zip((target.model, draft.model), paths.get(way, (None, None))):
+                if path is None:
+                    model.__dict__.pop(PREFILL_PATH, None)
+                else:
+                    model.__dict__[PREFILL_PATH] = path
             outputs = []
             for name in ("none", drafter):
                 decoder = build_decoder(target, draft, name, "auto")
@@ -79,7 +90,6 @@ def _alternated(target, draft, drafter: str, prompts: list[list[int]], path) -> 
             if outputs[0] != outputs[1]:
                 raise SystemExit(f"prompt {index}, {way}: the drafter's output is not the target's")
             row[f"{way} output"] = outputs[0]
-        row["same output both ways"] = row[f"{WAYS[0]} output"] == row[f"{WAYS[1]} output"]
         print(f"prompt {index + 1}/{len(prompts)} ({len(prompt)} tokens):",
               " ".join(f"{key} {value['seconds']:.2f}s" for key, value in row.items() if isinstance(value, dict)
                        and "seconds" in value), flush=True)
@@ -87,16 +97,19 @@ def _alternated(target, draft, drafter: str, prompts: list[list[int]], path) -> 
     return rows
 
 
-def _totals(rows: list[dict], drafter: str) -> dict:
+def _totals(rows: list[dict], drafter: str, ways: tuple[str, ...]) -> dict:
     totals = {}
-    for way in WAYS:
+    for way in ways:
         runs = {name: [row[f"{way} {name}"] for row in rows] for name in ("none", drafter)}
         rates = {name: sum(run["tokens"] for run in made) / sum(run["seconds"] for run in made)
                  for name, made in runs.items()}
         totals[way] = {"alone tok/s": round(rates["none"], 2), f"{drafter} tok/s": round(rates[drafter], 2),
                        "speedup": round(rates[drafter] / rates["none"], 3),
-                       "first step s (alone)": round(sum(run["first_step"] for run in runs["none"]) / len(rows), 3)}
-    totals["same output both ways"] = sum(row["same output both ways"] for row in rows)
+                       "first step s (alone)": round(sum(run["first_step"] for run in runs["none"]) / len(rows), 3),
+                       f"first step s ({drafter})": round(sum(run["first_step"] for run in runs[drafter]) / len(rows),
+                                                          3)}
+    totals[f"same output as {WAYS[0]}"] = {way: sum(row[f"{way} output"] == row[f"{WAYS[0]} output"] for row in rows)
+                                           for way in ways[1:]}
     return totals
 
 

@@ -55,7 +55,9 @@ def with_prompt_path(runner_model: torch.nn.Module, causal_lm: torch.nn.Module) 
     """`runner_model` (the causal LM, or a SubsetHeadLM of it) reading prompts as `causal_lm` does: its prefill path
     (models/prefill.py: a q4 draft's own weights on AMX), which writes into whatever cache it is given."""
     path = causal_lm.__dict__.get(PREFILL_PATH)
-    if runner_model is not causal_lm and path is not None:
+    if runner_model is not causal_lm and path is None:
+        runner_model.__dict__.pop(PREFILL_PATH, None)  # a shared head follows its model's path being taken off too
+    elif runner_model is not causal_lm:
         runner_model.__dict__[PREFILL_PATH] = path
     return runner_model
 
