@@ -53,7 +53,11 @@ class ForwardCounter:
 
     def __init__(self, models: dict[str, torch.nn.Module]) -> None:
         self.counts = dict.fromkeys(models, 0)
-        self._handles = [model.register_forward_pre_hook(self._counter(name)) for name, model in models.items()]
+        # Each model's decoder where it has one: a drafter scoring a subset of the vocabulary calls its SubsetHeadLM,
+        # which runs the draft's decoder but never the draft's top-level forward (the draft then went uncounted, and
+        # `compare`'s memory column left its weights out of the speculative rows).
+        self._handles = [_counted(model).register_forward_pre_hook(self._counter(name))
+                         for name, model in models.items()]
 
     def _counter(self, name: str):
         def count(module, args):
@@ -63,6 +67,12 @@ class ForwardCounter:
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
+
+
+def _counted(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose calls count as `model`'s forwards: its decoder (one call per forward), else itself."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    return decoder if isinstance(decoder, torch.nn.Module) else model
 
 
 @torch.inference_mode()

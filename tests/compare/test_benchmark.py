@@ -155,3 +155,22 @@ def test_with_an_int8_draft_hf_assisted_runs_with_the_plain_draft_and_with_ours(
     assert all(tokens_of(benchmark, config.name) == baseline for config in configs)
     rows = {row["configuration"]: row for row in benchmark.summary()}
     assert rows["HF assisted"]["memory_bytes"] >= benchmark.weight_bytes["target"] + benchmark.weight_bytes["plain draft"]
+
+
+def test_a_draft_run_through_a_subset_head_counts_as_the_draft(low_acceptance_pair):
+    """The demo's drafters score a subset of the draft's vocabulary (drafters/subset_head.py): their forwards never call
+    the draft's top-level module, and must still count as the draft's, or `compare` leaves its weights out."""
+    import torch
+
+    from specdec_cli.bench.probes import ForwardCounter
+    from specdec_cli.drafters.subset_head import SubsetHeadLM
+
+    target, draft = low_acceptance_pair
+    counter = ForwardCounter({"target": target.model, "draft": draft.model})
+    try:
+        with torch.no_grad():
+            SubsetHeadLM(draft.model, torch.arange(50))(torch.tensor([[1, 2, 3]]), use_cache=False)
+            target.model(torch.tensor([[1, 2, 3]]), use_cache=False)
+    finally:
+        counter.close()
+    assert counter.counts == {"target": 1, "draft": 1}
