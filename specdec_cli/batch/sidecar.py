@@ -29,10 +29,18 @@ def record_settings(choice: ModelChoice, settings: DecodingSettings) -> dict:
         "draft_quantization": choice.draft_quantization, "k": settings.k, "temperature": settings.temperature,
         "top_p": settings.top_p, "top_k": settings.top_k, "seed": settings.seed,
         "max_new_tokens": settings.max_new_tokens, "system": settings.system,
-        # A prompt read by a bfloat16 copy of the target (--prefill) gives other records; named only then, so
-        # that files made before the option resume as they were.
+        # A prompt read in bfloat16 (--prefill) gives other records; named only then, so that files made before the
+        # option resume as they were. Read by a q4 target's own weights on AMX it gives others again than by the copy
+        # (models/prefill.py): named too, so that a file begun one way is not resumed the other.
         **({"prefill": "bf16"} if choice.prefill == "bf16" else {}),
+        **({"prompt_reader": "q4 on AMX"} if choice.prefill == "bf16" and _reads_on_amx(choice) else {}),
     }
+
+
+def _reads_on_amx(choice: ModelChoice) -> bool:
+    from specdec_cli.models.prefill import reads_on_amx
+
+    return reads_on_amx(choice.target_quantization)
 
 
 def write_settings(output: Path, settings: dict) -> None:

@@ -118,13 +118,22 @@ AMX_MIN_TOKENS = 24  # q4_layout.h's Q4_BF16_TOKENS: fewer read as fast in q4 (1
 AMX_PIECE = 256
 
 
+def reads_on_amx(quantization: str | None, flags: set[str] | None = None) -> bool:
+    """Whether a target in `quantization` reads its prompts on AMX with its own weights (an AmxPromptPath) rather than
+    through a copy, where it reads in bfloat16 at all: q4 on a CPU with AMX-BF16 (`flags`: this CPU's where None).
+    What `resolve` and `run`'s stored settings go by, before anything is loaded (`amx_reads` checks the model too)."""
+    from specdec_cli.models.quant import canonical
+
+    return canonical(quantization) == "q4" and (flags if flags is not None else cpu_flags()) >= AMX_FLAGS
+
+
 def amx_reads(target, flags: set[str] | None = None) -> bool:
     """Whether `target` (a LoadedModel) reads its prompts through an AmxPromptPath rather than a copy: a q4 model whose
     decoder runs in C, on a CPU with AMX-BF16 (`flags`, where given, stand for this CPU's) that the library can use."""
     from specdec_cli.models import int8_kernel
     from specdec_cli.models.decoder_stack import stacks_in_c
 
-    if getattr(target, "quantization", None) != "q4" or not (flags if flags is not None else cpu_flags()) >= AMX_FLAGS:
+    if not reads_on_amx(getattr(target, "quantization", None), flags):
         return False
     library, isa, problem = int8_kernel._library()
     decoder = getattr(target.model, "model", None)
@@ -203,7 +212,7 @@ def resolve(setting: str, device: torch.device, target: str, quantization: str |
     takes = config.model_type in ("llama", "qwen2") and full_attention(config)
     if not takes or not _pays(target, quantization, flags):
         return "none"
-    if quantization == "q4" and (flags if flags is not None else cpu_flags()) >= AMX_FLAGS:
+    if reads_on_amx(quantization, flags):
         return "bf16"  # read by the q4 target's own weights on AMX (AmxPromptPath): no copy to fit
     needed = preflight.estimate_weight_bytes(config, torch.bfloat16, None)
     needed += preflight.estimate_weight_bytes(config, torch.float32, quantization)

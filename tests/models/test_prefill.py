@@ -180,6 +180,24 @@ def test_run_names_the_prompt_read_only_where_the_copy_reads_it():
     assert sidecar.record_settings(replace(choice, prefill="bf16"), settings)["prefill"] == "bf16"
 
 
+def test_run_tells_a_q4_targets_read_on_amx_from_the_copys(monkeypatch):
+    """Both are `--prefill bf16` but give other records (models/prefill.py): a file begun one way is not resumed the
+    other (the stored settings differ)."""
+    from dataclasses import replace
+
+    from specdec_cli.settings import DecodingSettings
+
+    choice = replace(choose_models(ModelOverrides(target="some/model")), prefill="bf16", target_quantization="q4")
+    settings = DecodingSettings(k="auto", temperature=0.0, top_p=1.0, top_k=0, seed=0, max_new_tokens=8, system=None)
+    monkeypatch.setattr(prefill, "cpu_flags", lambda: {"amx_bf16", "amx_tile", "avx512_bf16"})
+    on_amx = sidecar.record_settings(choice, settings)
+    assert on_amx["prefill"] == "bf16" and on_amx["prompt_reader"] == "q4 on AMX"
+    assert "prompt_reader" not in sidecar.record_settings(replace(choice, target_quantization="int8"), settings)
+    monkeypatch.setattr(prefill, "cpu_flags", lambda: {"avx512_bf16", "avx2"})
+    copy_read = sidecar.record_settings(choice, settings)
+    assert copy_read["prefill"] == "bf16" and "prompt_reader" not in copy_read
+
+
 def test_the_copys_weights_count_in_what_the_target_holds(target):
     from specdec_cli.models.preflight import held_weight_bytes
 
