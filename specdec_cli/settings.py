@@ -188,14 +188,15 @@ def load_choice(choice: ModelChoice, console: Printer | None = None,
 
 def _read_prompts(choice: ModelChoice, target: LoadedModel, draft: LoadedModel | None, console: Printer,
                   background: bool) -> None:
-    """Give the target its bfloat16 prefill path where `choice.prefill` wants it (models/prefill.py), and a q4 draft
-    the AMX one where the CPU has it (never a copy) unless `--prefill none`."""
+    """Give the target its bfloat16 prefill path where `choice.prefill` wants it (models/prefill.py), and then a q4
+    draft the AMX one where the CPU has it (never a copy)."""
     from specdec_cli.models import prefill
 
-    if prefill.wanted(choice.prefill, target):
-        prefill.attach(target, choice.trust_remote_code, choice.allow_pickle,
-                       progress=not getattr(console, "quiet", False), background=background)
-    if draft is not None and choice.prefill != "none" and prefill.amx_reads(draft):
+    if not prefill.wanted(choice.prefill, target):
+        return
+    prefill.attach(target, choice.trust_remote_code, choice.allow_pickle,
+                   progress=not getattr(console, "quiet", False), background=background)
+    if draft is not None and prefill.amx_reads(draft):
         prefill.attach(draft)
 
 

@@ -114,7 +114,7 @@ class AmxPromptPath:
 AMX_ISA = 4  # the C library's isa for a prompt read: q4's bfloat16 matmul on AMX (q4_amx.c)
 AMX_MIN_TOKENS = 24  # q4_layout.h's Q4_BF16_TOKENS: fewer read as fast in q4 (16 tokens: ×0.9 of q4's own read)
 # Tokens a forward at most: a 700-token prompt read 512 + 188 took 1.98 s, 256 + 256 + 188 1.64 s, 128 at a time 1.73
-# (demo target, Intel Xeon AMX): past ~256 rows a matmul's activations no longer stay in the core's L2.
+# (demo target, Intel Xeon AMX).
 AMX_PIECE = 256
 
 

@@ -59,7 +59,9 @@ def check_models_line(stderr: str) -> None:
             # q4 keeps the demo files' Q4_K layers as they are (gguf_q4.py), and says how many
             kept = {"target": " · 168 of 197", "draft": " · 12 of 169"}[role] if expected == "q4" else ""
             ending = f" · {precision(expected, '')}" + (f"{kept} layers kept as the .gguf's 4-bit blocks" if kept else "")
-            ending += " · prompts read in bfloat16 (--prefill)" if role == "target" and read == "bf16" else ""
+            # the draft too where the target does and it reads on AMX with its own q4 weights
+            reads = read == "bf16" and (role == "target" or prefill.reads_on_amx(expected))
+            ending += " · prompts read in bfloat16 (--prefill)" if reads else ""
             assert line.group(0).endswith(ending), (expected, read, line.group(0))
 
 
