@@ -16,7 +16,7 @@ from specdec_cli.models import int8_kernel, preflight, prefill, q4
 from specdec_cli.models.quant import computes_rows_alone, quantize
 
 from tests.conftest import tiny_causal_lm
-from tests.models.test_prefill import NEW_TOKENS, SECOND_TURN, _drafters
+from tests.models.test_prefill import NEW_TOKENS, speculation_is_that_target_alone_turn_after_turn
 from tests.models.test_q4_kernel import _layer
 
 
@@ -111,20 +111,7 @@ def test_the_path_reads_prompts_near_q4s_own_read_but_not_as_it(pair):
 
 
 def test_speculation_on_it_is_that_target_alone_turn_after_turn(pair, draft):
-    target, _ = pair
-    alone = SpeculativeDecoder(target, None, FixedK(0), ())
-    first = alone.generate(PROMPT, SamplingParams(), NEW_TOKENS).tokens
-    conversation = PROMPT + first + SECOND_TURN
-    second = alone.generate(conversation, SamplingParams(), NEW_TOKENS).tokens
-    drafted = 0
-    for name, drafter, policy in _drafters(draft):
-        decoder = SpeculativeDecoder(target, drafter, policy, ())
-        result = decoder.generate(PROMPT, SamplingParams(), NEW_TOKENS)
-        assert result.tokens == first, name
-        again = decoder.generate(conversation, SamplingParams(), NEW_TOKENS)
-        assert again.tokens == second, name
-        drafted += result.stats.drafted + again.stats.drafted
-    assert drafted > 0
+    speculation_is_that_target_alone_turn_after_turn(pair[0], draft, PROMPT)
 
 
 def test_it_holds_no_copy_needs_no_memory_and_says_who_reads(pair, monkeypatch):

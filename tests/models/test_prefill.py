@@ -94,14 +94,19 @@ def test_a_short_unread_part_is_left_to_the_model_itself(target):
 
 
 def test_speculation_on_it_is_that_target_alone_turn_after_turn(target, draft):
+    speculation_is_that_target_alone_turn_after_turn(target, draft, PROMPT)
+
+
+def speculation_is_that_target_alone_turn_after_turn(target, draft, prompt: list[int]) -> None:
+    """Chains and a tree over `draft` give `target` alone's tokens on `prompt`, then on a second turn after it."""
     alone = SpeculativeDecoder(target, None, FixedK(0), ())
-    first = alone.generate(PROMPT, SamplingParams(), NEW_TOKENS).tokens
-    conversation = PROMPT + first + SECOND_TURN
+    first = alone.generate(prompt, SamplingParams(), NEW_TOKENS).tokens
+    conversation = prompt + first + SECOND_TURN
     second = alone.generate(conversation, SamplingParams(), NEW_TOKENS).tokens
     drafted = 0
     for name, drafter, policy in _drafters(draft):
         decoder = SpeculativeDecoder(target, drafter, policy, ())
-        result = decoder.generate(PROMPT, SamplingParams(), NEW_TOKENS)
+        result = decoder.generate(prompt, SamplingParams(), NEW_TOKENS)
         assert result.tokens == first, name
         again = decoder.generate(conversation, SamplingParams(), NEW_TOKENS)
         assert again.tokens == second, name
