@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specdec_cli.drafters import CascadeDrafter, DraftModelDrafter, NgramDrafter
-from specdec_cli.drafters.subset_head import draft_vocabulary, shared_subset_head
+from specdec_cli.drafters.subset_head import draft_vocabulary, shared_subset_head, with_prompt_path
 from specdec_cli.drafters.tree import DEFAULT_BUDGET, VALUE_BUDGET, TreeDrafter, budget_from_costs
 from specdec_cli.engine import CalibratedDraftOrNot, DraftLengthPolicy, DraftOrNot, FixedK, SpeculativeDecoder
 from specdec_cli.engine.batched import BatchedDecoder
@@ -234,6 +234,7 @@ def build_batched_decoder(target: LoadedModel, draft: LoadedModel | None, drafte
     draft_model = None
     if uses_draft:
         draft_model = shared_subset_head(draft.model, vocabulary) if vocabulary is not None else draft.model
+        draft_model = with_prompt_path(draft_model, draft.model)  # its window read as the one-sequence drafters do
     return BatchedDecoder(
         target.model, draft_model, batched_drafter, batch_size, k, eos_token_ids(target),
         verify_curve=(target_curve or forward_curve(target)) if k == "auto" else None,
