@@ -40,10 +40,7 @@ def main() -> None:
     choice = choose_models(ModelOverrides(profile="demo", prefill="none"))
     target, draft = load_choice(choice)
     started = time.perf_counter()
-    from specdec_cli.models.loaded import load_model
-
-    copy = load_model(target.name, device="cpu", dtype="bfloat16", quantization="none", progress=False)
-    paths = {WAYS[1]: (prefill._path_of(target.model, copy.model.model, prefill.MIN_TOKENS), None)}
+    paths = {WAYS[1]: (prefill.load_copy(target, progress=False), None)}
     prefill.warm(paths[WAYS[1]][0], target.model.config)
     attach_seconds = time.perf_counter() - started
     ways = WAYS[:2]

@@ -33,7 +33,6 @@ def main() -> None:
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     from specdec_cli.models import prefill
-    from specdec_cli.models.loaded import load_model
     from specdec_cli.settings import ModelOverrides, choose_models, load_choice
 
     choice = choose_models(ModelOverrides(profile="demo", prefill="none", drafter="ngram"))
@@ -41,8 +40,7 @@ def main() -> None:
     if not prefill.amx_reads(target):
         raise SystemExit("this CPU (or this target) cannot read prompts on AMX in bfloat16")
     started = time.perf_counter()
-    copy = load_model(target.name, device="cpu", dtype="bfloat16", quantization="none", progress=False)
-    paths = {"bf16 copy": prefill._path_of(target.model, copy.model.model, 1),
+    paths = {"bf16 copy": prefill.load_copy(target, min_tokens=1, progress=False),
              "bf16 on AMX": prefill.AmxPromptPath(target.model, min_tokens=1)}
     load_seconds = time.perf_counter() - started
     text = spec_bench_prompts(target.tokenizer, choice.profile.system, 13)[9]  # summarization: 700 tokens

@@ -98,7 +98,7 @@ def prompt_reader(target: LoadedModel) -> str:
     from specdec_cli.engine.kv import prefill_path
 
     path = prefill_path(target.model)
-    return "target" if path is None else getattr(path, "reader", "bfloat16 copy")
+    return "target" if path is None else path.reader
 
 
 def environment(target: LoadedModel, draft: LoadedModel | None) -> dict:

@@ -59,6 +59,8 @@ AMX_FLAGS = {"amx_bf16", "amx_tile"}
 class PrefillPath:
     """Feeds prompt tokens through a bfloat16 decoder into a float32 cache (see the module)."""
 
+    reader = "bfloat16 copy"
+
     def __init__(self, decoder: torch.nn.Module, embedding: torch.nn.Module, min_tokens: int = MIN_TOKENS) -> None:
         self.decoder = decoder  # LlamaModel / Qwen2Model in bfloat16, without its embedding
         self.embedding = embedding  # the quantised model's
@@ -84,6 +86,13 @@ class PrefillPath:
             layer.update(fresh.keys[..., held:, :].to(dtype), fresh.values[..., held:, :].to(dtype))
 
 
+AMX_ISA = 4  # the C library's isa for a prompt read: q4's bfloat16 matmul on AMX (q4_amx.c)
+AMX_MIN_TOKENS = 24  # q4_layout.h's Q4_BF16_TOKENS: fewer read as fast in q4 (16 tokens: ×0.9 of q4's own read)
+# Tokens a forward at most: a 700-token prompt read 512 + 188 took 1.98 s, 256 + 256 + 188 1.64 s, 128 at a time 1.73
+# (demo target, Intel Xeon AMX).
+AMX_PIECE = 256
+
+
 class AmxPromptPath:
     """A q4 target reads its prompts with its own weights through q4_amx.c's bfloat16 matmul (the C decoder stack with
     isa 4): each weight its exact value rounded to bfloat16, each matmul input rounded to bfloat16, their products
@@ -92,11 +101,12 @@ class AmxPromptPath:
     tokens on (demo target, Intel Xeon AMX: 32 / 64 / 256 tokens ×1.3 / ×1.7 / ×2.4), and its rows do not depend
     on how many the forward holds (tested), like the copy's. Only where the CPU has AMX-BF16 (`amx_reads`)."""
 
-    reader = "target in bfloat16 on AMX"
+    reader = "target in bfloat16 on AMX"  # as `compare` names who read the prompts
+    decoder = None  # no weights of its own (the pre-flight counts a copy's)
 
-    def __init__(self, model: torch.nn.Module, min_tokens: int = 0) -> None:
+    def __init__(self, model: torch.nn.Module, min_tokens: int = AMX_MIN_TOKENS) -> None:
         self.model = model
-        self.min_tokens = min_tokens or AMX_MIN_TOKENS
+        self.min_tokens = min_tokens
 
     @torch.inference_mode()
     def __call__(self, cache, new_ids: list[int]) -> None:
@@ -111,20 +121,13 @@ class AmxPromptPath:
                 raise RuntimeError("the target's decoder no longer runs in C: its prompt cannot be read on AMX")
 
 
-AMX_ISA = 4  # the C library's isa for a prompt read: q4's bfloat16 matmul on AMX (q4_amx.c)
-AMX_MIN_TOKENS = 24  # q4_layout.h's Q4_BF16_TOKENS: fewer read as fast in q4 (16 tokens: ×0.9 of q4's own read)
-# Tokens a forward at most: a 700-token prompt read 512 + 188 took 1.98 s, 256 + 256 + 188 1.64 s, 128 at a time 1.73
-# (demo target, Intel Xeon AMX).
-AMX_PIECE = 256
-
-
 def reads_on_amx(quantization: str | None, flags: set[str] | None = None) -> bool:
     """Whether a target in `quantization` reads its prompts on AMX with its own weights (an AmxPromptPath) rather than
     through a copy, where it reads in bfloat16 at all: q4 on a CPU with AMX-BF16 (`flags`: this CPU's where None).
     What `resolve` and `run`'s stored settings go by, before anything is loaded (`amx_reads` checks the model too)."""
     from specdec_cli.models.quant import canonical
 
-    return canonical(quantization) == "q4" and (flags if flags is not None else cpu_flags()) >= AMX_FLAGS
+    return canonical(quantization) == "q4" and _has_amx(flags)
 
 
 def amx_reads(target, flags: set[str] | None = None) -> bool:
@@ -152,6 +155,11 @@ def _pays(model: str, quantization: str, flags: set[str] | None) -> bool:
     measured = calibrated_prompt_read(model, quantization)
     if measured is not None:
         return measured["copy_seconds"] * GAIN <= measured["model_seconds"]
+    return _has_amx(flags)
+
+
+def _has_amx(flags: set[str] | None) -> bool:
+    """Whether this CPU (or the one `flags` stand for) has AMX-BF16's tiles."""
     return (flags if flags is not None else cpu_flags()) >= AMX_FLAGS
 
 
@@ -227,17 +235,13 @@ def attach(target, trust_remote_code: bool = False, allow_pickle: bool = False, 
     bfloat16, that decoder. `background`:
     give it a `LoadingPath` instead, which loads them (no progress shown) in a thread from `load_meanwhile` on, or
     when first needed; refused at once where the copy does not fit in free memory, as loading it would be."""
-    from specdec_cli.models.loaded import load_model
-
     if amx_reads(target):
         target.model.__dict__[PREFILL_PATH] = AmxPromptPath(target.model)
         return
 
     def load() -> PrefillPath:
-        copy = load_model(target.name, device="cpu", dtype="bfloat16", quantization="none",
-                          trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
-                          progress=progress and not background)
-        return _path_of(target.model, copy.model.model, MIN_TOKENS)
+        return load_copy(target, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
+                         progress=progress and not background)
 
     if not background:
         path = load()
@@ -250,6 +254,16 @@ def attach(target, trust_remote_code: bool = False, allow_pickle: bool = False, 
     except InsufficientMemoryError as error:
         raise InsufficientMemoryError(error.message, "use --prefill none, or close other programs") from None
     target.model.__dict__[PREFILL_PATH] = LoadingPath(target.model, load, MIN_TOKENS)
+
+
+def load_copy(target, min_tokens: int = MIN_TOKENS, trust_remote_code: bool = False, allow_pickle: bool = False,
+              progress: bool = True) -> PrefillPath:
+    """A PrefillPath over the target's (a LoadedModel's) weights loaded again in bfloat16, not attached."""
+    from specdec_cli.models.loaded import load_model
+
+    copy = load_model(target.name, device="cpu", dtype="bfloat16", quantization="none",
+                      trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, progress=progress)
+    return _path_of(target.model, copy.model.model, min_tokens)
 
 
 def warm(path: PrefillPath, config) -> None:
@@ -299,6 +313,8 @@ class LoadingPath:
     the path off the model instead (the target reads its prompts from then on) and that read raises ModelLoadError
     saying so. Its memory count waits too. The thread is not a daemon, and `close` ends it sooner: a process that
     ends while the thread runs inside torch is aborted ("terminate called without an active exception")."""
+
+    reader = PrefillPath.reader
 
     def __init__(self, model: torch.nn.Module, load: Callable[[], PrefillPath], min_tokens: int) -> None:
         self.min_tokens = min_tokens
