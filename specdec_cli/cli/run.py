@@ -133,7 +133,9 @@ def _run_locked(input: str, output: Path, resume: bool, overwrite: bool, force: 
     choice = resolve_formats(choose_models(models))  # stored and loaded as resolved here: no `auto` in a file's settings
     settings = decoding_settings(choice.profile, **decoding)
     finished = batch.read_finished(output) if resume else []
-    _check_or_store_settings(output, batch.record_settings(choice, settings), bool(finished), force)
+    current = batch.record_settings(choice, settings)
+    if finished:  # before loading anything: resuming with other settings is refused at once
+        _check_resumed_settings(output, current, force)
     pending = batch.pending_requests(requests, finished)
     summary = batch.BatchSummary(
         total=len(requests), skipped=len(requests) - len(pending), failed_before=sum(map(batch.record_failed, finished))
@@ -142,7 +144,8 @@ def _run_locked(input: str, output: Path, resume: bool, overwrite: bool, force: 
     runnable = any(request.error is None for request in pending)
     job = sum(request.error is None for request in requests)  # the whole input's, so a resume batches alike
     with _engine(choice, settings, ray_options, batch_size, console, runnable, job) as (stream, reports, together):
-        _run_with_progress(pending, stream, output, overwrite, summary, choice.target, console, parallel=together)
+        _run_with_progress(pending, stream, output, overwrite, summary, choice.target, console, parallel=together,
+                           settings=None if finished else current)
     _print_summary(summary, console, reports, together)
     _exit_on_failures(summary, output)
 
@@ -180,14 +183,11 @@ def _output_lock(output: Path) -> AbstractContextManager:
     return batch.OutputLock(output) if output.is_file() or not output.exists() else nullcontext()
 
 
-def _check_or_store_settings(output: Path, current: dict, resuming: bool, force: bool) -> None:
-    """Resuming records: they must have been made with these settings. Starting a file: store them beside it."""
-    if resuming:
-        note = batch.check_resumed_settings(output, current, force)
-        if note:
-            error_console().print(note, markup=False)
-    elif output.is_file() or not output.exists():  # a device such as /dev/null gets no settings file
-        batch.write_settings(output, current)
+def _check_resumed_settings(output: Path, current: dict, force: bool) -> None:
+    """Resuming records: they must have been made with these settings."""
+    note = batch.check_resumed_settings(output, current, force)
+    if note:
+        error_console().print(note, markup=False)
 
 
 def _never(request: batch.Request) -> batch.Completion:  # pragma: no cover - only error requests are pending
@@ -195,8 +195,12 @@ def _never(request: batch.Request) -> batch.Completion:  # pragma: no cover - on
 
 
 def _run_with_progress(pending, stream: batch.Stream, output: Path, replace: bool, summary: batch.BatchSummary,
-                       model: str, console: Console, parallel: bool = False) -> None:
+                       model: str, console: Console, parallel: bool = False, settings: dict | None = None) -> None:
+    """settings: a file begun (or replaced) here stores them beside it, once the models loaded and the file is open
+    (emptied by --overwrite): a run that fails before then leaves an earlier file's records and settings as they were."""
     with batch.DurableWriter(output, replace) as writer, _progress_bar(console) as progress:
+        if settings is not None and output.is_file():  # a device such as /dev/null gets no settings file
+            batch.write_settings(output, settings)
         task = progress.add_task("records", total=summary.total, completed=summary.done, speed="", acceptance="")
 
         def show(current: batch.BatchSummary) -> None:

@@ -89,3 +89,24 @@ def test_a_broken_settings_file_is_one_line(run, tmp_path):
     assert result.exit_code == 2
     assert result.stderr == (f"error: {tmp_path / 'out.jsonl.settings.json'} is not a specdec settings file — pass "
                              "--force to resume without checking the settings, or --overwrite to start again\n")
+
+
+def test_an_overwrite_that_fails_to_load_leaves_the_file_and_its_settings_as_they_were(run, tmp_path):
+    """A mistake in the command that replaces a file (here a target path that does not exist) must not rewrite the
+    settings beside records that were made with others: --resume with the file's own settings still continues."""
+    assert run("-n", "5", "--limit", "1").exit_code == 0
+    records, settings = (tmp_path / "out.jsonl").read_bytes(), (tmp_path / "out.jsonl.settings.json").read_bytes()
+    result = run("-n", "5", "--overwrite", "--target", str(tmp_path / "no-such-model"))
+    assert result.exit_code == 2, result.output
+    assert "no such file or folder" in result.stderr
+    assert (tmp_path / "out.jsonl").read_bytes() == records
+    assert (tmp_path / "out.jsonl.settings.json").read_bytes() == settings
+    resumed = run("-n", "5", "--resume")
+    assert resumed.exit_code == 0, resumed.output
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 3
+
+
+def test_a_run_that_fails_to_load_leaves_no_settings_file(run, tmp_path):
+    result = run("-n", "5", "--target", str(tmp_path / "no-such-model"))
+    assert result.exit_code == 2, result.output
+    assert not (tmp_path / "out.jsonl.settings.json").exists()
