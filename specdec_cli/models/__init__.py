@@ -7,8 +7,10 @@ import logging
 
 # Once torchao (the `quant` extra) is installed, transformers imports it on every model load, and its
 # import logs warnings about GPU libraries this machine cannot load and torch.compile deprecations:
-# noise for a specdec user, so those two loggers show errors only.
-for _logger_name in ("torchao", "torch.utils._pytree"):
+# noise for a specdec user, so those two loggers show errors only. So does bitsandbytes' CPU backend: on a CPU with
+# AVX512-BF16 its import asks the hub for a kernel repository it then does not trust (nor can it reach one offline),
+# and logs a warning every time nf4 or bnb8 loads.
+for _logger_name in ("torchao", "torch.utils._pytree", "bitsandbytes.backends.cpu.ops"):
     logging.getLogger(_logger_name).setLevel(logging.ERROR)
 
 from specdec_cli.lazy import exports

@@ -45,3 +45,14 @@ def test_a_bitsandbytes_that_does_not_import_is_one_line_not_a_traceback(llama_f
         load_model(str(llama_folder), quantization="nf4", progress=False)
     assert str(raised.value).startswith("bitsandbytes is installed but does not load (libbitsandbytes_cuda130.so")
     assert "--force-reinstall bitsandbytes" in raised.value.hint
+
+
+def test_third_party_loaders_that_log_noise_at_every_load_show_errors_only():
+    """bitsandbytes' CPU backend warns on every nf4/bnb8 load that a hub kernel repository could not be loaded
+    (untrusted, and unreachable offline); torchao warns about GPU libraries. specdec shows their errors only."""
+    import logging
+
+    import specdec_cli.models  # noqa: F401  (sets the levels)
+
+    for name in ("torchao", "torch.utils._pytree", "bitsandbytes.backends.cpu.ops"):
+        assert logging.getLogger(name).getEffectiveLevel() == logging.ERROR, name
