@@ -22,7 +22,8 @@ from batch_crossover import SPEC_BENCH, held_prompts  # the same held chat promp
 
 from specdec_cli.engine import SamplingParams
 from specdec_cli.engine.batched import RowRequest
-from specdec_cli.models import load_model
+from specdec_cli.bench.probes import prompt_reader
+from specdec_cli.models import load_model, prefill
 from specdec_cli.models.calibrate import machine
 from specdec_cli.session import batch_size_for, build_batched_decoder, build_decoder, encode_chat, forward_curve
 
@@ -71,11 +72,19 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--target-quant", default="q4")
     parser.add_argument("--draft-quant", default="q4")
+    parser.add_argument("--prefill", choices=("auto", "none"), default="auto",
+                        help="who reads the prompts, as run's --prefill (auto: the AMX path on a CPU with AMX-BF16)")
     parser.add_argument("--json")
     args = parser.parse_args()
     torch.set_num_threads(2)
     target = load_model("demo:qwen2.5-coder-1.5b", dtype="bfloat16", quantization=args.target_quant, role="target", progress=False)
     draft = load_model("demo:qwen2.5-coder-0.5b", dtype="bfloat16", quantization=args.draft_quant, role="draft", progress=False)
+    if prefill.wanted(args.prefill, target):  # as settings._read_prompts gives run its paths
+        prefill.attach(target, progress=False)
+        if prefill.amx_reads(draft):
+            prefill.attach(draft)
+    reader = prompt_reader(target)
+    print(f"prompts read by: {reader}", flush=True)
     curves = (forward_curve(target), forward_curve(draft))
     size = batch_size_for(curves[0])
     questions = held_prompts(SPEC_BENCH, args.per_category)
@@ -106,6 +115,7 @@ def main() -> None:
         with open(args.json, "w", encoding="utf-8") as file:
             json.dump({"machine": machine(), "max_new_tokens": args.max_new_tokens,
                        "target": f"qwen2.5-coder-1.5b {args.target_quant}", "draft": f"qwen2.5-coder-0.5b {args.draft_quant}",
+                       "prompt_reader": reader,
                        "curves": {"target": curves[0], "draft": curves[1]}, "rows": rows}, file, indent=1)
 
 

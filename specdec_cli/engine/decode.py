@@ -95,7 +95,9 @@ class SpeculativeDecoder:
         self.verifies_trees = tree_capable(self.target.model)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.set_drafting(drafter, policy if policy is not None else FixedK(4 if drafter else 0))
-        self._committed = 0  # what the target alone would hold cached now: the last sequence but its last token
+        # what the target alone would hold cached now: the last sequence but its last token; None after a reset
+        # that kept the cache (reuse_prompts)
+        self._committed: int | None = 0
 
     def set_drafting(self, drafter: Drafter | None, policy: DraftLengthPolicy) -> None:
         """Draft with `drafter` (None: the target alone) as far as `policy` says. The policy owns how far:
@@ -129,9 +131,10 @@ class SpeculativeDecoder:
         bit what computing all of it gives, so the next output still depends on its prompt alone."""
         if self.reuse_prompts:
             self.target.crop(len(self.target))  # an uncommitted tree's entries go
+            self._committed = None  # the next prompt keeps what reading it alone would make (kv.py's `fresh`)
         else:
             self.target.reset()
-        self._committed = 0
+            self._committed = 0
         if self.drafter is not None:
             self.drafter.reset()
         self.policy.reset()
@@ -149,7 +152,10 @@ class SpeculativeDecoder:
         ids = list(prompt_ids)
         # A target with a prefill path reads the prompt but its last token through it (kv.py), from what the
         # target alone would hold, so that speculation and the target alone read it the same way.
-        self.target.prefill(ids[:-1], keep_at_most=self._committed)
+        if self._committed is None:
+            self.target.prefill(ids[:-1], fresh=True)
+        else:
+            self.target.prefill(ids[:-1], keep_at_most=self._committed)
         generated: list[int] = []
         generator = make_generator(params.seed)
         while len(generated) < max_new_tokens:

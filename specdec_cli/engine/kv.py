@@ -202,6 +202,7 @@ class CachedModel:
         self.ids: list[int] = []  # the tokens whose keys/values the cache holds, in order
         self.tree_nodes: list[int] = []  # tree nodes whose entries follow `ids` in the cache, in cache order
         self._tree_paths: dict[int, tuple[int, ...]] = {}  # cached node -> the tokens of its path
+        self.path_entries = 0  # the first cached entries, read by the prefill path from position 0 on
         self.forwards = 0  # forward passes run, for stats and tests
 
     def __len__(self) -> int:
@@ -211,6 +212,7 @@ class CachedModel:
         self.cache = new_cache(self.model.config)
         self.ids = []
         self.tree_nodes = []
+        self.path_entries = 0
 
     def shared_prefix(self, ids: Sequence[int]) -> int:
         """Length of the longest common prefix of the cached ids and `ids`."""
@@ -235,6 +237,10 @@ class CachedModel:
             layer.keys = layer.keys.index_select(-2, index)
             layer.values = layer.values.index_select(-2, index)
         self.ids = [self.ids[p] for p in positions]
+        in_place = 0
+        while in_place < min(self.path_entries, len(positions)) and positions[in_place] == in_place:
+            in_place += 1
+        self.path_entries = in_place
 
     @torch.inference_mode()
     def extend(self, ids: Sequence[int], n_logits: int = 1) -> torch.Tensor:
@@ -251,18 +257,27 @@ class CachedModel:
         return self._forward(ids[len(self.ids):], n_logits)
 
     @torch.inference_mode()
-    def prefill(self, ids: Sequence[int], keep_at_most: int | None = None) -> None:
+    def prefill(self, ids: Sequence[int], keep_at_most: int | None = None, fresh: bool = False) -> None:
         """Make the cache hold `ids` through the model's prefill path, where it has one and the part of `ids` the
         cache lacks has at least its `min_tokens`; else leave the cache as it is (`extend` feeds them then). The
         cache first keeps at most `keep_at_most` of its entries: a caller that knows what a target decoding alone
-        would hold (a speculative decoder's cache may hold more) makes the path read the same tokens as that would."""
+        would hold (a speculative decoder's cache may hold more) makes the path read the same tokens as that would.
+        `fresh` (a prompt after a reset that kept the cache, for a path whose rows do not depend on the forward,
+        `row_exact`): the entries become what reading `ids` into an empty cache gives, bit for bit, the shared
+        prefix kept where its entries were made as that read makes them (`_fresh_start`)."""
         path = prefill_path(self.model)
         if path is None:
             return
-        start = min(self.shared_prefix(ids), len(ids) if keep_at_most is None else keep_at_most)
-        if len(ids) - start < path.min_tokens:
-            return
-        self.crop(start)
+        if fresh:
+            start = self._fresh_start(ids, path)
+            self.crop(start)
+            if start == len(ids) or len(ids) < path.min_tokens:
+                return  # all there, or `extend` feeds the rest as into an empty cache
+        else:
+            start = min(self.shared_prefix(ids), len(ids) if keep_at_most is None else keep_at_most)
+            if len(ids) - start < path.min_tokens:
+                return
+            self.crop(start)
         while len(self.ids) < len(ids):
             fed = len(self.ids)
             chunk = list(ids[fed: fed + self.prefill_chunk])
@@ -272,7 +287,21 @@ class CachedModel:
                 self._truncate_layers(fed)  # an interrupted forward may have appended to some layers only
                 raise
             self.ids.extend(chunk)
+            if fed == self.path_entries:
+                self.path_entries = len(self.ids)
             self.forwards += 1
+
+    def _fresh_start(self, ids: Sequence[int], path) -> int:
+        """How many cached entries reading `ids` into an empty cache would make as they are. That read takes the
+        path for all of `ids` where they are `min_tokens` or more, else the model's own forward: the shared prefix
+        counts as far as the path made it (from position 0), or, for a short `ids`, where the path made none of
+        the first entries. Rows that depend on the others in their forward (a copy's) keep nothing."""
+        if not getattr(path, "row_exact", False):
+            return 0
+        shared = self.shared_prefix(ids)
+        if len(ids) >= path.min_tokens:
+            return min(shared, self.path_entries)
+        return shared if self.path_entries == 0 else 0
 
     def _forward(self, new_ids: Sequence[int], n_logits: int) -> torch.Tensor:
         """One forward of `new_ids` after the cached ones; (n_logits, V) logits of its last positions."""
@@ -380,6 +409,7 @@ class CachedModel:
         truncate_layers(self.cache, length)
         del self.ids[length:]
         self.tree_nodes = []
+        self.path_entries = min(self.path_entries, length)
 
 
 def filled_layers(cache: DynamicCache) -> list:

@@ -74,7 +74,8 @@ class PackedCache:
             return
         if not self.reuse_prompts:
             self.single.reset()
-        self.single.prefill(list(ids[:-1]))  # a model's prefill path reads it as the one-sequence decoder does
+        # a model's prefill path reads it as the one-sequence decoder does, from what reading it alone would hold
+        self.single.prefill(list(ids[:-1]), fresh=True)
         self.single.extend(ids, 1)  # only what it does not share with the prompt it holds
         start = len(self.owner)
         for layer, source in zip(self.cache.layers, self.single.cache.layers):

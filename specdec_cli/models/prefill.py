@@ -60,6 +60,7 @@ class PrefillPath:
     """Feeds prompt tokens through a bfloat16 decoder into a float32 cache (see the module)."""
 
     reader = "bfloat16 copy"
+    row_exact = False  # oneDNN's matmul and SDPA round a row by what else the forward holds: a cache kept is read anew
 
     def __init__(self, decoder: torch.nn.Module, embedding: torch.nn.Module, min_tokens: int = MIN_TOKENS) -> None:
         self.decoder = decoder  # LlamaModel / Qwen2Model in bfloat16, without its embedding
@@ -87,7 +88,7 @@ class PrefillPath:
 
 
 AMX_ISA = 4  # the C library's isa for a prompt read: q4's bfloat16 matmul on AMX (q4_amx.c)
-AMX_MIN_TOKENS = 24  # q4_layout.h's Q4_BF16_TOKENS: fewer read as fast in q4 (16 tokens: ×0.9 of q4's own read)
+AMX_MIN_TOKENS = 24  # prompts this long or more: fewer read as fast in q4 (16 tokens: ×0.9 of q4's own read)
 # Tokens a forward at most: a 700-token prompt read 512 + 188 took 1.98 s, 256 + 256 + 188 1.64 s, 128 at a time 1.73
 # (demo target, Intel Xeon AMX).
 AMX_PIECE = 256
@@ -98,11 +99,14 @@ class AmxPromptPath:
     isa 4): each weight its exact value rounded to bfloat16, each matmul input rounded to bfloat16, their products
     summed in float32 on AMX's tiles; everything else (norms, attention, the residual stream) in float32 as the
     target computes it. No copy: no memory, nothing to load. Faster than the target's own q4 read from AMX_MIN_TOKENS
-    tokens on (demo target, Intel Xeon AMX: 32 / 64 / 256 tokens ×1.3 / ×1.7 / ×2.4), and its rows do not depend
-    on how many the forward holds (tested), like the copy's. Only where the CPU has AMX-BF16 (`amx_reads`)."""
+    tokens on (demo target, Intel Xeon AMX: 32 / 64 / 256 tokens ×1.3 / ×1.7 / ×2.4). Its rows do not depend on how
+    many the forward holds, at any count (tested; attention is the target's row by row), so the rest of a prompt
+    whose start is cached already reads as the whole prompt would (`row_exact`: kv.py's `prefill(fresh=True)`, how
+    `run` and chat's /reset keep a shared prefix). Only where the CPU has AMX-BF16 (`amx_reads`)."""
 
     reader = "target in bfloat16 on AMX"  # as `compare` names who read the prompts
     decoder = None  # no weights of its own (the pre-flight counts a copy's)
+    row_exact = True
 
     def __init__(self, model: torch.nn.Module, min_tokens: int = AMX_MIN_TOKENS) -> None:
         self.model = model

@@ -145,7 +145,7 @@ void specdec_q4_block_amx(const uint8_t *w, int layout, const int8_t *values, co
 }
 
 /* The prompt's matmul in bfloat16 (isa 4: asked for by a prompt read, never by a verify; q4_gemm.c's
-   specdec_q4_linear takes it from Q4_BF16_TOKENS tokens on). Not the VNNI code's numbers: each weight is its exact
+   specdec_q4_linear). Not the VNNI code's numbers: each weight is its exact
    value (the step and minimum of q4_steps_vnni, w = fma(q, d, min) in float32) rounded to bfloat16, each activation
    rounded to bfloat16, and AMX's tdpbf16ps sums their products in float32 over all the groups of a row. That is what
    makes it fast: no scale belongs to a group any more, so the sums stay in the tiles from the first group to the

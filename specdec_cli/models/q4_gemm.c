@@ -398,13 +398,14 @@ int specdec_q4_gemm(int isa, int layout, int threads, const int8_t *values, cons
 
 /* The whole layer in one call (one crossing from Python instead of two): x (M, K) float32 quantised per
    token and group, then the matmul (layout 0 or 1: see the top; layout 1 needs groups a multiple of 8). isa 4 (a
-   prompt read, on a CPU with AMX-BF16) takes q4_amx.c's bfloat16 matmul from Q4_BF16_TOKENS tokens on.
-   Returns 0, or 1 when a buffer could not be allocated. */
+   prompt read, on a CPU with AMX-BF16) takes q4_amx.c's bfloat16 matmul instead, at any number of tokens: a row's
+   result is then the same whatever the call holds, so a prompt's rest read after a kept prefix (even a few tokens)
+   gives what reading the whole prompt gives. The caller (models/prefill.py) sends it only prompts of AMX_MIN_TOKENS
+   tokens or more, and such rests. Returns 0, or 1 when a buffer could not be allocated. */
 int specdec_q4_linear(int isa, int layout, int threads, const float *x, int64_t M, int64_t K, int64_t groups,
                       const uint8_t *w_packed, const float *bias, int64_t N, float *y) {
-    if (isa == 4 && M >= Q4_BF16_TOKENS) /* a prompt read's (q4_amx.c); fewer tokens: AMX's int8 code, as isa 3 */
+    if (isa == 4) /* a prompt read's (q4_amx.c) */
         return specdec_q4_linear_bf16(layout, threads, x, M, K, groups, w_packed, bias, N, y);
-    if (isa == 4) isa = 3;
     int8_t *values = malloc((size_t)(M * groups * Q4_GROUP));
     float *scales = malloc((size_t)(M * groups) * 2 * sizeof(float));
     int failed = 1;

@@ -113,8 +113,7 @@ static inline void q4_values_vnni(const uint8_t *p, __m512i values[8]) {
 int specdec_amx_ready(void);
 void specdec_amx_configure(int64_t tokens);
 void specdec_amx_release(void);
-/* The prompt's matmul in bfloat16 on AMX (q4_amx.c; isa 4, from this many tokens on: fewer read as isa 3) */
-#define Q4_BF16_TOKENS 24
+/* The prompt's matmul in bfloat16 on AMX (q4_amx.c; isa 4) */
 int specdec_amx_bf16_ready(void);
 int specdec_q4_linear_bf16(int layout, int threads, const float *x, int64_t M, int64_t K, int64_t groups,
                            const uint8_t *w_packed, const float *bias, int64_t N, float *y);

@@ -210,9 +210,10 @@ def computes_rows_alone(model: torch.nn.Module) -> bool:
     from specdec_cli.engine.kv import prefill_path
     from specdec_cli.models.rowwise_attention import NAME
 
-    # A prefill path's bfloat16 forwards round each row by how many rows they hold (models/prefill.py).
+    # A copy's bfloat16 forwards round each row by how many rows they hold; the AMX path's do not (models/prefill.py).
+    path = prefill_path(model)
     return (getattr(getattr(model, "config", None), "_attn_implementation", None) == NAME
-            and prefill_path(model) is None)
+            and (path is None or getattr(path, "row_exact", False)))
 
 
 def _rows(model: torch.nn.Module, exact_rows: bool) -> torch.nn.Module:

@@ -148,3 +148,107 @@ def test_run_chat_and_compare_reuse_prompts_exactly_where_the_target_computes_ro
     batched = build_batched_decoder(loaded(row_wise, "org/big"), small, "model", 3, 2)
     assert batched.target.reuse_prompts and not batched.draft.reuse_prompts
     assert not build_batched_decoder(loaded(float_target, "org/big"), small, "model", 3, 2).target.reuse_prompts
+
+
+class MarkedPath:
+    """A row-exact prefill path, as models/prefill.py's AMX path is (that one needs AMX; tests/models/test_amx_prompt.py
+    runs it): here the model's own forward with each new key then moved by +1, so the entries it makes are not the
+    ones the model's own read makes, and each row's are the same however a prompt is split."""
+
+    row_exact = True
+    reader = "marked"
+    decoder = None
+
+    def __init__(self, model: torch.nn.Module, min_tokens: int) -> None:
+        self.model, self.min_tokens, self.read = model, min_tokens, []
+
+    def __call__(self, cache, new_ids: list[int]) -> None:
+        for token in new_ids:  # one at a time: every row sees moved keys before it, however the prompt is split
+            self.model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True, logits_to_keep=1)
+            for layer in filled_layers(cache):
+                layer.keys[..., -1:, :] += 1.0
+        self.read.append(len(new_ids))
+
+
+@pytest.fixture
+def with_path(row_wise):
+    """(the row-wise target with a MarkedPath for prompts of 10 tokens or more, the path)"""
+    import copy
+
+    from specdec_cli.engine.kv import PREFILL_PATH
+
+    model = copy.deepcopy(row_wise)
+    path = model.__dict__[PREFILL_PATH] = MarkedPath(model, min_tokens=10)
+    return model, path
+
+
+LONG = list(range(3, 43))  # 40 tokens
+# (prompt, tokens the path reads, tokens the model's own forward feeds) after the prompt before it, the cache kept
+PATH_PROMPTS = [
+    (LONG, 39, 1),                              # read by the path but its last token
+    (LONG[:30] + [60, 61, 62, 63], 3, 1),        # 30 shared path entries kept: the path reads the 3 after, not q4
+    (LONG[:30] + [60, 61, 62, 70], 0, 1),        # all but the last token kept
+    (LONG[:6] + [80, 81], 0, 8),                 # short (its own forward when read alone): the path's entries go
+    (LONG[:6] + [90], 0, 1),                     # short after short: the 6 own entries stay
+    (LONG[:6] + [91] * 10, 15, 1),               # long after short: nothing the path made is cached, it reads all
+]
+
+
+def test_a_row_exact_paths_entries_are_kept_only_where_reading_the_prompt_alone_makes_them(with_path):
+    """kv.py's `prefill(fresh=True)`: the entries after each prompt are those of reading it into an empty cache, bit for
+    bit, and only what they do not share with the cache is computed, by whichever of path and model reads it alone."""
+    model, path = with_path
+    counter = FedTokens(model)
+    try:
+        runner = CachedModel(model)
+        for prompt, by_path, by_model in PATH_PROMPTS:
+            path.read.clear()
+            counter.take()
+            runner.prefill(prompt[:-1], fresh=True)
+            runner.extend(prompt)
+            assert (sum(path.read), sum(counter.take()) - sum(path.read)) == (by_path, by_model), prompt
+            alone = CachedModel(model)
+            alone.prefill(prompt[:-1])
+            alone.extend(prompt)
+            counter.take()
+            assert same_entries(runner, alone), prompt
+    finally:
+        counter.close()
+
+
+def test_with_a_row_exact_path_reset_keeps_the_prompt_and_the_tokens_stay_those_of_a_fresh_decoder(with_path, draft):
+    model, path = with_path
+    assert computes_rows_alone(model)
+    decoder = SpeculativeDecoder(model, DraftModelDrafter(draft), FixedK(3), reuse_prompts=computes_rows_alone(model))
+    for prompt, by_path, _ in PATH_PROMPTS:
+        decoder.reset()
+        path.read.clear()
+        result = decoder.generate(prompt, SamplingParams(), 8)
+        assert sum(path.read) == by_path
+        fresh = SpeculativeDecoder(model, DraftModelDrafter(draft), FixedK(3))
+        assert result.tokens == fresh.generate(prompt, SamplingParams(), 8).tokens
+        assert same_entries(decoder.target, fresh.target)
+
+
+def test_packed_admission_with_a_row_exact_path_gives_each_row_what_reading_it_alone_gives(with_path):
+    model, path = with_path
+    packed = PackedCache(model, reuse_prompts=True)
+    for row, (prompt, by_path, _) in enumerate(PATH_PROMPTS):
+        path.read.clear()
+        packed.admit(row, prompt)
+        assert sum(path.read) == by_path
+        alone = CachedModel(model)
+        alone.prefill(prompt[:-1])
+        alone.extend(prompt)
+        assert same_entries(packed.single, alone)
+
+
+def test_a_copy_that_rounds_rows_by_their_forward_is_read_anew(with_path):
+    model, path = with_path
+    path.row_exact = False
+    assert not computes_rows_alone(model)
+    runner = CachedModel(model)
+    runner.prefill(LONG[:-1], fresh=True)
+    path.read.clear()
+    runner.prefill(LONG[:30] + [60, 61], fresh=True)
+    assert path.read == [32]

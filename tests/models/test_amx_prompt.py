@@ -1,8 +1,8 @@
 """A q4 target reading its prompts with its own weights on AMX in bfloat16 (q4_amx.c's isa 4, models/prefill.py's
 AmxPromptPath): the matmul computes its definition (weights and activations rounded to bfloat16, products summed in
-float32) for both layouts, each row whatever else the call holds, the int8 code below Q4_BF16_TOKENS tokens; the path
-reads prompts into the engine's cache (entries near q4's own read, not equal to them) and speculation on it is that
-target alone, turn after turn. These need a CPU with AMX-BF16: they skip elsewhere (this project's CI machines have
+float32) for both layouts, each row whatever else the call holds, at any count; the path reads prompts into the
+engine's cache (entries near q4's own read, not equal to them), speculation on it is that target alone, turn after
+turn, and a prompt after a kept one computes only what it does not share, the entries those of reading it alone. These need a CPU with AMX-BF16: they skip elsewhere (this project's CI machines have
 none; the copy path, tests/models/test_prefill.py, is what runs there)."""
 
 import copy
@@ -57,14 +57,14 @@ def test_the_prompt_matmul_sums_bfloat16_products_in_float32(layout, in_features
 
 
 @pytest.mark.parametrize("layout", ["q4", "q4k"])
-def test_a_rows_result_does_not_depend_on_the_others_and_few_rows_take_the_int8_code(layout):
+def test_a_rows_result_does_not_depend_on_the_others_at_any_count(layout):
+    """Down to one row: the rest of a prompt read after a kept prefix is what reading the whole gives."""
     layer = _layer(layout, 512, 48, seed=3)
     x = torch.randn(100, 512)
     whole = _matmul(layer, x, 4)
-    assert torch.equal(_matmul(layer, x[:24].contiguous(), 4), whole[:24])
-    assert torch.equal(_matmul(layer, x[40:80].contiguous(), 4), whole[40:80])
-    few = x[:23].contiguous()  # under Q4_BF16_TOKENS: the int8 code on AMX, as isa 3
-    assert torch.equal(_matmul(layer, few, 4), _matmul(layer, few, 3))
+    for start, stop in ((0, 24), (40, 80), (0, 23), (17, 22), (99, 100)):
+        assert torch.equal(_matmul(layer, x[start:stop].contiguous(), 4), whole[start:stop]), (start, stop)
+    assert not torch.equal(_matmul(layer, x[:5].contiguous(), 3), whole[:5])  # not the int8 code's
 
 
 class _Loaded:  # what prefill.attach and wanted read of a LoadedModel
@@ -107,7 +107,7 @@ def test_the_path_reads_prompts_near_q4s_own_read_but_not_as_it(pair):
         assert torch.equal(mine, split)
         # the same weights: only the roundings differ (bfloat16 here, int8 per 32 activations in q4's own read)
         assert not torch.equal(mine, q4_own) and (mine - q4_own).abs().max() < 0.02 * q4_own.abs().max()
-    assert not computes_rows_alone(target)
+    assert computes_rows_alone(target)  # so run and chat's /reset keep a shared prefix (below)
 
 
 def test_speculation_on_it_is_that_target_alone_turn_after_turn(pair, draft):
@@ -159,3 +159,41 @@ def test_a_q4_draft_reads_its_window_on_amx_and_the_output_stays_the_targets(pai
     plain.propose(PROMPT, 1, SamplingParams(), torch.Generator())
     assert read.runner.ids == plain.runner.ids and len(read.runner.ids) >= 40
     assert not torch.equal(read.runner.cache.layers[0].keys, plain.runner.cache.layers[0].keys)
+
+
+@torch.inference_mode()
+def test_a_prompt_after_a_kept_one_reads_only_the_rest_and_its_entries_are_reading_it_alone(pair, draft):
+    """kv.py's `prefill(fresh=True)` on the AMX path (tests/engine/test_prompt_reuse.py has the cases on a stand-in
+    path): the rest after a shared prefix, even 3 tokens, is read by the path (not q4's own int8 code), a short prompt
+    after a long one by q4 itself from the start; entries equal bit for bit, tokens too, through the decoder's reset."""
+    target, _ = pair
+    read = []
+    path = prefill_path(target)
+    original = type(path).__call__
+
+    def counting(self, cache, new_ids):
+        read.append(len(new_ids))
+        return original(self, cache, new_ids)
+
+    prompts = [(PROMPT, 59), (PROMPT[:40] + [5, 6, 7, 8], 3), (PROMPT[:10] + [9], 0), (PROMPT[:40] + [7] * 30, 69)]
+    runner = CachedModel(target)
+    decoder = SpeculativeDecoder(target, None, FixedK(0), (), reuse_prompts=computes_rows_alone(target))
+    type(path).__call__ = counting
+    try:
+        for prompt, by_path in prompts:
+            read.clear()
+            runner.prefill(prompt[:-1], fresh=True)
+            runner.extend(prompt)
+            assert sum(read) == by_path, prompt
+            alone = CachedModel(target)
+            alone.prefill(prompt[:-1])
+            alone.extend(prompt)
+            assert runner.ids == alone.ids
+            assert all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+                       for a, b in zip(runner.cache.layers, alone.cache.layers))
+            decoder.reset()
+            tokens = decoder.generate(prompt, SamplingParams(), NEW_TOKENS).tokens
+            assert tokens == SpeculativeDecoder(target, None, FixedK(0), ()).generate(
+                prompt, SamplingParams(), NEW_TOKENS).tokens
+    finally:
+        type(path).__call__ = original
