@@ -6,6 +6,7 @@ options → bench.ThroughputBenchmark → one throughput table, progress, --json
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import tempfile
 import time
@@ -106,7 +107,7 @@ def compare_command(
     ks = [parse_k(value) for value in _split(k)] or [settings.k]
     tree_budgets = _tree_sizes(tree_size, drafters)
     chosen_prompts = select_prompts(read_prompt_file(prompts) if prompts else builtin_prompts(), category or (), n_prompts)
-    _check_outputs(json_path, plot)
+    _check_outputs(json_path, plot, prompts)
     bench_settings = bench.BenchSettings(
         sampling_params(settings.temperature, settings.top_p, settings.top_k, None if settings.temperature == 0 else 0),
         settings.max_new_tokens, repeats, settings.system,
@@ -195,13 +196,25 @@ def _check_batch_size(batch_size: int | None, **others: object) -> None:
             raise InputError(f"{flag} cannot combine with --batch-size: {why[name]}", f"drop {flag} or --batch-size")
 
 
-def _check_outputs(json_path: Path | None, plot: Path | None) -> None:
-    """Fail before minutes of measuring, not after: each path a file name in a folder we can write."""
+RESULT_SCHEMAS = ("specdec.compare/", "specdec.compare-throughput/")  # what --json may replace: an earlier result
+
+
+def _check_outputs(json_path: Path | None, plot: Path | None, prompts: Path | None = None) -> None:
+    """Fail before minutes of measuring, not after: each path a file name in a folder we can write, that replaces no
+    file but an earlier result of its own kind (the prompts, a typo's other file: refused), --plot in a format
+    matplotlib writes."""
+    taken = {prompts.resolve(): "the --prompts file"} if prompts is not None else {}
     for path, flag in ((json_path, "--json"), (plot, "--plot")):
         if path is None:
             continue
         if path.is_dir():
             raise InputError(f"{path} is a folder", f"give {flag} a file name")
+        if path.resolve() in taken:
+            raise InputError(f"{flag} {path} is {taken[path.resolve()]}", f"give {flag} another file name")
+        taken[path.resolve()] = f"the {flag} file too"
+        if flag == "--json" and path.exists() and not _is_result(path):
+            raise InputError(f"{path} exists and is not a specdec compare result: --json would replace it",
+                             "give --json a new file name, or remove that file first")
         if not path.parent.is_dir():
             raise InputError(f"no folder {path.parent} for {flag}", "create it or choose another path")
         try:  # the files are written as a temporary file renamed over the path: the folder must take new files
@@ -213,6 +226,23 @@ def _check_outputs(json_path: Path | None, plot: Path | None) -> None:
         os.unlink(probe)
     if plot is not None and importlib.util.find_spec("matplotlib") is None:
         raise MissingExtraError("--plot needs matplotlib", "pip install 'specdec[plot]'")
+    if plot is not None and plot.suffix:
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        formats = FigureCanvasBase.get_supported_filetypes()
+        if plot.suffix[1:].lower() not in formats:
+            raise InputError(f"--plot {plot}: matplotlib cannot write .{plot.suffix[1:]} files",
+                             f"end the name with one of .{', .'.join(sorted(formats))} (e.g. .png)")
+
+
+def _is_result(path: Path) -> bool:
+    """Whether `path` holds a JSON result `compare --json` wrote (whole, partial or interrupted)."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            found = json.load(file)
+    except (OSError, ValueError):
+        return False
+    return isinstance(found, dict) and str(found.get("schema", "")).startswith(RESULT_SCHEMAS)
 
 
 def _measure(benchmark: bench.Benchmark, json_path: Path | None) -> None:

@@ -192,3 +192,35 @@ def test_an_int8_target_is_compared_with_itself_unquantised(tiny_pair, tmp_path)
 def test_an_unquantised_target_gets_no_quality_line(compared):
     result, folder = compared
     assert "quality:" not in result.stdout and "quality" not in json.loads((folder / "out.json").read_text())
+
+
+@pytest.mark.parametrize(
+    ("args", "complaint"),
+    [
+        (["--prompts", "{tmp}/q.jsonl", "--json", "{tmp}/q.jsonl"], "--json {tmp}/q.jsonl is the --prompts file"),
+        (["--prompts", "{tmp}/q.jsonl", "--plot", "{tmp}/q.jsonl"], "--plot {tmp}/q.jsonl is the --prompts file"),
+        (["--json", "{tmp}/notes.md"], "{tmp}/notes.md exists and is not a specdec compare result"),
+        (["--json", "{tmp}/r.json", "--plot", "{tmp}/r.json"], "--plot {tmp}/r.json is the --json file too"),
+        (["--plot", "{tmp}/out.jsonl"], "--plot {tmp}/out.jsonl: matplotlib cannot write .jsonl files — end the name"),
+    ],
+)
+def test_an_output_that_would_replace_another_file_or_cannot_be_written_is_refused_before_loading(
+        tmp_path, args, complaint):
+    """The prompts file, a file of the user's own, an image format matplotlib lacks (it failed with a traceback
+    after the whole benchmark): one line, exit 2, before any model loads; the files are as they were."""
+    spec_bench_file(tmp_path / "q.jsonl")
+    (tmp_path / "notes.md").write_text("# my notes\n")
+    before = {path.name: path.read_bytes() for path in tmp_path.iterdir()}
+    result = invoke("--target", tmp_path / "not-loaded", *[a.format(tmp=tmp_path) for a in args])
+    assert_exited(result, 2)
+    assert complaint.format(tmp=tmp_path) in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert {path.name: path.read_bytes() for path in tmp_path.iterdir()} == before
+
+
+def test_json_replaces_an_earlier_result_of_its_own(tmp_path):
+    from specdec_cli.cli.compare import _check_outputs
+
+    for schema in ("specdec.compare/1", "specdec.compare-throughput/1"):
+        (tmp_path / "old.json").write_text(json.dumps({"schema": schema, "partial": True, "runs": []}))
+        _check_outputs(tmp_path / "old.json", tmp_path / "plot.svg", tmp_path / "q.jsonl")  # no error
