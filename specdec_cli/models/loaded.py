@@ -5,6 +5,7 @@ tokenizers, and only then load weights — so a pair that cannot work fails in s
 
 from __future__ import annotations
 
+import struct
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,6 +86,19 @@ def _first_line(error: Exception) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+# What a reader of a file cut short raises (gguf's header parsing: struct.error), beside OSError and ValueError.
+CUT_SHORT = (struct.error, EOFError)
+
+
+def _unreadable(plan: _Plan, what: str, error: Exception) -> ModelLoadError:
+    """One line for a config or tokenizer that would not load; a .gguf that ends early is said to be cut short."""
+    why = "the file ends before its header says it does (cut short?)" if isinstance(error, CUT_SHORT) else \
+        _first_line(error)
+    hint = "download the .gguf again (a cut or damaged file reads this way)" if plan.source.kind == "gguf" else \
+        "check the model files"
+    return ModelLoadError(f"cannot read the {what} of {plan.source.spec}: {why}", hint)
+
+
 def _plan(spec, device, dtype, quantization, trust_remote_code, allow_pickle, progress, role="target",
           auto_formats=None) -> _Plan:
     chosen_device = resolve_device(device)
@@ -102,8 +116,8 @@ def _load_config(plan: _Plan):
 
     try:
         return AutoConfig.from_pretrained(**plan.metadata_kwargs())
-    except (OSError, ValueError, KeyError) as error:
-        raise ModelLoadError(f"cannot read the config of {plan.source.spec}: {_first_line(error)}", "check the model files") from None
+    except (OSError, ValueError, KeyError, *CUT_SHORT) as error:
+        raise _unreadable(plan, "config", error) from None
 
 
 def _reading_gguf(*plans: _Plan):
@@ -120,8 +134,8 @@ def _load_tokenizer(plan: _Plan):
 
     try:
         return AutoTokenizer.from_pretrained(**plan.metadata_kwargs())
-    except (OSError, ValueError, KeyError) as error:
-        raise ModelLoadError(f"cannot load the tokenizer of {plan.source.spec}: {_first_line(error)}", "check the model files") from None
+    except (OSError, ValueError, KeyError, *CUT_SHORT) as error:
+        raise _unreadable(plan, "tokenizer", error) from None
 
 
 # What a tokenizer is made of, but for its chat template: the draft never applies one (it reads the target's ids).

@@ -69,6 +69,19 @@ def test_a_corrupt_gguf_is_a_one_line_load_error(tmp_path):
     assert "\n" not in raised.value.one_line()
 
 
+@pytest.mark.parametrize("kept", [40, 300, 0.5, 0.99])  # bytes inside the header, or a share of the file
+def test_a_gguf_cut_short_is_a_one_line_load_error_saying_to_download_it_again(tiny_gguf, specdec_home, tmp_path, kept):
+    """A download cut off mid-header made the gguf reader's struct.error a traceback (exit 1); later cuts a
+    ValueError. Either way: one line naming the file, and what to do."""
+    data = Path(tiny_gguf[0]).read_bytes()
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(data[: kept if isinstance(kept, int) else int(len(data) * kept)])
+    with pytest.raises(ModelLoadError) as raised:
+        load_model(str(path), device="cpu", progress=False)
+    line = raised.value.one_line()
+    assert "cut.gguf" in line and "download the .gguf again" in line and "\n" not in line
+
+
 def test_the_conversion_cache_key_names_the_converters_versions(tiny_gguf, specdec_home, monkeypatch):
     """A conversion made by other transformers or gguf versions is not read back: it is made again."""
     from importlib.metadata import version
