@@ -41,6 +41,8 @@ def _path_source(spec: str, path: Path) -> ModelSource:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"{spec} is a folder without a config.json", "pass a folder saved with save_pretrained, a .gguf file or a hub id")
+        if not _has(path, hub.SAFETENSORS_PATTERNS + hub.PICKLE_PATTERNS):  # said now, not after a memory estimate
+            raise _no_weights(spec)
         return ModelSource(spec, "folder", str(path.resolve()), path)
     if path.suffix.lower() == ".gguf":
         return ModelSource(spec, "gguf", str(path.resolve()), None, gguf_path=path)
@@ -84,7 +86,11 @@ def check_weight_format(folder: Path, spec: str, allow_pickle: bool) -> bool:
             f"{spec} has only pickle weights (.bin/.pt), which can run code when loaded",
             "convert it to safetensors, or pass --allow-pickle if you trust it",
         )
-    raise ModelNotFoundError(
+    raise _no_weights(spec)
+
+
+def _no_weights(spec: str) -> ModelNotFoundError:
+    return ModelNotFoundError(
         f"{spec} has no weights (no .safetensors files)",
         "check the folder or hub id; a model with only .bin weights needs --allow-pickle",
     )

@@ -68,6 +68,18 @@ def test_folder_without_config_is_not_a_model(tmp_path):
         load_model(str(tmp_path), progress=False)
 
 
+def test_a_folder_with_a_config_but_no_weights_says_so_before_any_memory_estimate(tmp_path, monkeypatch):
+    """A config alone (a save interrupted, weights in another folder) was told that its default-sized model would not
+    fit in memory (Qwen2's defaults: ~22 GiB), or loaded nothing only after the estimate."""
+    from specdec_cli.models import preflight
+
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2"}')
+    monkeypatch.setattr(preflight, "available_memory_bytes", lambda device: 1)  # any estimate would be refused
+    for quantization in (None, "q4"):
+        with pytest.raises(ModelNotFoundError, match="has no weights"):
+            load_model(str(tmp_path), device="cpu", quantization=quantization, progress=False)
+
+
 def test_missing_path_is_model_not_found(tmp_path):
     with pytest.raises(ModelNotFoundError, match="no such file or folder"):
         load_model(str(tmp_path / "nope.gguf"), progress=False)
