@@ -251,12 +251,20 @@ def save_calibration(result: dict, path: Path | None = None) -> Path:
 
 
 def load_calibration(path: Path | None = None) -> dict | None:
-    """The stored measurement, or None when there is none (or it is unreadable: measure again)."""
+    """The stored measurement, or None when there is none (or it is unreadable: measure again). A file of another shape
+    (hand-edited, another tool's) counts as none; its entries that are not objects are left out."""
     path = path or calibration_path()
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        found = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+    if not isinstance(found, dict) or not isinstance(found.get("machine"), dict):
+        return None
+    for key in ("entries", "prompt_reads"):
+        if key in found:
+            listed = found[key]
+            found[key] = [item for item in listed if isinstance(item, dict)] if isinstance(listed, list) else []
+    return found
 
 
 def same_machine(measured: dict, here: dict | None = None) -> bool:

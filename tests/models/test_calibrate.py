@@ -37,6 +37,22 @@ def test_no_or_a_broken_calibration_reads_as_none(specdec_home):
     assert load_calibration() is None
 
 
+def test_a_calibration_of_another_shape_reads_as_none_and_its_odd_entries_are_left_out(specdec_home):
+    """JSON that is not a calibration (a list; a machine that is not an object) was an AttributeError traceback in
+    every command that reads the costs; entries that are not objects, too."""
+    from specdec_cli.models.calibrate import calibrated_prompt_read, calibrated_seconds, machine
+
+    calibration_path().parent.mkdir(parents=True, exist_ok=True)
+    for text in ("[1, 2]", '"calibrated"', '{"machine": [1]}', '{"entries": []}'):
+        calibration_path().write_text(text)
+        assert load_calibration() is None, text
+        assert calibrated_seconds("m", "q4") is None and calibrated_prompt_read("m", "q4") is None
+    entry = {"model": "m", "quantization": "q4", "seconds": {"1": 0.04}}
+    calibration_path().write_text(json.dumps({"machine": machine(), "entries": [3, None, entry], "prompt_reads": 7}))
+    assert load_calibration()["entries"] == [entry] and load_calibration()["prompt_reads"] == []
+    assert calibrated_seconds("m", "q4") == {1: 0.04}
+
+
 def test_each_repeat_times_every_token_count_in_turn(llama_folder, monkeypatch):
     """A machine that slows down halfway must slow every token count alike, not the ones measured last."""
     from specdec_cli.engine.kv import CachedModel
