@@ -73,6 +73,9 @@ def _read_toml(path: Path) -> dict:
     except tomllib.TOMLDecodeError as error:
         # tomllib's message ends with "(at line L, column C)".
         raise ProfileError(f"profile file {path} is not valid TOML: {error}", "fix the file or remove it") from None
+    except UnicodeDecodeError as error:
+        raise ProfileError(f"profile file {path} is not UTF-8 text (a bad byte at offset {error.start})",
+                           "save it as UTF-8, as TOML files must be, or remove it") from None
     except OSError as error:
         raise ProfileError(f"cannot read profile file {path}: {error.strerror}", "check the file") from None
 

@@ -64,6 +64,19 @@ def test_malformed_toml_names_the_file_and_line(specdec_home):
     assert "line 2" in raised.value.message
 
 
+def test_a_profile_that_is_not_utf8_is_one_line_and_the_others_still_list(specdec_home):
+    """A file saved in another encoding was a UnicodeDecodeError traceback in `profiles list` and with --profile."""
+    path = specdec_home / "profiles" / "latin.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes('target = "org/big"\ndescription = "caf\u00e9"\n'.encode("latin-1"))
+    with pytest.raises(ProfileError) as raised:
+        load_profile("latin")
+    assert raised.value.one_line() == (f"profile file {path} is not UTF-8 text (a bad byte at offset 37) — save it as "
+                                       "UTF-8, as TOML files must be, or remove it")
+    profiles, problems = scan_profiles()
+    assert "demo" in [profile.name for profile in profiles] and [p.message for p in problems] == [raised.value.message]
+
+
 @pytest.mark.parametrize(
     ("text", "complaint"),
     [
