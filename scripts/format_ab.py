@@ -21,7 +21,7 @@ import statistics
 import time
 
 import torch
-from specdec_cli.engine.kv import new_cache
+from specdec_cli.engine.cache_layers import new_cache
 from specdec_cli.models import load_model
 from specdec_cli.models.calibrate import machine
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specdec_cli.engine.kv import new_cache
+from specdec_cli.engine.cache_layers import new_cache
 from specdec_cli.models import gguf_q4, load_model
 from specdec_cli.models.calibrate import machine
 from specdec_cli.models.int8 import PerTokenInt8Linear

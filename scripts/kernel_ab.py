@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from specdec_cli.engine.kv import new_cache
+from specdec_cli.engine.cache_layers import new_cache
 from specdec_cli.models import int8, int8_kernel, load_model
 from specdec_cli.models.calibrate import machine
 

@@ -17,7 +17,7 @@ import types
 
 import torch
 
-from specdec_cli.engine.kv import new_cache
+from specdec_cli.engine.cache_layers import new_cache
 from specdec_cli.models import lean_layers, load_model
 from specdec_cli.models.calibrate import machine
 

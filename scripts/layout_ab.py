@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from kernel_ab import generation_rates, spec_bench_prompts, timed_generation
-from specdec_cli.engine.kv import new_cache
+from specdec_cli.engine.cache_layers import new_cache
 from specdec_cli.models.calibrate import machine
 from specdec_cli.models.q4 import Q4KLinear, Q4Linear
 

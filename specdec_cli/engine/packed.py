@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec_cli.engine.kv import CachedModel, _tree_mask_form, filled_layers, new_cache, truncate_layers
+from specdec_cli.engine.cache_layers import filled_layers, new_cache, truncate_layers
+from specdec_cli.engine.kv import CachedModel, _tree_mask_form
 
 Row = int
 HOLE = -1

@@ -42,7 +42,8 @@ from collections.abc import Callable
 
 import torch
 
-from specdec_cli.engine.kv import PREFILL_PATH, full_attention, new_cache, prefill_path
+from specdec_cli.engine.cache_layers import new_cache
+from specdec_cli.engine.kv import PREFILL_PATH, full_attention, prefill_path
 from specdec_cli.errors import InputError, InsufficientMemoryError, ModelLoadError, SpecdecError
 from specdec_cli.models import preflight
 from specdec_cli.models.device import cpu_flags

@@ -70,10 +70,10 @@ def test_a_first_forward_interrupted_between_keys_and_values_rolls_back_cleanly(
     """A layer's first update replaces its empty 1-D keys, then its values: a signal landing between the two (a
     SIGTERM to `run` did, in the suite's SIGTERM test) left values 1-D, and the rollback's IndexError replaced
     the interrupt."""
-    from specdec_cli.engine import kv
+    from specdec_cli.engine import cache_layers
 
     runner = CachedModel(llama_target)
-    appended, calls = kv._appended, []
+    appended, calls = cache_layers._appended, []
 
     def interrupted_at_values(*args, **kwargs):
         calls.append(1)
@@ -81,11 +81,11 @@ def test_a_first_forward_interrupted_between_keys_and_values_rolls_back_cleanly(
             raise KeyboardInterrupt
         return appended(*args, **kwargs)
 
-    monkeypatch.setattr(kv, "_appended", interrupted_at_values)
+    monkeypatch.setattr(cache_layers, "_appended", interrupted_at_values)
     with pytest.raises(KeyboardInterrupt):
         runner.extend([1, 2, 3], 1)
-    monkeypatch.setattr(kv, "_appended", appended)
-    assert runner.ids == [] and not kv.filled_layers(runner.cache)
+    monkeypatch.setattr(cache_layers, "_appended", appended)
+    assert runner.ids == [] and not cache_layers.filled_layers(runner.cache)
     logits = runner.extend([1, 2, 3, 4, 5], 1)
     assert torch.allclose(logits, full_forward_logits(llama_target, [1, 2, 3, 4, 5])[-1:], atol=1e-5)
 
@@ -197,7 +197,7 @@ def test_growing_layer_holds_what_transformers_layer_holds_through_updates_crops
     buffer's room: the same keys and values as transformers' concatenating layer, bit for bit."""
     from transformers.cache_utils import DynamicLayer
 
-    from specdec_cli.engine.kv import GrowingLayer
+    from specdec_cli.engine.cache_layers import GrowingLayer
 
     generator = torch.Generator().manual_seed(0)
     ours, theirs = GrowingLayer(), DynamicLayer()

@@ -14,7 +14,8 @@ from specdec_cli.drafters import DraftModelDrafter
 from specdec_cli.drafters.tree import TreeDrafter
 from specdec_cli.engine import FixedK, SamplingParams, SpeculativeDecoder
 from specdec_cli.engine.batched import BatchedDecoder, RowRequest
-from specdec_cli.engine.kv import CachedModel, filled_layers
+from specdec_cli.engine.cache_layers import filled_layers
+from specdec_cli.engine.kv import CachedModel
 from specdec_cli.engine.packed import PackedCache
 from specdec_cli.models.quant import computes_rows_alone, quantize
 from specdec_cli.session import build_batched_decoder, build_decoder
