@@ -20,11 +20,12 @@ dropped) or the next forward crops them. `tree_capable` says whether a model tak
 
 Caches are transformers 5.x `DynamicCache` objects whose full-attention layers grow in place (cache_layers.py).
 
-A model may carry a prefill path (`PREFILL_PATH`, attached by models/prefill.py): another copy of its decoder
-that reads a prompt faster than the model itself (bfloat16 on AMX for a q4 or int8 target). `prefill(ids)` feeds
-the part of `ids` the cache lacks through it, where that part is long enough; what the path computes is not what
-the model computes, so it is used only where a caller asks (the prompt before its last token), never by
-`extend`: a verify still equals one-token decoding."""
+A model may carry a prefill path (`PREFILL_PATH`, attached by models/prefill.py) that reads a prompt faster than
+the model itself (bfloat16 on AMX: a q4 target's own weights, else a bfloat16 copy of its decoder). `prefill(ids)`
+feeds the part of `ids` the cache lacks through it, where that part is long enough; what the path computes is not
+what the model computes, so it is used only where a caller asks (the prompt before its last token), never by
+`extend`: a verify still equals one-token decoding. After a reset that kept the cache, `prefill(ids, fresh=True)`
+makes the entries what reading `ids` into an empty cache gives: a row-exact path's kept prefix, then the rest."""
 
 from __future__ import annotations
 
