@@ -69,7 +69,9 @@ def calibrate_command(
     """Measure what a forward of 1, 2, 4, 8 and 16 new tokens costs for each model of a profile in each
     quantisation format on this machine. Speculation pays while verifying k tokens costs about what one
     does; which format keeps that flat depends on the CPU. Stored under the specdec home."""
-    from specdec_cli.models.calibrate import TOKEN_COUNTS, machine, measure_forward_costs, save_calibration
+    from specdec_cli.models.calibrate import (
+        TOKEN_COUNTS, load_calibration, machine, measure_forward_costs, merged_with, save_calibration,
+    )
     from specdec_cli.models.prefill import GAIN
 
     chosen = load_profile(profile or DEFAULT_PROFILE)
@@ -103,6 +105,10 @@ def calibrate_command(
         console.print(f"target {read['model']} · {read['quantization']}: a {read['tokens']}-token prompt read in "
                       f"{read['model_seconds']:.2f} s, in bfloat16 (--prefill) in {read['copy_seconds']:.2f} s "
                       f"(--prefill auto reads that way where it is {GAIN}x as fast)", markup=False)
-    error_console().print(f"wrote {save_calibration(result)}", markup=False)
+    stored, kept = merged_with(load_calibration(), result)
+    if kept:
+        earlier = ", ".join(f"{entry['role']} {entry['quantization']}" for entry in kept)
+        error_console().print(f"kept from the calibration before (not timed again now): {earlier}", markup=False)
+    error_console().print(f"wrote {save_calibration(stored)}", markup=False)
     if json_path is not None:
         save_calibration(result, json_path)

@@ -250,6 +250,31 @@ def save_calibration(result: dict, path: Path | None = None) -> Path:
     return path
 
 
+def merged_with(earlier: dict | None, result: dict) -> tuple[dict, list[dict]]:
+    """(what to store, the earlier entries it keeps): `result` plus the entries and prompt reads of `earlier` that it
+    did not measure again (same role, model, format and dtype; same model and format), where `earlier` was taken on a
+    machine like this one with the same cache length and clock. A calibration of a few formats then adds to one of
+    all (it replaced it: `auto` and the cost curves lost the formats not timed again); another machine's is
+    replaced whole."""
+    if (not earlier or not same_machine(earlier["machine"], result["machine"])
+            or (earlier.get("context_tokens"), earlier.get("clock")) != (result["context_tokens"], result["clock"])):
+        return result, []
+
+    def entry_key(entry: dict) -> tuple:
+        return tuple(entry.get(key) for key in ("role", "model", "quantization", "dtype"))
+
+    def read_key(read: dict) -> tuple:
+        return read.get("model"), read.get("quantization")
+
+    measured = {entry_key(entry) for entry in result["entries"]}
+    when = earlier.get("measured_at")
+    kept = [{**entry, "measured_at": entry.get("measured_at", when)} for entry in earlier.get("entries", ())
+            if entry_key(entry) not in measured]
+    read_now = {read_key(read) for read in result["prompt_reads"]}
+    reads = [read for read in earlier.get("prompt_reads", ()) if read_key(read) not in read_now]
+    return {**result, "entries": kept + result["entries"], "prompt_reads": reads + result["prompt_reads"]}, kept
+
+
 def load_calibration(path: Path | None = None) -> dict | None:
     """The stored measurement, or None when there is none (or it is unreadable: measure again). A file of another shape
     (hand-edited, another tool's) counts as none; its entries that are not objects are left out."""

@@ -84,6 +84,29 @@ def test_calibrate_measures_each_format_and_stores_it(tiny_pair, tmp_path, monke
     assert "n=16" in result.output
 
 
+def test_a_calibration_of_a_few_formats_adds_to_the_one_stored_and_says_what_it_kept(tiny_pair, tmp_path, monkeypatch):
+    """It replaced it: timing one more format lost every format timed before (what `auto` and the cost curves read)."""
+    profiles = tmp_path / "home" / "profiles"
+    profiles.mkdir(parents=True)
+    (profiles / "tiny.toml").write_text(f'target = "{tiny_pair.target}"\ndraft = "{tiny_pair.draft}"\ndrafter = "model"\n')
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    common = ["calibrate", "--profile", "tiny", "--dtype", "float32", "--repeats", "1", "--context", "8"]
+    first = CliRunner().invoke(app, [*common, "--target-formats", "none,int8", "--draft-formats", "int8"], env=WIDE)
+    assert first.exit_code == 0, first.output
+    before = json.loads((tmp_path / "home" / "calibration.json").read_text())
+    second = CliRunner().invoke(app, [*common, "--target-formats", "int8", "--draft-formats", "none",
+                                      "--json", str(tmp_path / "now.json")], env=WIDE)
+    assert second.exit_code == 0, second.output
+    assert "kept from the calibration before (not timed again now): target none, draft int8" in second.stderr
+    stored = json.loads((tmp_path / "home" / "calibration.json").read_text())
+    assert [(entry["role"], entry["quantization"]) for entry in stored["entries"]] == [
+        ("target", "none"), ("draft", "int8"), ("target", "int8"), ("draft", "none")]
+    assert stored["entries"][0]["seconds"] == before["entries"][0]["seconds"]  # as timed the first time
+    assert stored["entries"][0]["measured_at"] == before["measured_at"]
+    now = json.loads((tmp_path / "now.json").read_text())  # --json: what this run measured
+    assert [(entry["role"], entry["quantization"]) for entry in now["entries"]] == [("target", "int8"), ("draft", "none")]
+
+
 def test_calibrate_refuses_auto_and_unknown_formats_in_one_line():
     for formats, complaint in (("auto", "cannot hold auto"), ("int3", "unknown quantization")):
         result = CliRunner().invoke(app, ["calibrate", "--target-formats", formats], env=WIDE)

@@ -134,3 +134,15 @@ def test_a_quantised_targets_prompt_read_is_timed_by_itself_and_by_its_bfloat16_
     (read,) = result["prompt_reads"]  # int8 only: a float target reads its prompts itself
     assert (read["model"], read["quantization"], read["tokens"]) == (str(llama_folder), "int8", 256)
     assert read["model_seconds"] > 0 and read["copy_seconds"] > 0
+
+
+def test_another_machines_or_another_cache_lengths_calibration_is_replaced_whole():
+    from specdec_cli.models.calibrate import merged_with
+
+    entry = {"role": "target", "model": "m", "quantization": "int8", "dtype": "float32", "seconds": {"1": 0.1}}
+    now = {"machine": {"cpu": "here"}, "context_tokens": 200, "clock": "wall", "entries": [], "prompt_reads": []}
+    for earlier_machine, context in (({"cpu": "elsewhere"}, 200), ({"cpu": "here"}, 64)):
+        earlier = {**now, "machine": earlier_machine, "context_tokens": context, "entries": [entry]}
+        assert merged_with(earlier, now) == (now, [])
+    stored, kept = merged_with({**now, "entries": [entry], "measured_at": "then"}, now)
+    assert kept == stored["entries"] == [{**entry, "measured_at": "then"}]
