@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import torch
 
-from specdec_cli.engine.kv import PREFILL_PATH
+from specdec_cli.engine.kv import PREFILL_PATH, prefill_path
 from specdec_cli.engine.sampling import spread
 
 
@@ -54,11 +54,12 @@ def shared_subset_head(causal_lm: torch.nn.Module, token_ids: torch.Tensor) -> "
 def with_prompt_path(runner_model: torch.nn.Module, causal_lm: torch.nn.Module) -> torch.nn.Module:
     """`runner_model` (the causal LM, or a SubsetHeadLM of it) reading prompts as `causal_lm` does: its prefill path
     (models/prefill.py: a q4 draft's own weights on AMX), which writes into whatever cache it is given."""
-    path = causal_lm.__dict__.get(PREFILL_PATH)
-    if runner_model is not causal_lm and path is None:
-        runner_model.__dict__.pop(PREFILL_PATH, None)  # a shared head follows its model's path being taken off too
-    elif runner_model is not causal_lm:
-        runner_model.__dict__[PREFILL_PATH] = path
+    if runner_model is not causal_lm:
+        path = prefill_path(causal_lm)
+        if path is None:
+            runner_model.__dict__.pop(PREFILL_PATH, None)  # a shared head follows its model's path being taken off too
+        else:
+            runner_model.__dict__[PREFILL_PATH] = path
     return runner_model
 
 

@@ -151,7 +151,8 @@ void specdec_q4_block_amx(const uint8_t *w, int layout, const int8_t *values, co
    makes it fast: no scale belongs to a group any more, so the sums stay in the tiles from the first group to the
    last (the int8 code above stores them and takes float steps per group and token), and the weights are unpacked
    once per block for every token of the call. A row's result depends on nothing but its own activations (the same
-   groups, in the same order, whatever else the call holds: tested), like the bfloat16 copy's (prefill.py).
+   groups, in the same order, whatever else the call holds, down to one row: tested), unlike the bfloat16 copy's
+   oneDNN matmul (prefill.py: `row_exact`).
 
    Per thread, two blocks at a time: their 16 rows each unpacked into bfloat16 (2 × `groups` KB in tile B's layout:
    channel pairs 2p, 2p+1 of the 16 rows in row p), then for every 32 tokens four tiles of sums over all groups, 0

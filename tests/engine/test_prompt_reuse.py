@@ -77,6 +77,15 @@ def same_entries(one: CachedModel, other: CachedModel) -> bool:
         torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) for a, b in pairs)
 
 
+def read_alone(model: torch.nn.Module, prompt: list[int]) -> CachedModel:
+    """A fresh cache holding `prompt` as the decoder reads it: all but its last token through the model's prefill
+    path (where it has one and the prompt is long enough), then the last."""
+    alone = CachedModel(model)
+    alone.prefill(prompt[:-1])
+    alone.extend(prompt)
+    return alone
+
+
 def test_only_a_model_quantised_with_exact_rows_computes_rows_alone(float_target, row_wise):
     assert computes_rows_alone(row_wise)
     assert not computes_rows_alone(float_target)
@@ -208,9 +217,7 @@ def test_a_row_exact_paths_entries_are_kept_only_where_reading_the_prompt_alone_
             runner.prefill(prompt[:-1], fresh=True)
             runner.extend(prompt)
             assert (sum(path.read), sum(counter.take()) - sum(path.read)) == (by_path, by_model), prompt
-            alone = CachedModel(model)
-            alone.prefill(prompt[:-1])
-            alone.extend(prompt)
+            alone = read_alone(model, prompt)
             counter.take()
             assert same_entries(runner, alone), prompt
     finally:
@@ -238,10 +245,7 @@ def test_packed_admission_with_a_row_exact_path_gives_each_row_what_reading_it_a
         path.read.clear()
         packed.admit(row, prompt)
         assert sum(path.read) == by_path
-        alone = CachedModel(model)
-        alone.prefill(prompt[:-1])
-        alone.extend(prompt)
-        assert same_entries(packed.single, alone)
+        assert same_entries(packed.single, read_alone(model, prompt))
 
 
 def test_a_copy_that_rounds_rows_by_their_forward_is_read_anew(with_path):

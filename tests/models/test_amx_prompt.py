@@ -16,6 +16,7 @@ from specdec_cli.models import int8_kernel, preflight, prefill, q4
 from specdec_cli.models.quant import computes_rows_alone, quantize
 
 from tests.conftest import tiny_causal_lm
+from tests.engine.test_prompt_reuse import read_alone, same_entries
 from tests.models.test_prefill import NEW_TOKENS, speculation_is_that_target_alone_turn_after_turn
 from tests.models.test_q4_kernel import _layer
 
@@ -162,38 +163,29 @@ def test_a_q4_draft_reads_its_window_on_amx_and_the_output_stays_the_targets(pai
 
 
 @torch.inference_mode()
-def test_a_prompt_after_a_kept_one_reads_only_the_rest_and_its_entries_are_reading_it_alone(pair, draft):
+def test_a_prompt_after_a_kept_one_reads_only_the_rest_and_its_entries_are_reading_it_alone(pair, monkeypatch):
     """kv.py's `prefill(fresh=True)` on the AMX path (tests/engine/test_prompt_reuse.py has the cases on a stand-in
     path): the rest after a shared prefix, even 3 tokens, is read by the path (not q4's own int8 code), a short prompt
     after a long one by q4 itself from the start; entries equal bit for bit, tokens too, through the decoder's reset."""
     target, _ = pair
     read = []
-    path = prefill_path(target)
-    original = type(path).__call__
+    original = prefill.AmxPromptPath.__call__
 
     def counting(self, cache, new_ids):
         read.append(len(new_ids))
         return original(self, cache, new_ids)
 
+    monkeypatch.setattr(prefill.AmxPromptPath, "__call__", counting)
     prompts = [(PROMPT, 59), (PROMPT[:40] + [5, 6, 7, 8], 3), (PROMPT[:10] + [9], 0), (PROMPT[:40] + [7] * 30, 69)]
     runner = CachedModel(target)
     decoder = SpeculativeDecoder(target, None, FixedK(0), (), reuse_prompts=computes_rows_alone(target))
-    type(path).__call__ = counting
-    try:
-        for prompt, by_path in prompts:
-            read.clear()
-            runner.prefill(prompt[:-1], fresh=True)
-            runner.extend(prompt)
-            assert sum(read) == by_path, prompt
-            alone = CachedModel(target)
-            alone.prefill(prompt[:-1])
-            alone.extend(prompt)
-            assert runner.ids == alone.ids
-            assert all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
-                       for a, b in zip(runner.cache.layers, alone.cache.layers))
-            decoder.reset()
-            tokens = decoder.generate(prompt, SamplingParams(), NEW_TOKENS).tokens
-            assert tokens == SpeculativeDecoder(target, None, FixedK(0), ()).generate(
-                prompt, SamplingParams(), NEW_TOKENS).tokens
-    finally:
-        type(path).__call__ = original
+    for prompt, by_path in prompts:
+        read.clear()
+        runner.prefill(prompt[:-1], fresh=True)
+        runner.extend(prompt)
+        assert sum(read) == by_path, prompt
+        assert same_entries(runner, read_alone(target, prompt)), prompt
+        decoder.reset()
+        tokens = decoder.generate(prompt, SamplingParams(), NEW_TOKENS).tokens
+        assert tokens == SpeculativeDecoder(target, None, FixedK(0), ()).generate(
+            prompt, SamplingParams(), NEW_TOKENS).tokens
