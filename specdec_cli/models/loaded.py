@@ -5,6 +5,7 @@ tokenizers, and only then load weights — so a pair that cannot work fails in s
 
 from __future__ import annotations
 
+import re
 import struct
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -90,8 +91,19 @@ def _first_line(error: Exception) -> str:
 CUT_SHORT = (struct.error, EOFError)
 
 
+# transformers' word for a .gguf architecture it cannot convert (modeling_gguf_pytorch_utils.load_gguf_checkpoint).
+_GGUF_ARCHITECTURE = re.compile(r"GGUF model with architecture (\S+) is not supported")
+
+
 def _unreadable(plan: _Plan, what: str, error: Exception) -> ModelLoadError:
-    """One line for a config or tokenizer that would not load; a .gguf that ends early is said to be cut short."""
+    """One line for a config or tokenizer that would not load; a .gguf that ends early is said to be cut short, one
+    of an architecture transformers cannot read (a vision projector, say) is named as such."""
+    unsupported = _GGUF_ARCHITECTURE.search(str(error)) if plan.source.kind == "gguf" else None
+    if unsupported:
+        return ModelLoadError(
+            f"{plan.source.spec} holds a {unsupported.group(1)!r} model, which transformers cannot read from a .gguf",
+            "pass the .gguf of a language model (llama, mistral, qwen2, qwen3, gemma, phi3, ...); an mmproj file is "
+            "a vision part, not one")
     why = "the file ends before its header says it does (cut short?)" if isinstance(error, CUT_SHORT) else \
         _first_line(error)
     hint = "download the .gguf again (a cut or damaged file reads this way)" if plan.source.kind == "gguf" else \
@@ -112,10 +124,13 @@ def _plan(spec, device, dtype, quantization, trust_remote_code, allow_pickle, pr
 
 
 def _load_config(plan: _Plan):
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     try:
         return AutoConfig.from_pretrained(**plan.metadata_kwargs())
+    except StrictDataclassError as error:  # a value its config class refuses (heads that do not divide the width)
+        raise _unreadable(plan, "config", error.__cause__ or error) from None
     except (OSError, ValueError, KeyError, *CUT_SHORT) as error:
         raise _unreadable(plan, "config", error) from None
 
@@ -126,7 +141,12 @@ def _reading_gguf(*plans: _Plan):
 
 
 def _weight_bytes(plan: _Plan) -> int:
-    return preflight.estimate_weight_bytes(_load_config(plan), plan.dtype, plan.quantization)
+    config = _load_config(plan)
+    try:
+        return preflight.estimate_weight_bytes(config, plan.dtype, plan.quantization)
+    except Exception as error:  # the model class's own code on a config it cannot build (a head count of 0, say)
+        raise ModelLoadError(f"the config of {plan.source.spec} does not describe a model transformers can build: "
+                             f"{type(error).__name__}: {_first_line(error)}", "check the model's config") from None
 
 
 def _load_tokenizer(plan: _Plan):

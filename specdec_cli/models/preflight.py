@@ -149,7 +149,8 @@ def check_memory(weights: dict[str, int], device: torch.device) -> None:
 
 
 def estimate_local_weight_bytes(spec: str, dtype: torch.dtype, quantization: str | None) -> int | None:
-    """The weight estimate for `spec` from a config already on this machine, or None (no network is used)."""
+    """The weight estimate for `spec` from a config already on this machine, or None (no network is used; a config
+    that cannot be read or built gives None too: loading the model says what is wrong with it)."""
     from transformers import AutoConfig
 
     from specdec_cli.models.resolve import local_config_folder
@@ -157,4 +158,7 @@ def estimate_local_weight_bytes(spec: str, dtype: torch.dtype, quantization: str
     folder = local_config_folder(spec)
     if folder is None:
         return None
-    return estimate_weight_bytes(AutoConfig.from_pretrained(folder), dtype, quantization)
+    try:
+        return estimate_weight_bytes(AutoConfig.from_pretrained(folder), dtype, quantization)
+    except Exception:  # a broken or foreign config: the model class's own code raises what it raises
+        return None

@@ -117,3 +117,17 @@ def test_list_and_show_give_one_memory_figure_from_a_local_config(specdec_home, 
 
 def test_list_and_show_give_one_memory_figure_from_a_hint():
     assert _show_estimate("demo") == _list_estimate("demo (default)") == "~3.5 GB"
+
+
+@pytest.mark.parametrize("config", ['{"model_type": "qwen2", "num_attention_heads": 0}', '{"model_type": "qwen2",'])
+def test_a_profile_whose_local_config_is_broken_still_lists(specdec_home, tmp_path, config):
+    """The estimate builds the model from a local config: a broken one (heads of 0, JSON cut short) was a traceback
+    in `profiles list` and `show`, hiding every other profile. Its estimate is "?" now; loading it says what is wrong."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(config)
+    (specdec_home / "profiles").mkdir(parents=True)
+    (specdec_home / "profiles" / "broken.toml").write_text(f'target = "{tmp_path / "model"}"\ndrafter = "ngram"\n')
+    result = run("profiles", "list")
+    assert_exited(result, 0)
+    assert _list_estimate("broken") == "?" and "demo (default)" in result.stdout
+    assert _show_estimate("broken") == "?"

@@ -218,3 +218,23 @@ def test_a_conversion_that_would_not_fit_in_memory_is_refused_before_it_starts(t
     monkeypatch.setattr(gguf, "available_memory_bytes", lambda device: needed)
     load_model(str(path), device="cpu", dtype="float32", progress=False)
     assert len(gguf.existing_conversions(path)) == 1
+
+
+def test_a_gguf_of_an_architecture_transformers_cannot_read_is_named_as_such(specdec_home, tmp_path):
+    """An mmproj file (llama.cpp's vision projector, architecture 'clip') beside a model's .gguf was told to download
+    itself again, as if it were damaged."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    path = tmp_path / "mmproj-model-f16.gguf"
+    writer = GGUFWriter(str(path), "clip")
+    writer.add_tensor("v.patch_embd.weight", np.zeros((16, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError) as raised:
+        load_model(str(path), device="cpu", progress=False)
+    line = raised.value.one_line()
+    assert line.startswith(f"{path} holds a 'clip' model, which transformers cannot read from a .gguf")
+    assert "download" not in line and "mmproj" in line

@@ -80,6 +80,22 @@ def test_a_folder_with_a_config_but_no_weights_says_so_before_any_memory_estimat
             load_model(str(tmp_path), device="cpu", quantization=quantization, progress=False)
 
 
+@pytest.mark.parametrize(("config", "says"), [
+    ('{"model_type": "qwen2", "num_attention_heads": 0}', "does not describe a model transformers can build: ZeroDiv"),
+    ('{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 3}', "config of .*: The hidden size .64. is not"),
+    ('{"model_type": "llama", "hidden_size": "big"}', "config of .*: Field 'hidden_size' expected int"),
+])
+def test_a_config_its_model_class_refuses_is_one_line(tmp_path, config, says):
+    """transformers 5 validates a config's values (huggingface_hub's StrictDataclassError, not a ValueError) and the
+    memory estimate builds the model from the config on the meta device (a head count of 0: the model class's own
+    ZeroDivisionError): each was a traceback, exit 1."""
+    (tmp_path / "config.json").write_text(config)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match=says) as raised:
+        load_model(str(tmp_path), device="cpu", progress=False)
+    assert "\n" not in raised.value.one_line()
+
+
 def test_missing_path_is_model_not_found(tmp_path):
     with pytest.raises(ModelNotFoundError, match="no such file or folder"):
         load_model(str(tmp_path / "nope.gguf"), progress=False)
