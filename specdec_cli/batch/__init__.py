@@ -21,6 +21,7 @@ from specdec_cli.batch.ray_workers import RayOptions, RayWorkers, WorkerReport, 
 from specdec_cli.batch.records import Completion, error_record, record_failed, record_key, record_stats, success_record
 from specdec_cli.batch.requests import (
     CHAT_URL, COMPLETIONS_URL, MAX_SEED, OPENAI_KEYS, BadRecord, Request, parse_line, read_input, read_requests,
+    refuse_one_document,
 )
 from specdec_cli.batch.sidecar import check_resumed_settings, record_settings, settings_path, write_settings
 from specdec_cli.batch.writer import DurableWriter, check_output, read_finished
@@ -30,6 +31,6 @@ __all__ = [
     "Generate", "GenerateOne", "ModelGeneration", "Outcome", "OutputLock", "RayOptions", "RayWorkers", "Request", "Stream",
     "WorkerReport", "check_output", "check_resumed_settings", "each", "error_record", "import_ray", "in_groups",
     "lock_path", "one_at_a_time", "parse_line", "pending_requests", "read_finished", "read_input", "read_requests",
-    "record_failed", "record_key", "record_settings", "record_stats", "run_batch", "run_grouped", "run_streamed",
+    "record_failed", "record_key", "record_settings", "record_stats", "refuse_one_document", "run_batch", "run_grouped", "run_streamed",
     "settings_path", "success_record", "write_settings",
 ]

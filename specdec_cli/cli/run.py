@@ -129,7 +129,10 @@ def _run_locked(input: str, output: Path, resume: bool, overwrite: bool, force: 
                 batch_size: int | str) -> None:
     from specdec_cli.settings import choose_models, decoding_settings, resolve_formats
 
-    requests = batch.read_requests(batch.read_input(input))[:limit]
+    lines = batch.read_input(input)
+    requests = batch.read_requests(lines)
+    batch.refuse_one_document(requests, lines, input)
+    requests = requests[:limit]
     choice = resolve_formats(choose_models(models))  # stored and loaded as resolved here: no `auto` in a file's settings
     settings = decoding_settings(choice.profile, **decoding)
     finished = batch.read_finished(output) if resume else []

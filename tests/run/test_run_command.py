@@ -142,6 +142,31 @@ def test_a_file_of_only_bad_lines_needs_no_model(run, tmp_path):
         f'1 of 1 records failed — their lines in {tmp_path / "out.jsonl"} have finish_reason "error" (or an "error" object) saying why')
 
 
+@pytest.mark.parametrize(("text", "says"), [
+    (json.dumps(MIXED[:2]), "is one JSON list of 2 items, not JSON lines"),
+    (json.dumps(MIXED[:2], indent=2), "is one JSON list of 2 items, not JSON lines"),
+    (json.dumps(MIXED[0], indent=2), "is one JSON object over 5 lines, not JSON lines"),
+])
+def test_a_file_that_is_one_json_document_is_refused_whole(run, tmp_path, text, says):
+    """A prompts file written with json.dump (a list, or indented) made an error record of every line it has (a
+    pretty-printed list of 100 requests: hundreds of records saying "not valid JSON") and exit 1."""
+    (tmp_path / "prompts.json").write_text(text + "\n")
+    for source, stdin, name in ((tmp_path / "prompts.json", None, tmp_path / "prompts.json"), ("-", text, "standard input")):
+        result = run(source, "-o", tmp_path / "out.jsonl", stdin=stdin)
+        assert_exited(result, 2)
+        assert result.stderr.startswith(f"error: {name} {says} — write ") and len(result.stderr.splitlines()) == 1
+        assert not (tmp_path / "out.jsonl").exists() and not batch.settings_path(tmp_path / "out.jsonl").exists()
+
+
+def test_a_json_lines_file_with_one_good_line_is_not_refused(run, tmp_path):
+    """The same check leaves real JSON lines alone: a one-object file, and a file whose every line is bad JSON."""
+    (tmp_path / "in.jsonl").write_text(json.dumps(MIXED[0]) + "\n")
+    assert_exited(run(tmp_path / "in.jsonl", "-o", tmp_path / "out.jsonl"), 0)
+    (tmp_path / "bad.jsonl").write_text("[1, 2]\n[3]\n")
+    assert_exited(run(tmp_path / "bad.jsonl", "-o", tmp_path / "bad-out.jsonl"), 1)  # each line: an error record
+    assert len(read(tmp_path / "bad-out.jsonl")) == 2
+
+
 def test_an_existing_output_is_refused_and_left_alone(run, tmp_path):
     (tmp_path / "in.jsonl").write_text(jsonl(MIXED[:1]))
     (tmp_path / "out.jsonl").write_text('{"id": "precious"}\n')
