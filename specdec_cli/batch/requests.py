@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import math
-import shlex
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdec_cli.prompts import jsonl
 from specdec_cli.errors import InputError
 
 CHAT_URL = "/v1/chat/completions"
@@ -243,21 +243,13 @@ def _stop(stop: object) -> tuple[str, ...]:
 
 
 def refuse_one_document(requests: list[Request], lines: list[bytes], source: str) -> None:
-    """A file that is one JSON document rather than JSON lines — a list of requests, or an object spread over several
-    lines (json.dump with indent) — made an error record of every line. Refused whole, before anything is written."""
-    if not requests or any(request.error is None for request in requests):
-        return
-    try:
-        document = json.loads(b"\n".join(lines).decode("utf-8").removeprefix("\ufeff"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return
-    name, file = ("standard input", "FILE") if source == "-" else (source, shlex.quote(source))
-    if isinstance(document, list):
-        raise InputError(f"{name} is one JSON list of {len(document)} items, not JSON lines",
-                         f"write one request object per line, e.g. jq -c '.[]' {file} > requests.jsonl")
-    if isinstance(document, dict) and len(requests) > 1:
-        raise InputError(f"{name} is one JSON object over {len(lines)} lines, not JSON lines",
-                         f"write each request object on one line, e.g. jq -c . {file} > requests.jsonl")
+    """A file that is one JSON document rather than JSON lines (a list of requests, an object indented over several
+    lines) made an error record of every line: refused whole, before anything is written."""
+    if requests and all(request.error is not None for request in requests):
+        try:
+            jsonl.refuse_one_document(b"\n".join(lines).decode("utf-8"), source)
+        except UnicodeDecodeError:
+            pass
 
 
 def read_input(source: str) -> list[bytes]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec_cli.errors import InputError
+from specdec_cli.prompts.jsonl import refuse_one_document
 from specdec_cli.prompts.builtin import BUILTIN_PROMPTS
 
 DEFAULT_CATEGORY = "default"
@@ -38,12 +39,17 @@ def builtin_prompts() -> list[Prompt]:
 
 def read_prompt_file(path: Path) -> list[Prompt]:
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors) is not part of line 1
     except FileNotFoundError:
         raise InputError(f"no prompt file {path}", "give an existing .jsonl file") from None
     except (OSError, UnicodeDecodeError) as error:
         raise InputError(f"cannot read {path}: {error}", "give a readable UTF-8 .jsonl file") from None
-    prompts = [_parse_line(line, number, path) for number, line in enumerate(lines, start=1) if line.strip()]
+    lines = text.splitlines()
+    try:
+        prompts = [_parse_line(line, number, path) for number, line in enumerate(lines, start=1) if line.strip()]
+    except InputError:
+        refuse_one_document(text, str(path))  # says so when the file is one JSON list or indented object
+        raise
     if not prompts:
         raise InputError(f"{path} holds no prompts", LINE_KINDS)
     return prompts

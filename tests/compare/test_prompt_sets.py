@@ -79,6 +79,28 @@ def test_a_missing_or_empty_file_is_an_input_error(tmp_path):
         read_prompt_file(tmp_path / "empty.jsonl")
 
 
+def test_a_byte_order_mark_is_not_part_of_the_first_line(tmp_path):
+    """A file saved by a Windows editor starts with a UTF-8 byte-order mark: `run` read it, compare refused line 1."""
+    path = tmp_path / "q.jsonl"
+    path.write_bytes("\ufeff".encode() + json.dumps({"prompt": "hi"}).encode() + b"\r\n" + json.dumps({"prompt": "yo"}).encode())
+    assert [prompt.text for prompt in read_prompt_file(path)] == ["hi", "yo"]
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    (json.dumps(spec_bench_lines()), "q.json is one JSON list of 10 items, not JSON lines — write one object per line, "
+                                     "e.g. jq -c '.[]' {folder}/q.json > {folder}/q.jsonl"),
+    (json.dumps(spec_bench_lines()[:2], indent=1), "q.json is one JSON list of 2 items"),
+    (json.dumps({"prompt": "hi", "category": "chat"}, indent=2), "q.json is one JSON object over 4 lines, not JSON lines"),
+])
+def test_a_file_that_is_one_json_document_is_named_as_such(tmp_path, text, says):
+    """A prompt set written with json.dump was "line 1 is not a JSON object" (or not valid JSON): true, but not what
+    to do about it."""
+    (tmp_path / "q.json").write_text(text)
+    with pytest.raises(InputError) as raised:
+        read_prompt_file(tmp_path / "q.json")
+    assert raised.value.one_line().startswith(f"{tmp_path}/" + says.format(folder=tmp_path))
+
+
 def test_the_builtin_set_has_two_prompts_in_each_of_six_categories():
     prompts = builtin_prompts()
     categories = [p.category for p in prompts]

@@ -150,11 +150,12 @@ def test_a_file_of_only_bad_lines_needs_no_model(run, tmp_path):
 def test_a_file_that_is_one_json_document_is_refused_whole(run, tmp_path, text, says):
     """A prompts file written with json.dump (a list, or indented) made an error record of every line it has (a
     pretty-printed list of 100 requests: hundreds of records saying "not valid JSON") and exit 1."""
-    (tmp_path / "prompts.json").write_text(text + "\n")
-    for source, stdin, name in ((tmp_path / "prompts.json", None, tmp_path / "prompts.json"), ("-", text, "standard input")):
+    (tmp_path / "requests.json").write_text(text + "\n")
+    for source, stdin, name in ((tmp_path / "requests.json", None, tmp_path / "requests.json"), ("-", text, "standard input")):
         result = run(source, "-o", tmp_path / "out.jsonl", stdin=stdin)
         assert_exited(result, 2)
         assert result.stderr.startswith(f"error: {name} {says} — write ") and len(result.stderr.splitlines()) == 1
+        assert result.stderr.rstrip().endswith("requests.jsonl" if stdin is None else "FILE > lines.jsonl")
         assert not (tmp_path / "out.jsonl").exists() and not batch.settings_path(tmp_path / "out.jsonl").exists()
 
 
