@@ -255,11 +255,18 @@ def _lookup_factory(drafter: str):
 
 def encode_chat(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
     """Token ids of a conversation through the model's own chat template."""
+    from jinja2 import TemplateError
+
     if not getattr(tokenizer, "chat_template", None):
         raise InputError("this model has no chat template", "give a raw prompt instead of messages")
-    ids = tokenizer.apply_chat_template(
-        list(messages), add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
-    )
+    try:
+        ids = tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+        )
+    except TemplateError as error:  # the template's own raise_exception: Gemma's has no system role, for one
+        raise InputError(f"the model's chat template refuses these messages: {error}",
+                         "change the roles it names (a system prompt can go at the start of the first user message)"
+                         ) from None
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return [int(i) for i in ids]

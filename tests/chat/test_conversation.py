@@ -312,3 +312,17 @@ def test_a_copy_that_did_not_load_costs_one_turn_and_nothing_else(make_conversat
         assert [m.role for m in conversation.history.messages] == ["user", "assistant"]
     finally:
         conversation.target.model.__dict__.pop("_specdec_prefill", None)
+
+
+def test_a_chat_template_that_refuses_the_messages_costs_one_turn(make_conversation, loaded, monkeypatch):
+    """Gemma's chat template raises on a system role (its raise_exception, a jinja2 TemplateError): with --system,
+    each turn was a traceback and chat ended. It is one line now, and removing the system prompt lets chat go on."""
+    template = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    monkeypatch.setattr(loaded.target.tokenizer, "chat_template", template + loaded.target.tokenizer.chat_template)
+    conversation = make_conversation("draft", k=3, system="Be brief.")
+    with pytest.raises(InputError, match="chat template refuses these messages: System role not supported"):
+        talk(conversation, QUESTIONS[0])
+    assert conversation.history.messages == []
+    conversation.set_system(None)
+    assert talk(conversation, QUESTIONS[0])
+    assert [m.role for m in conversation.history.messages] == ["user", "assistant"]

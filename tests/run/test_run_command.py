@@ -168,6 +168,26 @@ def test_a_json_lines_file_with_one_good_line_is_not_refused(run, tmp_path):
     assert len(read(tmp_path / "bad-out.jsonl")) == 2
 
 
+def test_a_line_the_chat_template_refuses_is_an_error_record(run, tiny_pair, tmp_path):
+    """Gemma's chat template raises on a system role: such a line stopped the whole batch with a jinja2 traceback,
+    before any record was written. It is that line's error record now; the others run."""
+    import shutil
+
+    folder = tmp_path / "no-system"
+    shutil.copytree(tiny_pair.target, folder)
+    template = folder / "chat_template.jinja"
+    guard = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    template.write_text(guard + template.read_text())
+    lines = [{"id": "s", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]},
+             {"id": "u", "messages": [{"role": "user", "content": "Hi"}]}]
+    (tmp_path / "in.jsonl").write_text(jsonl(lines))
+    result = run(tmp_path / "in.jsonl", "-o", tmp_path / "out.jsonl", "--target", folder, "--draft", tiny_pair.draft)
+    assert_exited(result, 1)  # the failed record's exit code, not a crash
+    records = read(tmp_path / "out.jsonl")
+    assert records[0]["error"].startswith("line 1: the model's chat template refuses these messages: System role not")
+    assert records[1]["finish_reason"] == "length" and records[1]["text"]
+
+
 def test_an_existing_output_is_refused_and_left_alone(run, tmp_path):
     (tmp_path / "in.jsonl").write_text(jsonl(MIXED[:1]))
     (tmp_path / "out.jsonl").write_text('{"id": "precious"}\n')
