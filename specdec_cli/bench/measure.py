@@ -24,7 +24,9 @@ from pathlib import Path
 
 from specdec_cli.bench.peers import assistant_settings, hf_generate, hf_generation_config, pad_token_id, quiet_transformers
 from specdec_cli.bench.quality import agreement, reference_tokens
-from specdec_cli.bench.probes import ForwardCounter, MemoryProbe, environment, forward_seconds, prompt_reader
+from specdec_cli.bench.probes import (
+    BackgroundLoad, ForwardCounter, MemoryProbe, environment, forward_seconds, prompt_reader,
+)
 from specdec_cli.bench.runs import (
     DRAFT, HF_ASSISTED, HF_LOOKUP, HF_LOOKUP_TOKENS, PLAIN_DRAFT, SCHEMA, TARGET, WARMUP_TOKENS, BenchSettings,
     Configuration, Run, run_order,
@@ -62,9 +64,11 @@ class Benchmark:
         self.weight_bytes = {role: held_weight_bytes(model) for role, model in models.items()}
         self._models = models
         self._probe = MemoryProbe(target.device)
+        self.background = BackgroundLoad()
 
     def measure(self, on_progress: ProgressCallback | None = None) -> list[Run]:
         counter = ForwardCounter(self._models)
+        self.background.begin()
         try:
             with quiet_transformers():
                 self._warm_up(counter)
@@ -168,7 +172,7 @@ class Benchmark:
         """Everything, for --json: environment, settings, prompts, order, every raw run, the summaries."""
         report = {
             "schema": SCHEMA,
-            "environment": environment(self.target, self.draft),
+            "environment": environment(self.target, self.draft, self.background),
             "settings": self._settings_record(),
             "configurations": [asdict(config) | {"models": self.models_used.get(config.name, [])} for config in self.configs],
             "weight_bytes": self.weight_bytes,

@@ -41,6 +41,25 @@ class MemoryProbe:
         return max(0, high - self.base)
 
 
+class BackgroundLoad:
+    """How many cores' worth of CPU other processes used while a benchmark measured (models.device.CpuUse): its
+    timings include them. None until `begin()`, and where the OS has no /proc/stat."""
+
+    def __init__(self) -> None:
+        self.start = None
+
+    def begin(self) -> None:
+        from specdec_cli.models.device import CpuUse
+
+        self.start = CpuUse.at()
+
+    def cores(self) -> float | None:
+        from specdec_cli.models.device import CpuUse
+
+        now = CpuUse.at() if self.start is not None else None
+        return None if now is None else round(now.others_since(self.start), 2)
+
+
 def _rss() -> int:
     import psutil
 
@@ -101,7 +120,7 @@ def prompt_reader(target: LoadedModel) -> str:
     return "target" if path is None else path.reader
 
 
-def environment(target: LoadedModel, draft: LoadedModel | None) -> dict:
+def environment(target: LoadedModel, draft: LoadedModel | None, background: BackgroundLoad | None = None) -> dict:
     import transformers
 
     from specdec_cli.models.device import dtype_name
@@ -116,6 +135,7 @@ def environment(target: LoadedModel, draft: LoadedModel | None) -> dict:
         "torch_threads": torch.get_num_threads(),
         "process_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
         "target_prompt_read": prompt_reader(target),
+        "others_cpu_cores": background.cores() if background is not None else None,  # while it measured
     }
     if target.device.type == "cpu":  # the CPU decides the costs: its model and the flags that pick kernels
         from specdec_cli.models.calibrate import cpu

@@ -19,7 +19,7 @@ from specdec_cli.bench.batched_peers import (
 )
 from specdec_cli.bench.measure import encode_prompts
 from specdec_cli.bench.peers import hf_generation_config, pad_token_id, quiet_transformers
-from specdec_cli.bench.probes import environment
+from specdec_cli.bench.probes import BackgroundLoad, environment
 from specdec_cli.bench.runs import WARMUP_TOKENS, BenchSettings, run_order
 from specdec_cli.bench.theory import identical_prompts
 from specdec_cli.engine import cut_at_eos
@@ -93,8 +93,10 @@ class ThroughputBenchmark:
         self.order = [(repeat, index) for repeat, _, index in run_order(settings.repeats, 1, len(self.configs))]
         self.passes: list[Pass] = []
         self.unavailable: dict[str, str] = {}  # configuration name → why it cannot run here
+        self.background = BackgroundLoad()
 
     def measure(self, on_progress: ThroughputProgress | None = None) -> list[Pass]:
+        self.background.begin()
         with quiet_transformers():
             self._warm_up()
             for done, (repeat, index) in enumerate(self.order, start=1):
@@ -171,7 +173,7 @@ class ThroughputBenchmark:
         """Everything, for --json: environment, settings, prompts, order, every raw pass, the summary."""
         return {
             "schema": THROUGHPUT_SCHEMA,
-            "environment": environment(self.target, self.draft),
+            "environment": environment(self.target, self.draft, self.background),
             "settings": self._settings_record(),
             "configurations": [asdict(config) for config in self.configs],
             "prompts": [{"index": i, "id": prompt.id, "category": prompt.category, "prompt_tokens": len(ids)}

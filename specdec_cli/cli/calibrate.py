@@ -56,6 +56,20 @@ def _cells(seconds: dict[str, float]) -> list[str]:
     return [f"{1000 * s:.0f} ms" + ("" if n == "1" else f" ×{s / one:.2f}") for n, s in seconds.items()]
 
 
+def _refuse_a_busy_machine() -> None:
+    """Timings taken beside another job (a `specdec run` in another terminal) measure it too, and `auto` and the
+    draft policy would read them as this machine's costs until the next calibration."""
+    import os
+
+    from specdec_cli.models.device import BUSY_CORES, others_cpu_use
+
+    used = others_cpu_use()
+    if used is not None and used >= BUSY_CORES:
+        raise InputError(f"other processes are using {used:.1f} of this machine's {os.cpu_count()} cores: timings "
+                         "taken now would measure them too",
+                         "let them finish (or stop them) and calibrate again; --allow-busy calibrates anyway")
+
+
 @report_errors
 def calibrate_command(
     profile: ProfileOption = None,
@@ -65,6 +79,8 @@ def calibrate_command(
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed forwards per size (the median is kept).")] = 5,
     context: Annotated[int, typer.Option("--context", min=1, help="Tokens already in the cache.")] = 200,
     json_path: Annotated[Path | None, typer.Option("--json", help="Also write the result to this file.")] = None,
+    allow_busy: Annotated[bool, typer.Option("--allow-busy", help="Calibrate even while other processes use the "
+                                             "CPU (their load is then part of every timing stored).")] = False,
 ) -> None:
     """Measure what a forward of 1, 2, 4, 8 and 16 new tokens costs for each model of a profile in each
     quantisation format on this machine. Speculation pays while verifying k tokens costs about what one
@@ -80,6 +96,8 @@ def calibrate_command(
                for (role, names), given in zip(formats.items(), (target_formats, draft_formats))}
     if json_path is not None and json_path.is_dir():
         raise InputError(f"{json_path} is a folder", "give a file name for --json")
+    if not allow_busy:
+        _refuse_a_busy_machine()
     models = {"target": chosen.target, **({"draft": chosen.draft} if chosen.draft else {})}
     facts = machine()
     console = Console(highlight=False)

@@ -131,6 +131,7 @@ def compare_command(
                                    tree_default=lambda k: tree_nodes(target_model, k))
     benchmark = bench.Benchmark(target_model, draft_model, configs, chosen_prompts, bench_settings, plain_draft)
     _measure(benchmark, json_path)
+    _say_background(benchmark.background)
     quality_line = None
     if quality and target_model.quantization and bench_settings.params.greedy:
         quality_line = _measure_quality(benchmark, choice)
@@ -296,12 +297,23 @@ def _compare_throughput(benchmark: bench.ThroughputBenchmark, json_path: Path | 
                 bench.write_json(json_path, benchmark.report() | {"interrupted": True})
                 console.print(f"wrote the {len(benchmark.passes)} passes measured so far to {json_path}")
             raise
+    _say_background(benchmark.background)
     for name, reason in benchmark.unavailable.items():
         console.print(f"note: {name} cannot run here: {reason}", markup=False)
     _stdout_console().print(bench.throughput_table(benchmark))
     if json_path:
         bench.write_json(json_path, benchmark.report())
         console.print(f"wrote {json_path}")
+
+
+def _say_background(background) -> None:
+    """A note when other processes took CPU time while the benchmark measured (the JSON keeps the figure always)."""
+    from specdec_cli.models.device import BUSY_CORES
+
+    cores = background.cores()
+    if cores is not None and cores >= BUSY_CORES:
+        error_console().print(f"note: other processes used {cores:.1f} cores on average while this measured: its "
+                              "timings include them (measure on an idle machine)", markup=False)
 
 
 def _stdout_console() -> Console:

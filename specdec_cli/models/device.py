@@ -72,6 +72,52 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
     return set()
 
 
+# Cores' worth of other processes' CPU use at which a timing is refused (calibrate) or flagged (compare): a
+# single-threaded job in the background already slows a 2-core machine's forwards by a third or more.
+BUSY_CORES = 0.5
+
+
+class CpuUse:
+    """The machine's busy CPU time (/proc/stat: user, nice, system, irq, softirq; not a hypervisor's steal) and this
+    process's own, at one moment; `others_since(earlier)` is how many cores' worth other processes used in between.
+    `at()` is None where there is no /proc/stat (macOS, Windows)."""
+
+    def __init__(self, busy: float, own: float, wall: float) -> None:
+        self.busy, self.own, self.wall = busy, own, wall
+
+    @classmethod
+    def at(cls, stat: Path = Path("/proc/stat")) -> "CpuUse | None":
+        import os
+        import time
+
+        try:
+            fields = stat.read_text().splitlines()[0].split()
+        except (OSError, IndexError):
+            return None
+        if fields[:1] != ["cpu"] or len(fields) < 8:
+            return None
+        user, nice, system, _idle, _iowait, irq, softirq = (int(value) for value in fields[1:8])
+        times = os.times()
+        return cls((user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK"), times.user + times.system,
+                   time.monotonic())
+
+    def others_since(self, earlier: "CpuUse") -> float:
+        return max(0.0, (self.busy - earlier.busy) - (self.own - earlier.own)) / max(self.wall - earlier.wall, 1e-9)
+
+
+def others_cpu_use(seconds: float = 0.5, stat: Path = Path("/proc/stat")) -> float | None:
+    """How many cores' worth of CPU time other processes use over the next `seconds` (this process waits, and what
+    it uses is taken out anyway); None where there is no /proc/stat."""
+    import time
+
+    before = CpuUse.at(stat)
+    if before is None:
+        return None
+    time.sleep(seconds)
+    after = CpuUse.at(stat)
+    return None if after is None else after.others_since(before)
+
+
 def cpu_has_fast_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     return bool(cpu_flags(cpuinfo) & _BF16_CPU_FLAGS)
 

@@ -13,6 +13,15 @@ from specdec_cli.settings import ModelOverrides, choose_models
 WIDE = {"COLUMNS": "200"}
 
 
+@pytest.fixture(autouse=True)
+def an_idle_machine(monkeypatch):
+    """calibrate refuses to time while other processes use the CPU (tested below): these tests are about formats,
+    and a test machine's background (a Ray worker a test left) is not theirs to judge."""
+    from specdec_cli.models import device
+
+    monkeypatch.setattr(device, "others_cpu_use", lambda seconds=0.5: 0.0)
+
+
 def choose(**flags):
     return choose_models(ModelOverrides(**flags))
 
@@ -148,3 +157,28 @@ def test_calibrate_skips_a_default_format_it_cannot_run_but_refuses_one_asked_fo
     asked = CliRunner().invoke(app, [*common, "--target-formats", "int8,int4"], env=WIDE)
     assert isinstance(asked.exception, SystemExit) and asked.exit_code == 2, asked.output
     assert "int4 needs torchao" in asked.output
+
+
+def test_calibrate_refuses_to_time_while_other_processes_use_the_cpu(tiny_pair, tmp_path, monkeypatch):
+    """A calibration taken beside a `specdec run` in another terminal was stored as this machine's costs: `auto` and
+    the draft policy read it until the next calibration. Refused before any model loads; --allow-busy times anyway."""
+    from specdec_cli.models import calibrate, device
+
+    profiles = tmp_path / "home" / "profiles"
+    profiles.mkdir(parents=True)
+    (profiles / "tiny.toml").write_text(f'target = "{tiny_pair.target}"\n')
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(device, "others_cpu_use", lambda seconds=0.5: 1.3)
+    real_load = calibrate.load_model
+    monkeypatch.setattr(calibrate, "load_model", lambda *args, **kwargs: pytest.fail("loaded a model"))
+    common = ["calibrate", "--profile", "tiny", "--target-formats", "none", "--dtype", "float32", "--repeats", "1",
+              "--context", "8"]
+    refused = CliRunner().invoke(app, common, env=WIDE)
+    assert isinstance(refused.exception, SystemExit) and refused.exit_code == 2, refused.output
+    assert refused.stderr.startswith("error: other processes are using 1.3 of this machine's")
+    assert refused.stderr.rstrip().endswith("--allow-busy calibrates anyway") and len(refused.stderr.splitlines()) == 1
+    assert not (tmp_path / "home" / "calibration.json").exists()
+    monkeypatch.setattr(calibrate, "load_model", real_load)
+    allowed = CliRunner().invoke(app, [*common, "--allow-busy"], env=WIDE)
+    assert allowed.exit_code == 0, allowed.output
+    assert (tmp_path / "home" / "calibration.json").exists()

@@ -174,3 +174,24 @@ def test_a_draft_run_through_a_subset_head_counts_as_the_draft(low_acceptance_pa
     finally:
         counter.close()
     assert counter.counts == {"target": 1, "draft": 1}
+
+
+def test_a_benchmarks_background_load_counts_a_process_spinning_while_it_measures():
+    import subprocess
+    import sys
+    import time
+
+    from specdec_cli.bench.probes import BackgroundLoad
+
+    background = BackgroundLoad()
+    assert background.cores() is None  # not begun
+    background.begin()
+    if background.start is None:
+        pytest.skip("no /proc/stat here")
+    spinner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 5\nwhile time.time() < end: pass"])
+    try:
+        time.sleep(1.0)
+        assert background.cores() >= 0.5
+    finally:
+        spinner.kill()
+        spinner.wait()

@@ -224,3 +224,24 @@ def test_json_replaces_an_earlier_result_of_its_own(tmp_path):
     for schema in ("specdec.compare/1", "specdec.compare-throughput/1"):
         (tmp_path / "old.json").write_text(json.dumps({"schema": schema, "partial": True, "runs": []}))
         _check_outputs(tmp_path / "old.json", tmp_path / "plot.svg", tmp_path / "q.jsonl")  # no error
+
+
+def test_the_json_says_how_much_cpu_other_processes_took_and_a_busy_run_gets_a_note(tiny_pair, tmp_path, monkeypatch):
+    """A benchmark beside another job measures it too: its JSON keeps the cores' worth other processes used while it
+    measured, and past half a core stderr says so (the table is still printed: it is the user's machine)."""
+    from specdec_cli.bench import probes
+
+    args = ("--target", tiny_pair.target, "--draft", tiny_pair.same, "--dtype", "float32", "--device", "cpu",
+            "--prompts", spec_bench_file(tmp_path / "q.jsonl"), "--n-prompts", "1", "--category", "coding",
+            "--drafter", "model", "--k", "2", "--max-new-tokens", "4")
+    quiet = invoke(*args, "--json", tmp_path / "quiet.json")
+    assert_exited(quiet, 0)
+    assert isinstance(json.loads((tmp_path / "quiet.json").read_text())["environment"]["others_cpu_cores"], float)
+    monkeypatch.setattr(probes.BackgroundLoad, "cores", lambda self: 1.2)
+    for extra in (("--json", tmp_path / "busy.json"), ("--batch-size", "2", "--json", tmp_path / "busy-b2.json")):
+        busy = invoke(*args, *extra)
+        assert_exited(busy, 0)
+        assert ("note: other processes used 1.2 cores on average while this measured: its timings include them "
+                "(measure on an idle machine)") in busy.stderr
+        assert json.loads(extra[-1].read_text())["environment"]["others_cpu_cores"] == 1.2
+        assert "target alone" in busy.stdout

@@ -73,3 +73,45 @@ def test_the_dtype_names_without_torch_are_the_dtypes_torch_maps():
     from specdec_cli.models.names import DTYPE_NAMES
 
     assert tuple(device_module.DTYPES) == DTYPE_NAMES
+
+
+def test_others_cpu_use_sees_a_process_spinning_beside_it_and_not_its_own_work():
+    """What calibrate's refusal stands on: a process spinning on one core reads as about one core; this process's
+    own threads are taken out (a thread of ours spinning meanwhile reads as nothing)."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from specdec_cli.models.device import others_cpu_use
+
+    if others_cpu_use(0.05) is None:
+        pytest.skip("no /proc/stat here")
+    spinner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 5\nwhile time.time() < end: pass"])
+    try:
+        time.sleep(0.3)  # it has started
+        assert others_cpu_use(0.5) >= 0.6
+    finally:
+        spinner.kill()
+        spinner.wait()
+    stop = time.monotonic() + 0.8
+
+    def spin() -> None:
+        while time.monotonic() < stop:
+            pass
+
+    ours = threading.Thread(target=spin)
+    ours.start()
+    try:
+        assert others_cpu_use(0.5) < 0.5
+    finally:
+        ours.join()
+
+
+def test_others_cpu_use_is_none_without_a_proc_stat(tmp_path):
+    from specdec_cli.models.device import others_cpu_use
+
+    assert others_cpu_use(0.01, stat=tmp_path / "absent") is None
+    (tmp_path / "stat").write_text("intr 1 2 3\n")
+    assert others_cpu_use(0.01, stat=tmp_path / "stat") is None
+
