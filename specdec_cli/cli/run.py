@@ -6,6 +6,7 @@ progress bar and the closing table on stderr."""
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
@@ -176,9 +177,20 @@ def _engine(choice: ModelChoice, settings: DecodingSettings, ray_options: batch.
 
 
 def _check_paths(source: str, output: Path, resume: bool, overwrite: bool) -> None:
-    if source != "-" and Path(source).resolve() == output.resolve():
+    if source != "-" and _same_file(Path(source), output):
         raise InputError("INPUT and OUTPUT are the same file", "write the results to another file with -o")
     batch.check_output(output, resume, overwrite)
+
+
+def _same_file(source: Path, output: Path) -> bool:
+    """One path spelt two ways, a symbolic link, or a hard link (two names of one file: --overwrite replaced the input
+    with the records)."""
+    if source.resolve() == output.resolve():
+        return True
+    try:
+        return os.path.samefile(source, output)
+    except OSError:  # one of them does not exist (yet)
+        return False
 
 
 def _output_lock(output: Path) -> AbstractContextManager:

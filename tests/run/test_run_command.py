@@ -355,3 +355,18 @@ def test_command_line_mistakes_are_one_line(run, tmp_path, monkeypatch, args, me
     result = run(*args)
     assert result.exit_code == 2
     assert result.stderr == message + "\n"
+
+
+@pytest.mark.parametrize("flag", ["--overwrite", "--resume", None])
+@pytest.mark.parametrize("link", ["hard", "symbolic"])
+def test_an_output_that_is_another_name_of_the_input_is_refused(run, tmp_path, flag, link):
+    """A hard link is the same file under another name: `run in.jsonl -o copy.jsonl --overwrite` replaced the input with
+    the records (and --resume would have appended them to it)."""
+    source = tmp_path / "in.jsonl"
+    source.write_text(jsonl(MIXED[:1]))
+    other = tmp_path / "copy.jsonl"
+    other.hardlink_to(source) if link == "hard" else other.symlink_to(source)
+    result = run(source, "-o", other, *([flag] if flag else []))
+    assert_exited(result, 2)
+    assert result.stderr == "error: INPUT and OUTPUT are the same file — write the results to another file with -o\n"
+    assert source.read_text() == jsonl(MIXED[:1])
