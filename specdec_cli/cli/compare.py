@@ -90,6 +90,7 @@ def compare_command(
     """Benchmark speculative configurations against the target alone on the same prompts, with the
     theory's expected speedup beside each measurement. Greedy unless --temperature; 128 new tokens
     unless --max-new-tokens."""
+    from specdec_cli.engine.sampling import GREEDY_BELOW
     from specdec_cli.session import tree_nodes  # torch and the models: imported here, not for --help
     from specdec_cli.settings import (
         choose_models, decoding_settings, load_choice, load_plain_draft, parse_k, sampling_params, say_tree_note,
@@ -109,7 +110,7 @@ def compare_command(
     chosen_prompts = select_prompts(read_prompt_file(prompts) if prompts else builtin_prompts(), category or (), n_prompts)
     _check_outputs(json_path, plot, prompts)
     bench_settings = bench.BenchSettings(
-        sampling_params(settings.temperature, settings.top_p, settings.top_k, None if settings.temperature == 0 else 0),
+        sampling_params(settings.temperature, settings.top_p, settings.top_k, None if settings.temperature < GREEDY_BELOW else 0),
         settings.max_new_tokens, repeats, settings.system,
     )
     if batch_size is not None:

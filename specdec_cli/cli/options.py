@@ -66,7 +66,7 @@ def _decoding(kind, *flags: str, help: str):
 # Defaults are None: "take the profile's value" (see `decoding_settings`).
 KOption = _decoding(str, "--k", help="Draft length: a number (0 = target alone) or auto (drafts while the draft "
                     "model is confident, up to 20; not at all when drafting does not pay).")
-TemperatureOption = _decoding(float, "--temperature", "-t", help="0 = greedy (exactly the target's argmax sequence).")
+TemperatureOption = _decoding(float, "--temperature", "-t", help="0 = greedy (exactly the target's argmax sequence; so is anything below 1e-5, as in vLLM).")
 TopPOption = _decoding(float, "--top-p", help="Nucleus sampling: keep the smallest set of tokens with this mass.")
 TopKOption = _decoding(int, "--top-k", help="Keep only the K most likely tokens (0 = all).")
 SeedOption = _decoding(int, "--seed", help="Seed for sampling: same seed and input give the same output.")

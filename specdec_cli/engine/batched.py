@@ -125,24 +125,36 @@ class BatchedDecoder:
 
     def stream(self, requests: Iterable[RowRequest]) -> Iterator[tuple[int, GenerationResult | Exception]]:
         """(index in `requests`, result) for each request, in the order they finish. A request the models
-        cannot take (a prompt past the context, an empty one) gets its error instead; so do the rows live
-        when a forward fails (out of memory), and the batch goes on with the next requests."""
+        cannot take (a prompt past the context, an empty one) gets its error instead. When a step fails (out of
+        memory; one request's sampling meeting a NaN), each row it held is decoded again from its start, alone,
+        before any other request comes in: a row that fails alone gets the error, the others their results."""
         pending = iter(enumerate(requests))
         live: dict[int, _Row] = {}
+        alone: list[tuple[int, RowRequest]] = []  # the rows of a failed step, to decode again one at a time
         while True:
-            for index, request in _take(pending, self.batch_size - len(live)):
+            if alone:
+                admitting = [] if live else [alone.pop(0)]
+            else:
+                admitting = _take(pending, self.batch_size - len(live))
+            for index, request in admitting:
                 try:
                     live[index] = self._admit(index, request)
                 except (PromptTooLongError, ValueError) as error:
                     yield index, error
             if not live:
+                if alone:
+                    continue
                 return
             try:
                 finished = self._step(live)
             except (RuntimeError, MemoryError, IndexError) as error:
-                for index in list(live):
-                    self._release(live.pop(index))
-                    yield index, error
+                rows = [live.pop(index) for index in list(live)]
+                for row in rows:
+                    self._release(row)
+                if len(rows) == 1:
+                    yield rows[0].index, error
+                else:
+                    alone += [(row.index, row.request) for row in rows]
                 continue
             for row in finished:
                 self._release(live.pop(row.index))

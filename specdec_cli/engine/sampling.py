@@ -12,9 +12,14 @@ from typing import Protocol
 import torch
 
 
+# Temperatures below this decode greedily, as in vLLM (its _SAMPLING_EPS): logits divided by them overflow float32
+# (5e-324: every probability NaN), and well above that they already leave only the argmax.
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy (argmax); top_k 0 and top_p 1.0 mean no truncation."""
+    """temperature 0 (or below GREEDY_BELOW) means greedy (argmax); top_k 0 and top_p 1.0 mean no truncation."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -32,7 +37,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 def make_generator(seed: int | None) -> torch.Generator:

@@ -166,7 +166,9 @@ def test_rollback_release_and_compaction_keep_each_rows_logits(target):
         torch.testing.assert_close(final[row], expected, rtol=1e-4, atol=1e-4)
 
 
-def test_a_failing_forward_fails_the_live_rows_and_the_batch_goes_on(target, monkeypatch):
+def test_a_failing_step_decodes_its_rows_again_alone_and_the_batch_goes_on(target, monkeypatch):
+    """A step that failed once (a kernel refusing, out of memory) failed every row it held: each is decoded again
+    from its start, alone, and gets what it gets alone."""
     requests = prompts(4, seed=8)
     extend, calls = PackedCache.extend, []
 
@@ -178,8 +180,33 @@ def test_a_failing_forward_fails_the_live_rows_and_the_batch_goes_on(target, mon
 
     monkeypatch.setattr(PackedCache, "extend", failing_third)
     outcomes = dict(BatchedDecoder(target, batch_size=2).stream([RowRequest(p, max_new_tokens=5) for p in requests]))
-    assert all(isinstance(outcomes[index], RuntimeError) for index in (0, 1))
-    assert [outcomes[index].tokens for index in (2, 3)] == [alone(target, requests[index], 5) for index in (2, 3)]
+    assert [outcomes[index].tokens for index in range(4)] == [alone(target, request, 5) for request in requests]
+    assert calls[2] == [0, 1] and calls[3] == [0]  # the failed step's rows, then row 0 alone
+
+
+@pytest.mark.parametrize("drafter, k", [("none", 0), ("model", 3)])
+def test_a_request_that_fails_every_step_it_is_in_fails_alone(target, near_draft, drafter, k, monkeypatch):
+    """One request that breaks any step holding it (its sampling meets a NaN, say) failed its batch mates with it:
+    only it gets the error now; the others get what they get alone, and the batch goes on."""
+    import specdec_cli.engine.batched as batched
+
+    requests = prompts(5, seed=3)
+    poisoned = SamplingParams(temperature=0.5, seed=13)
+    real = batched.logits_to_probs
+
+    def nan_for_the_poisoned(logits, params):
+        if params == poisoned:
+            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+        return real(logits, params)
+
+    monkeypatch.setattr(batched, "logits_to_probs", nan_for_the_poisoned)
+    params = [SamplingParams(), poisoned, SamplingParams(temperature=0.5, seed=2), SamplingParams(), SamplingParams()]
+    decoder = BatchedDecoder(target, near_draft if drafter == "model" else None, drafter, batch_size=3, k=k)
+    outcomes = dict(decoder.stream([RowRequest(p, q, max_new_tokens=6) for p, q in zip(requests, params)]))
+    assert isinstance(outcomes[1], RuntimeError) and "nan" in str(outcomes[1])
+    for index in (0, 2, 3, 4):
+        lone = BatchedDecoder(target, near_draft if drafter == "model" else None, drafter, batch_size=1, k=k)
+        assert outcomes[index].tokens == lone.generate_many([RowRequest(requests[index], params[index], 6)])[0].tokens
 
 
 def test_a_prompt_past_the_context_fails_alone(target):

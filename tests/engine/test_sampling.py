@@ -65,6 +65,18 @@ def test_greedy_is_a_point_mass_on_argmax():
     assert probs.argmax(-1).tolist() == [0, 4] and probs.sum(-1).tolist() == [1.0, 1.0]
 
 
+@pytest.mark.parametrize("temperature", [5e-324, 1e-40, 1e-30, 9.9e-6])
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_a_temperature_below_greedy_below_is_greedy_not_nan(temperature, top_k):
+    """Logits over 5e-324 (a subnormal) are inf and every probability NaN: sampling raised, and in a batch it failed
+    the step's other rows too. Below 1e-5 (vLLM's cut) a temperature decodes greedily; at 1e-5 it samples."""
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=0.9)
+    assert params.greedy
+    probs = logits_to_probs(torch.stack([LOGITS, LOGITS.flip(0)]), params)
+    assert probs.argmax(-1).tolist() == [0, 4] and probs.sum(-1).tolist() == [1.0, 1.0]
+    assert not SamplingParams(temperature=sampling.GREEDY_BELOW).greedy
+
+
 @pytest.mark.parametrize("kwargs", [
     dict(temperature=-1), dict(top_k=-1), dict(top_p=0), dict(top_p=1.5),
     dict(temperature=math.nan), dict(temperature=math.inf), dict(temperature=-math.inf),
