@@ -18,7 +18,9 @@ from pathlib import Path
 
 import torch
 
+from specdec_cli.engine.context import context_length
 from specdec_cli.engine.kv import CachedModel
+from specdec_cli.errors import InputError
 from specdec_cli.models.device import cpu_flags, dtype_name
 from specdec_cli.models.loaded import LoadedModel, load_model
 from specdec_cli.models.paths import specdec_home
@@ -50,10 +52,24 @@ def forward_costs_together(models: dict, token_counts: Iterable[int] = TOKEN_COU
     """{key: {"n": seconds}} for several loaded models (`models`: key → LoadedModel), every forward size of every
     model timed in turn, so that a drifting machine slows them alike."""
     vocab_size = min(loaded.vocab_size for loaded in models.values())
+    token_counts = tuple(token_counts)
+    _check_room(models.values(), context_tokens + max(token_counts, default=0), context_tokens)
     context = [_token(i, vocab_size) for i in range(context_tokens)]
     runners = {key: CachedModel(loaded.model) for key, loaded in models.items()}
     seconds = _interleaved_seconds(runners, context, tuple(token_counts), repeats, vocab_size, clock)
     return {key: {str(n): value for n, value in row.items()} for key, row in seconds.items()}
+
+
+def _check_room(models: Iterable[LoadedModel], positions: int, context_tokens: int) -> None:
+    """A cache past the model's context would time positions it never runs at (and a 100,000-token one ran for hours
+    before any figure): refused in one line."""
+    for loaded in models:
+        limit = context_length(loaded.model)
+        if limit is not None and positions > limit:
+            added = positions - context_tokens
+            raise InputError(f"--context {context_tokens} and the {added} new tokens of the largest forward need "
+                             f"{positions} positions; {loaded.name} takes {limit}",
+                             f"give --context {max(limit - added, 1)} or less")
 
 
 def _interleaved_seconds(runners: dict, context: list[int], token_counts: tuple[int, ...], repeats: int,

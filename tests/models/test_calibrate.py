@@ -146,3 +146,25 @@ def test_another_machines_or_another_cache_lengths_calibration_is_replaced_whole
         assert merged_with(earlier, now) == (now, [])
     stored, kept = merged_with({**now, "entries": [entry], "measured_at": "then"}, now)
     assert kept == stored["entries"] == [{**entry, "measured_at": "then"}]
+
+
+def test_a_cache_past_the_models_context_is_refused_before_any_forward(llama_folder, monkeypatch):
+    """`calibrate --context 100000` on a 32k model ran for hours on positions the model never runs at."""
+    import pytest
+
+    from specdec_cli.engine.context import context_length
+    from specdec_cli.errors import InputError
+    from specdec_cli.models import calibrate, load_model
+
+    loaded = load_model(str(llama_folder), device="cpu", dtype="float32", progress=False)
+    limit = context_length(loaded.model)
+    forwards = []
+    monkeypatch.setattr(calibrate, "_interleaved_seconds", lambda *args: forwards.append(args) or {0: {1: 1.0}})
+    with pytest.raises(InputError) as raised:
+        calibrate.forward_costs(loaded, (1, 4), context_tokens=limit - 3)
+    assert raised.value.one_line() == (f"--context {limit - 3} and the 4 new tokens of the largest forward need "
+                                       f"{limit + 1} positions; {llama_folder} takes {limit} — give --context "
+                                       f"{limit - 4} or less")
+    assert forwards == []
+    calibrate.forward_costs(loaded, (1, 4), context_tokens=limit - 4)  # exactly full: timed
+    assert len(forwards) == 1
