@@ -79,8 +79,8 @@ def calibrate_command(
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed forwards per size (the median is kept).")] = 5,
     context: Annotated[int, typer.Option("--context", min=1, help="Tokens already in the cache.")] = 200,
     json_path: Annotated[Path | None, typer.Option("--json", help="Also write the result to this file.")] = None,
-    allow_busy: Annotated[bool, typer.Option("--allow-busy", help="Calibrate even while other processes use the "
-                                             "CPU (their load is then part of every timing stored).")] = False,
+    allow_busy: Annotated[bool, typer.Option("--allow-busy", help="Time and store even while other processes use "
+                                             "the CPU (their load is then part of every figure stored).")] = False,
 ) -> None:
     """Measure what a forward of 1, 2, 4, 8 and 16 new tokens costs for each model of a profile in each
     quantisation format on this machine. Speculation pays while verifying k tokens costs about what one
@@ -88,6 +88,7 @@ def calibrate_command(
     from specdec_cli.models.calibrate import (
         TOKEN_COUNTS, load_calibration, machine, measure_forward_costs, merged_with, save_calibration,
     )
+    from specdec_cli.models.device import BUSY_CORES, CpuUse
     from specdec_cli.models.prefill import GAIN
 
     chosen = load_profile(profile or DEFAULT_PROFILE)
@@ -108,8 +109,11 @@ def calibrate_command(
     def show(entry: dict) -> None:
         error_console().print(f"measured {entry['role']} · {entry['precision']}", markup=False)
 
+    started = CpuUse.at()
     result = measure_forward_costs(models, formats, dtype=dtype or chosen.dtype, context_tokens=context,
                                    repeats=repeats, on_result=show, progress=True)
+    ended = CpuUse.at()
+    others = ended.others_since(started) if started is not None and ended is not None else None
     for entry in result["entries"]:  # the final figures: formats close enough to rank were timed again, together
         table.add_row(f"{entry['role']} {entry['model']}", entry["precision"], *_cells(entry["seconds"]))
     console.print(table)
@@ -123,6 +127,10 @@ def calibrate_command(
         console.print(f"target {read['model']} · {read['quantization']}: a {read['tokens']}-token prompt read in "
                       f"{read['model_seconds']:.2f} s, in bfloat16 (--prefill) in {read['copy_seconds']:.2f} s "
                       f"(--prefill auto reads that way where it is {GAIN}x as fast)", markup=False)
+    if others is not None and others >= BUSY_CORES and not allow_busy:
+        raise InputError(f"other processes used {others:.1f} cores on average while this timed: the figures above "
+                         "include them, so they were not stored",
+                         "calibrate again on an idle machine; --allow-busy stores them anyway")
     stored, kept = merged_with(load_calibration(), result)
     if kept:
         earlier = ", ".join(f"{entry['role']} {entry['quantization']}" for entry in kept)

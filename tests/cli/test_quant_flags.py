@@ -20,6 +20,7 @@ def an_idle_machine(monkeypatch):
     from specdec_cli.models import device
 
     monkeypatch.setattr(device, "others_cpu_use", lambda seconds=0.5: 0.0)
+    monkeypatch.setattr(device.CpuUse, "others_since", lambda self, earlier: 0.0)
 
 
 def choose(**flags):
@@ -179,6 +180,29 @@ def test_calibrate_refuses_to_time_while_other_processes_use_the_cpu(tiny_pair, 
     assert refused.stderr.rstrip().endswith("--allow-busy calibrates anyway") and len(refused.stderr.splitlines()) == 1
     assert not (tmp_path / "home" / "calibration.json").exists()
     monkeypatch.setattr(calibrate, "load_model", real_load)
+    allowed = CliRunner().invoke(app, [*common, "--allow-busy"], env=WIDE)
+    assert allowed.exit_code == 0, allowed.output
+    assert (tmp_path / "home" / "calibration.json").exists()
+
+
+def test_calibrate_does_not_store_what_it_timed_while_other_processes_took_the_cpu(tiny_pair, tmp_path, monkeypatch):
+    """A job started after calibrate's first look (a `run` in another terminal) was in every figure stored."""
+    from specdec_cli.models import device
+
+    profiles = tmp_path / "home" / "profiles"
+    profiles.mkdir(parents=True)
+    (profiles / "tiny.toml").write_text(f'target = "{tiny_pair.target}"\n')
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(device.CpuUse, "others_since", lambda self, earlier: 0.9)
+    common = ["calibrate", "--profile", "tiny", "--target-formats", "none", "--dtype", "float32", "--repeats", "1",
+              "--context", "8"]
+    refused = CliRunner().invoke(app, common, env=WIDE)
+    assert isinstance(refused.exception, SystemExit) and refused.exit_code == 2, refused.output
+    assert "n=16" in refused.stdout  # the figures are shown
+    assert refused.stderr.splitlines()[-1] == (
+        "error: other processes used 0.9 cores on average while this timed: the figures above include them, so they "
+        "were not stored — calibrate again on an idle machine; --allow-busy stores them anyway")
+    assert not (tmp_path / "home" / "calibration.json").exists()
     allowed = CliRunner().invoke(app, [*common, "--allow-busy"], env=WIDE)
     assert allowed.exit_code == 0, allowed.output
     assert (tmp_path / "home" / "calibration.json").exists()
