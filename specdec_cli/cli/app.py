@@ -106,7 +106,16 @@ def root(
 
 
 def main() -> None:
+    _tolerant_terminal()
     app(prog_name="specdec")
+
+
+def _tolerant_terminal() -> None:
+    """A terminal whose encoding lacks a character specdec or a model prints (an ASCII or Latin-1 locale; "·", "—",
+    an emoji in a reply) raised UnicodeEncodeError mid-chat: such characters print as "?" there instead."""
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure") and (stream.encoding or "").lower().replace("-", "") != "utf8":
+            stream.reconfigure(errors="replace")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -165,3 +165,19 @@ def test_a_bad_decoding_option_fails_before_loading_anything(chat):
     result = chat("Hello\n", "--k", "many")
     assert result.exit_code == 2
     assert result.stderr.strip() == "error: invalid draft length 'many' — use a number from 0 to 16, or auto"
+
+
+def test_a_terminal_that_cannot_print_a_character_gets_a_question_mark_not_a_crash(tiny_pair, tmp_path):
+    """With an ASCII (or Latin-1) terminal encoding, chat's stats line ("·") or a reply's emoji raised
+    UnicodeEncodeError after the first reply: the session ended with a traceback."""
+    import os
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "specdec_cli", "chat", "--target", tiny_pair.target, "--draft", tiny_pair.draft,
+               "--dtype", "float32", "--temperature", "0", "--k", "3", "--max-new-tokens", "6"]
+    env = {**os.environ, "PYTHONIOENCODING": "ascii", "SPECDEC_HOME": str(tmp_path / "home")}
+    done = subprocess.run(command, input=b"hello\n/stats\n", capture_output=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")[-2000:]
+    out = done.stdout.decode("ascii")
+    assert re.search(r"6 tokens \? \d+\.\d tok/s \? ", out) and "session, 1 reply: 6 tokens ?" in out
