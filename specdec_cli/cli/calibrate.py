@@ -61,10 +61,10 @@ def _refuse_a_busy_machine() -> None:
     draft policy would read them as this machine's costs until the next calibration."""
     import os
 
-    from specdec_cli.models.device import BUSY_CORES, others_cpu_use
+    from specdec_cli.models.device import busy_cores, others_cpu_use
 
     used = others_cpu_use()
-    if used is not None and used >= BUSY_CORES:
+    if used is not None and used >= busy_cores():
         raise InputError(f"other processes are using {used:.1f} of this machine's {os.cpu_count()} cores: timings "
                          "taken now would measure them too",
                          "let them finish (or stop them) and calibrate again; --allow-busy calibrates anyway")
@@ -88,7 +88,7 @@ def calibrate_command(
     from specdec_cli.models.calibrate import (
         TOKEN_COUNTS, load_calibration, machine, measure_forward_costs, merged_with, save_calibration,
     )
-    from specdec_cli.models.device import BUSY_CORES, CpuUse
+    from specdec_cli.models.device import CpuUse, busy_cores
     from specdec_cli.models.prefill import GAIN
 
     chosen = load_profile(profile or DEFAULT_PROFILE)
@@ -127,7 +127,7 @@ def calibrate_command(
         console.print(f"target {read['model']} · {read['quantization']}: a {read['tokens']}-token prompt read in "
                       f"{read['model_seconds']:.2f} s, in bfloat16 (--prefill) in {read['copy_seconds']:.2f} s "
                       f"(--prefill auto reads that way where it is {GAIN}x as fast)", markup=False)
-    if others is not None and others >= BUSY_CORES and not allow_busy:
+    if others is not None and others >= busy_cores() and not allow_busy:
         raise InputError(f"other processes used {others:.1f} cores on average while this timed: the figures above "
                          "include them, so they were not stored",
                          "calibrate again on an idle machine; --allow-busy stores them anyway")

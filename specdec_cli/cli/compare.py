@@ -309,10 +309,10 @@ def _compare_throughput(benchmark: bench.ThroughputBenchmark, json_path: Path | 
 
 def _say_background(background) -> None:
     """A note when other processes took CPU time while the benchmark measured (the JSON keeps the figure always)."""
-    from specdec_cli.models.device import BUSY_CORES
+    from specdec_cli.models.device import busy_cores
 
     cores = background.cores()
-    if cores is not None and cores >= BUSY_CORES:
+    if cores is not None and cores >= busy_cores():
         error_console().print(f"note: other processes used {cores:.1f} cores on average while this measured: its "
                               "timings include them (measure on an idle machine)", markup=False)
 

@@ -72,9 +72,13 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
     return set()
 
 
-# Cores' worth of other processes' CPU use at which a timing is refused (calibrate) or flagged (compare): a
-# single-threaded job in the background already slows a 2-core machine's forwards by a third or more.
-BUSY_CORES = 0.5
+def busy_cores() -> float:
+    """Cores' worth of other processes' CPU use at which a timing is refused (calibrate) or flagged (compare): a
+    quarter of the machine, at least half a core. A single-threaded job beside specdec on a 2-core machine slows its
+    forwards by a third or more; a browser's half core on a 16-core desktop is the normal state of that machine."""
+    import os
+
+    return max(0.5, 0.25 * (os.cpu_count() or 1))
 
 
 class CpuUse:

@@ -237,7 +237,10 @@ def test_the_json_says_how_much_cpu_other_processes_took_and_a_busy_run_gets_a_n
     quiet = invoke(*args, "--json", tmp_path / "quiet.json")
     assert_exited(quiet, 0)
     assert isinstance(json.loads((tmp_path / "quiet.json").read_text())["environment"]["others_cpu_cores"], float)
+    from specdec_cli.models import device
+
     monkeypatch.setattr(probes.BackgroundLoad, "cores", lambda self: 1.2)
+    monkeypatch.setattr(device, "busy_cores", lambda: 0.5)  # a 2-core machine's
     for extra in (("--json", tmp_path / "busy.json"), ("--batch-size", "2", "--json", tmp_path / "busy-b2.json")):
         busy = invoke(*args, *extra)
         assert_exited(busy, 0)

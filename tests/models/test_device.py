@@ -115,3 +115,13 @@ def test_others_cpu_use_is_none_without_a_proc_stat(tmp_path):
     (tmp_path / "stat").write_text("intr 1 2 3\n")
     assert others_cpu_use(0.01, stat=tmp_path / "stat") is None
 
+
+
+@pytest.mark.parametrize(("cpus", "busy"), [(1, 0.5), (2, 0.5), (4, 1.0), (16, 4.0)])
+def test_busy_is_a_quarter_of_the_cores_and_at_least_half_a_core(monkeypatch, cpus, busy):
+    import os
+
+    from specdec_cli.models.device import busy_cores
+
+    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+    assert busy_cores() == busy
