@@ -40,13 +40,27 @@ def _demo_source(spec: str, progress: bool) -> ModelSource:
 def _path_source(spec: str, path: Path) -> ModelSource:
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ModelNotFoundError(f"{spec} is a folder without a config.json", "pass a folder saved with save_pretrained, a .gguf file or a hub id")
+            raise ModelNotFoundError(f"{spec} is a folder without a config.json", _what_the_folder_holds(path))
         if not _has(path, hub.SAFETENSORS_PATTERNS + hub.PICKLE_PATTERNS):  # said now, not after a memory estimate
             raise _no_weights(spec)
         return ModelSource(spec, "folder", str(path.resolve()), path)
     if path.suffix.lower() == ".gguf":
         return ModelSource(spec, "gguf", str(path.resolve()), None, gguf_path=path)
     raise ModelLoadError(f"{spec} is a file but not a .gguf", "pass a .gguf file, a model folder or a hub id")
+
+
+def _what_the_folder_holds(path: Path) -> str:
+    """The hint for a folder that is not a model folder: the .gguf files in it (llama.cpp's downloads), the hub id of
+    a Hugging Face cache entry (models--org--name), else what a model folder is."""
+    ggufs = sorted(child.name for child in path.glob("*.gguf") if child.is_file())
+    if len(ggufs) == 1:
+        return f"it holds {ggufs[0]}: pass {path / ggufs[0]}"
+    if ggufs:
+        return f"pass one of the .gguf files it holds: {', '.join(ggufs[:4])}{', ...' if len(ggufs) > 4 else ''}"
+    parts = path.resolve().name.split("--")
+    if len(parts) == 3 and parts[0] == "models":
+        return f"it is a Hugging Face cache entry: pass its hub id, {parts[1]}/{parts[2]}"
+    return "pass a folder saved with save_pretrained, a .gguf file or a hub id"
 
 
 def _hub_source(spec: str) -> ModelSource:

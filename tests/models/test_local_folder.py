@@ -68,6 +68,23 @@ def test_folder_without_config_is_not_a_model(tmp_path):
         load_model(str(tmp_path), progress=False)
 
 
+@pytest.mark.parametrize(("files", "folder", "hint"), [
+    (["model-Q4_K_M.gguf"], "downloads", "it holds model-Q4_K_M.gguf: pass {folder}/model-Q4_K_M.gguf"),
+    (["a.gguf", "mmproj.gguf"], "downloads", "pass one of the .gguf files it holds: a.gguf, mmproj.gguf"),
+    ([], "models--Qwen--Qwen2.5-7B-Instruct", "it is a Hugging Face cache entry: pass its hub id, Qwen/Qwen2.5-7B-Instruct"),
+    (["notes.txt"], "downloads", "pass a folder saved with save_pretrained, a .gguf file or a hub id"),
+])
+def test_a_folder_that_is_not_a_model_says_what_to_pass_instead(tmp_path, files, folder, hint):
+    """The folder llama.cpp's downloads went to, or a Hugging Face cache entry, was told what a model folder is."""
+    path = tmp_path / folder
+    path.mkdir()
+    for name in files:
+        (path / name).write_bytes(b"GGUF")
+    with pytest.raises(ModelNotFoundError) as raised:
+        load_model(str(path), progress=False)
+    assert raised.value.one_line() == f"{path} is a folder without a config.json — {hint.format(folder=path)}"
+
+
 def test_a_folder_with_a_config_but_no_weights_says_so_before_any_memory_estimate(tmp_path, monkeypatch):
     """A config alone (a save interrupted, weights in another folder) was told that its default-sized model would not
     fit in memory (Qwen2's defaults: ~22 GiB), or loaded nothing only after the estimate."""
