@@ -66,6 +66,10 @@ def _what_the_folder_holds(path: Path) -> str:
 def _hub_source(spec: str) -> ModelSource:
     folder = hub.download(spec, hub.METADATA_PATTERNS)
     repo_id, revision = hub.split_revision(spec)
+    if not (folder / "config.json").is_file():  # llama.cpp users' repositories hold .gguf files and no config
+        raise ModelNotFoundError(f"{spec} has no config.json on the hub (a repository of .gguf files?)",
+                                 f"download one of its .gguf files (hf download {repo_id} FILE.gguf --local-dir .) "
+                                 "and pass that file")
     return ModelSource(spec, "hub", f"{repo_id}@{revision or 'main'}", folder)
 
 

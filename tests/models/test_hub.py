@@ -46,3 +46,18 @@ def test_an_uncached_model_offline_is_one_line_naming_it(offline_hub):
     assert line.startswith("tiny-org/not-downloaded is not in the local Hugging Face cache")
     assert "HF_HUB_OFFLINE" in line
     assert "\n" not in line
+
+
+def test_a_hub_repository_of_gguf_files_says_to_pass_one_of_them(offline_hub):
+    """A llama.cpp user's habit, `--target Qwen/Qwen2.5-Coder-1.5B-Instruct-GGUF`: the repository has .gguf files and
+    no config.json, and the load ended in "cannot read the config ... check the model files"."""
+    repo = offline_hub.parent / "models--tiny-org--tiny-llama-GGUF"
+    (repo / "snapshots" / REVISION).mkdir(parents=True)
+    (repo / "snapshots" / REVISION / "README.md").write_text("GGUF files")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(REVISION)
+    with pytest.raises(ModelNotFoundError) as raised:
+        load_model("tiny-org/tiny-llama-GGUF", progress=False)
+    assert raised.value.one_line() == (
+        "tiny-org/tiny-llama-GGUF has no config.json on the hub (a repository of .gguf files?) — download one of its "
+        ".gguf files (hf download tiny-org/tiny-llama-GGUF FILE.gguf --local-dir .) and pass that file")
