@@ -56,6 +56,10 @@ class CacheWriteError(SpecdecError):
     """The specdec home could not be written (a full disk, a read-only folder); nothing half-written is left."""
 
 
+class ChatTemplateError(InputError):
+    """Messages a model's own chat template refuses (its raise_exception: Gemma's has no system role, for one)."""
+
+
 class PromptTooLongError(InputError):
     """A prompt that leaves no room in the model's context for even one new token."""
 

@@ -16,7 +16,7 @@ from specdec_cli.engine import CalibratedDraftOrNot, DraftLengthPolicy, DraftOrN
 from specdec_cli.engine.batched import BatchedDecoder
 from specdec_cli.engine.draft import DraftRule, Drafter
 from specdec_cli.engine.kv import tree_capable
-from specdec_cli.errors import InputError
+from specdec_cli.errors import ChatTemplateError, InputError
 from specdec_cli.models import LoadedModel
 from specdec_cli.models.calibrate import calibrated_seconds
 from specdec_cli.models.device import dtype_name
@@ -264,7 +264,7 @@ def encode_chat(tokenizer, messages: Sequence[dict], add_generation_prompt: bool
             list(messages), add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
         )
     except TemplateError as error:  # the template's own raise_exception: Gemma's has no system role, for one
-        raise InputError(f"the model's chat template refuses these messages: {error}",
+        raise ChatTemplateError(f"the model's chat template refuses these messages: {error}",
                          "change the roles it names (a system prompt can go at the start of the first user message)"
                          ) from None
     if isinstance(ids, dict) or hasattr(ids, "keys"):

@@ -86,6 +86,8 @@ def stream_reply(conversation: Conversation, screen: Screen, user_text: str) -> 
     pieces = conversation.reply(user_text)
     try:
         for piece in pieces:
+            while conversation.notices:  # said before the reply they came with
+                screen.notice(conversation.notices.pop(0))
             screen.piece(piece)
     except KeyboardInterrupt:
         pieces.close()  # records the reply so far, if the interrupt came while printing

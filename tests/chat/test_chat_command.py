@@ -181,3 +181,22 @@ def test_a_terminal_that_cannot_print_a_character_gets_a_question_mark_not_a_cra
     assert done.returncode == 0, done.stderr.decode(errors="replace")[-2000:]
     out = done.stdout.decode("ascii")
     assert re.search(r"6 tokens \? \d+\.\d tok/s \? ", out) and "session, 1 reply: 6 tokens ?" in out
+
+
+def test_with_a_template_without_a_system_role_the_system_prompt_opens_the_first_message(tiny_pair, tmp_path):
+    """Gemma's template (the gemma-2-9b profile) raises on a system role: `chat --system ...` ended in a jinja2
+    traceback at the first message. It now says once where the system prompt went, and answers."""
+    import shutil
+
+    folder = tmp_path / "no-system"
+    shutil.copytree(tiny_pair.target, folder)
+    template = folder / "chat_template.jinja"
+    guard = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    template.write_text(guard + template.read_text())
+    arguments = ["chat", "--target", str(folder), "--draft", tiny_pair.draft, "--dtype", "float32", "--temperature",
+                 "0", "--k", "3", "--max-new-tokens", "4", "--system", "Be brief."]
+    result = CliRunner().invoke(app, arguments, input="hello\nagain\n", env={"NO_COLOR": "1"})
+    assert_exited(result, 0)
+    notice = "this model's chat template has no system role: the system prompt opens your first message instead"
+    assert result.stdout.lower().count(notice) == 1 and "error" not in result.stderr
+    assert len(re.findall(r"4 tokens · ", result.stdout)) == 2

@@ -314,15 +314,31 @@ def test_a_copy_that_did_not_load_costs_one_turn_and_nothing_else(make_conversat
         conversation.target.model.__dict__.pop("_specdec_prefill", None)
 
 
-def test_a_chat_template_that_refuses_the_messages_costs_one_turn(make_conversation, loaded, monkeypatch):
+def test_a_template_without_a_system_role_gets_the_system_prompt_in_the_first_message(make_conversation, loaded,
+                                                                                      monkeypatch):
     """Gemma's chat template raises on a system role (its raise_exception, a jinja2 TemplateError): with --system,
-    each turn was a traceback and chat ended. It is one line now, and removing the system prompt lets chat go on."""
-    template = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
-    monkeypatch.setattr(loaded.target.tokenizer, "chat_template", template + loaded.target.tokenizer.chat_template)
+    each turn was a traceback and chat ended. The system prompt now opens the first user message, as llama.cpp does
+    for such templates, and the screen is told once; every turn is what decoding that conversation alone gives."""
+    guard = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    monkeypatch.setattr(loaded.target.tokenizer, "chat_template", guard + loaded.target.tokenizer.chat_template)
     conversation = make_conversation("draft", k=3, system="Be brief.")
-    with pytest.raises(InputError, match="chat template refuses these messages: System role not supported"):
-        talk(conversation, QUESTIONS[0])
-    assert conversation.history.messages == []
-    conversation.set_system(None)
+    turns = record_tokens(conversation)
+    talk(conversation, QUESTIONS[0])
+    talk(conversation, QUESTIONS[1])
+    assert conversation.notices == [
+        "this model's chat template has no system role: the system prompt opens your first message instead"]
+    messages = conversation.history.template_messages(fold_system=True)
+    assert messages[0] == {"role": "user", "content": f"Be brief.\n\n{QUESTIONS[0]}"}
+    assert turns == [from_scratch(loaded.target, messages[:1], 12), from_scratch(loaded.target, messages[:3], 12)]
+
+
+def test_a_chat_template_that_refuses_the_messages_costs_one_turn(make_conversation, loaded, monkeypatch):
+    """Any other refusal of the template is one line, and the message is not kept."""
+    guard = "{% if 'secret' in messages[-1]['content'] %}{{ raise_exception('No secrets here') }}{% endif %}"
+    monkeypatch.setattr(loaded.target.tokenizer, "chat_template", guard + loaded.target.tokenizer.chat_template)
+    conversation = make_conversation("draft", k=3, system="Be brief.")
+    with pytest.raises(InputError, match="chat template refuses these messages: No secrets here"):
+        talk(conversation, "a secret")
+    assert conversation.history.messages == [] and conversation.notices == []
     assert talk(conversation, QUESTIONS[0])
     assert [m.role for m in conversation.history.messages] == ["user", "assistant"]
