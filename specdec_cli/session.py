@@ -272,6 +272,27 @@ def encode_chat(tokenizer, messages: Sequence[dict], add_generation_prompt: bool
     return [int(i) for i in ids]
 
 
+def encode_folding_system(tokenizer, messages: Sequence[dict]) -> tuple[list[int], bool]:
+    """(ids, folded): `messages` through the chat template; where the template refuses their leading system message
+    (no system role: Gemma's raises on one), its text opens the first user message instead, as llama.cpp does for
+    such templates. For a system prompt specdec adds (--system, a profile's); one the user wrote stays as written."""
+    try:
+        return encode_chat(tokenizer, messages), False
+    except ChatTemplateError:
+        folded = fold_system(messages)
+        if folded is None:
+            raise
+        return encode_chat(tokenizer, folded), True
+
+
+def fold_system(messages: Sequence[dict]) -> list[dict] | None:
+    """The leading system message's text at the start of the first user message (None: there is no such pair)."""
+    if len(messages) < 2 or messages[0].get("role") != "system" or messages[1].get("role") != "user":
+        return None
+    first = messages[1]
+    return [{**first, "content": f"{messages[0]['content']}\n\n{first['content']}"}, *messages[2:]]
+
+
 def encode_completion(tokenizer, prompt: str) -> list[int]:
     ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
     if not ids:

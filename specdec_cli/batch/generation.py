@@ -169,13 +169,15 @@ def generation_failed(error: Exception) -> GenerationError:
 
 
 def _encode(tokenizer, request: Request, settings: DecodingSettings) -> list[int]:
-    from specdec_cli.session import encode_chat, encode_completion
+    """The request's ids; --system (or the profile's) is added where the messages have none, and opens the first user
+    message where the template has no system role. A system message the line holds stays as written."""
+    from specdec_cli.session import encode_chat, encode_completion, encode_folding_system
 
     if not request.chat:
         return encode_completion(tokenizer, request.prompt)
     messages = list(request.messages)
     if settings.system and messages[0]["role"] != "system":
-        messages.insert(0, {"role": "system", "content": settings.system})
+        return encode_folding_system(tokenizer, [{"role": "system", "content": settings.system}, *messages])[0]
     return encode_chat(tokenizer, messages)
 
 

@@ -37,7 +37,7 @@ from specdec_cli.errors import InputError
 from specdec_cli.models import LoadedModel
 from specdec_cli.models.preflight import held_weight_bytes
 from specdec_cli.prompts import Prompt
-from specdec_cli.session import build_decoder, encode_chat, encode_completion, eos_token_ids
+from specdec_cli.session import build_decoder, encode_chat, encode_completion, encode_folding_system, eos_token_ids
 
 ProgressCallback = Callable[[int, int, int, Configuration], None]  # (done, total, prompt index, configuration)
 
@@ -217,7 +217,7 @@ def encode_prompt(prompt: Prompt, tokenizer, system: str | None = None) -> list[
         return encode_chat(tokenizer, prompt.messages)
     if prompt.as_user_turn and getattr(tokenizer, "chat_template", None):
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt.text}]
-        return encode_chat(tokenizer, messages)
+        return encode_folding_system(tokenizer, messages)[0]  # a template without a system role: it opens the turn
     return encode_completion(tokenizer, prompt.text)
 
 

@@ -14,10 +14,10 @@ from pathlib import Path
 from specdec_cli.chat.history import History, Message, write_jsonl
 from specdec_cli.chat.text import Piece, ReplyText
 from specdec_cli.engine import Budget, GenerationStats
-from specdec_cli.errors import ChatTemplateError, InputError, PromptTooLongError
+from specdec_cli.errors import InputError, PromptTooLongError
 from specdec_cli.models import LoadedModel
 from specdec_cli.models.prefill import finish_loading
-from specdec_cli.session import build_decoder, encode_chat, make_drafter, policy_for
+from specdec_cli.session import build_decoder, encode_folding_system, make_drafter, policy_for
 from specdec_cli.settings import DecodingSettings, parse_k, sampling_params
 
 
@@ -39,23 +39,19 @@ class Conversation:
         self.replies = 0
         self.budget: Budget | None = None  # the last reply's token budget, as the context left it
         self._saved: set[Path] = set()  # files this session wrote, which /save may overwrite
-        self.fold_system = False  # the template has no system role: the system prompt opens the first message
+        self.said_folded = False  # a notice said the system prompt opens the first message (no system role)
         self.notices: list[str] = []  # for the screen, before the reply that caused them
 
     # ---- a turn -------------------------------------------------------------------------------
 
     def prompt_ids(self) -> list[int]:
-        """The conversation through the chat template. A template that refuses a system role (Gemma's) gets the system
-        prompt at the start of the first user message from then on, and `notices` says so once."""
-        try:
-            return encode_chat(self.target.tokenizer, self.history.template_messages(self.fold_system))
-        except ChatTemplateError:
-            if self.fold_system or not self.history.system:
-                raise
-            ids = encode_chat(self.target.tokenizer, self.history.template_messages(fold_system=True))
-        self.fold_system = True
-        self.notices.append("this model's chat template has no system role: the system prompt opens your first "
-                            "message instead")
+        """The conversation through the chat template. A template without a system role (Gemma's) gets the system
+        prompt at the start of the first user message (session.encode_folding_system); `notices` says so once."""
+        ids, folded = encode_folding_system(self.target.tokenizer, self.history.template_messages())
+        if folded and not self.said_folded:
+            self.said_folded = True
+            self.notices.append("this model's chat template has no system role: the system prompt opens your first "
+                                "message instead")
         return ids
 
     def reply(self, user_text: str) -> Iterator[Piece]:

@@ -28,15 +28,10 @@ class History:
     system: str | None = None
     messages: list[Message] = field(default_factory=list)
 
-    def template_messages(self, fold_system: bool = False) -> list[dict]:
-        """What the chat template renders: the system prompt (if any) and every turn. `fold_system`: for a template
-        without a system role, the system prompt opens the first user message instead (as llama.cpp does for them)."""
-        turns = [{"role": message.role, "content": message.content} for message in self.messages]
-        if not self.system:
-            return turns
-        if fold_system and turns and turns[0]["role"] == "user":
-            return [{"role": "user", "content": f"{self.system}\n\n{turns[0]['content']}"}, *turns[1:]]
-        return [{"role": "system", "content": self.system}, *turns]
+    def template_messages(self) -> list[dict]:
+        """What the chat template renders: the system prompt (if any) and every turn."""
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return system + [{"role": message.role, "content": message.content} for message in self.messages]
 
     def records(self) -> list[dict]:
         """The transcript, one JSON object per message (the system prompt first, if any)."""

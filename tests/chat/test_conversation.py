@@ -8,7 +8,7 @@ import pytest
 
 from specdec_cli.engine import SamplingParams, SpeculativeDecoder
 from specdec_cli.errors import InputError
-from specdec_cli.session import encode_chat, eos_token_ids
+from specdec_cli.session import encode_chat, eos_token_ids, fold_system
 
 QUESTIONS = ["Hello, how are you?", "def add(a, b):", "The quick brown fox"]
 
@@ -327,7 +327,7 @@ def test_a_template_without_a_system_role_gets_the_system_prompt_in_the_first_me
     talk(conversation, QUESTIONS[1])
     assert conversation.notices == [
         "this model's chat template has no system role: the system prompt opens your first message instead"]
-    messages = conversation.history.template_messages(fold_system=True)
+    messages = fold_system(conversation.history.template_messages())
     assert messages[0] == {"role": "user", "content": f"Be brief.\n\n{QUESTIONS[0]}"}
     assert turns == [from_scratch(loaded.target, messages[:1], 12), from_scratch(loaded.target, messages[:3], 12)]
 
@@ -339,6 +339,6 @@ def test_a_chat_template_that_refuses_the_messages_costs_one_turn(make_conversat
     conversation = make_conversation("draft", k=3, system="Be brief.")
     with pytest.raises(InputError, match="chat template refuses these messages: No secrets here"):
         talk(conversation, "a secret")
-    assert conversation.history.messages == [] and conversation.notices == []
+    assert conversation.history.messages == [] and conversation.notices == []  # the system prompt was not the cause
     assert talk(conversation, QUESTIONS[0])
     assert [m.role for m in conversation.history.messages] == ["user", "assistant"]

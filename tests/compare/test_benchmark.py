@@ -195,3 +195,23 @@ def test_a_benchmarks_background_load_counts_a_process_spinning_while_it_measure
     finally:
         spinner.kill()
         spinner.wait()
+
+
+def test_a_prompts_system_prompt_opens_the_user_turn_where_the_template_has_no_system_role():
+    """compare with a profile's system prompt on a model whose template raises on a system role (Gemma's) stopped
+    in one line; the system prompt now opens the user turn, as chat and run do with it."""
+    from specdec_cli.bench.measure import encode_prompt
+    from specdec_cli.errors import ChatTemplateError
+    from specdec_cli.session import encode_chat
+
+    from tests.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    guard = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    tokenizer.chat_template = guard + tokenizer.chat_template
+    prompt = Prompt(id="1", category="qa", text="Who are you?", as_user_turn=True)
+    with pytest.raises(ChatTemplateError):
+        encode_chat(tokenizer, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who are you?"}])
+    assert encode_prompt(prompt, tokenizer, system="Be brief.") == encode_chat(
+        tokenizer, [{"role": "user", "content": "Be brief.\n\nWho are you?"}])
+    assert encode_prompt(prompt, tokenizer) == encode_chat(tokenizer, [{"role": "user", "content": "Who are you?"}])

@@ -173,6 +173,10 @@ def test_a_line_the_chat_template_refuses_is_an_error_record(run, tiny_pair, tmp
     before any record was written. It is that line's error record now; the others run."""
     import shutil
 
+    from transformers import AutoTokenizer
+
+    from specdec_cli.session import encode_chat
+
     folder = tmp_path / "no-system"
     shutil.copytree(tiny_pair.target, folder)
     template = folder / "chat_template.jinja"
@@ -186,6 +190,14 @@ def test_a_line_the_chat_template_refuses_is_an_error_record(run, tiny_pair, tmp
     records = read(tmp_path / "out.jsonl")
     assert records[0]["error"].startswith("line 1: the model's chat template refuses these messages: System role not")
     assert records[1]["finish_reason"] == "length" and records[1]["text"]
+    # --system (the command's, not the line's) opens the first user message there, as llama.cpp does: answered
+    result = run(tmp_path / "in.jsonl", "-o", tmp_path / "with-system.jsonl", "--target", folder, "--draft",
+                 tiny_pair.draft, "--system", "Be brief.")
+    records = read(tmp_path / "with-system.jsonl")
+    assert records[0]["error"].startswith("line 1: the model's chat template refuses these messages")  # as written
+    assert records[1]["finish_reason"] == "length"
+    folded = [{"role": "user", "content": "Be brief.\n\nHi"}]
+    assert records[1]["prompt_tokens"] == len(encode_chat(AutoTokenizer.from_pretrained(folder), folded))
 
 
 def test_an_existing_output_is_refused_and_left_alone(run, tmp_path):
