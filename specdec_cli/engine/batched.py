@@ -131,9 +131,13 @@ class BatchedDecoder:
         pending = iter(enumerate(requests))
         live: dict[int, _Row] = {}
         alone: list[tuple[int, RowRequest]] = []  # the rows of a failed step, to decode again one at a time
+        retried: set[int] = set()  # those admitted again: each runs with no other row until it is done
         while True:
-            if alone:
-                admitting = [] if live else [alone.pop(0)]
+            if alone and not live:
+                retried.add(alone[0][0])
+                admitting = [alone.pop(0)]
+            elif alone or retried & live.keys():
+                admitting = []
             else:
                 admitting = _take(pending, self.batch_size - len(live))
             for index, request in admitting:

@@ -182,6 +182,8 @@ def test_a_failing_step_decodes_its_rows_again_alone_and_the_batch_goes_on(targe
     outcomes = dict(BatchedDecoder(target, batch_size=2).stream([RowRequest(p, max_new_tokens=5) for p in requests]))
     assert [outcomes[index].tokens for index in range(4)] == [alone(target, request, 5) for request in requests]
     assert calls[2] == [0, 1] and calls[3] == [0]  # the failed step's rows, then row 0 alone
+    retried = [rows for rows in calls[3:] if {0, 1} & set(rows)]
+    assert retried and all(len(rows) == 1 for rows in retried)  # row 1 too, the later requests waiting for it
 
 
 @pytest.mark.parametrize("drafter, k", [("none", 0), ("model", 3)])
@@ -194,17 +196,22 @@ def test_a_request_that_fails_every_step_it_is_in_fails_alone(target, near_draft
     poisoned = SamplingParams(temperature=0.5, seed=13)
     real = batched.logits_to_probs
 
+    raised = []
+
     def nan_for_the_poisoned(logits, params):
         if params == poisoned:
+            raised.append(1)
             raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
         return real(logits, params)
 
     monkeypatch.setattr(batched, "logits_to_probs", nan_for_the_poisoned)
-    params = [SamplingParams(), poisoned, SamplingParams(temperature=0.5, seed=2), SamplingParams(), SamplingParams()]
+    # the poisoned request last in its batch: retried last, and still alone while later requests wait
+    params = [SamplingParams(), SamplingParams(temperature=0.5, seed=2), poisoned, SamplingParams(), SamplingParams()]
     decoder = BatchedDecoder(target, near_draft if drafter == "model" else None, drafter, batch_size=3, k=k)
     outcomes = dict(decoder.stream([RowRequest(p, q, max_new_tokens=6) for p, q in zip(requests, params)]))
-    assert isinstance(outcomes[1], RuntimeError) and "nan" in str(outcomes[1])
-    for index in (0, 2, 3, 4):
+    assert isinstance(outcomes[2], RuntimeError) and "nan" in str(outcomes[2])
+    assert len(raised) == 2  # in its batch, then alone: never again beside later requests
+    for index in (0, 1, 3, 4):
         lone = BatchedDecoder(target, near_draft if drafter == "model" else None, drafter, batch_size=1, k=k)
         assert outcomes[index].tokens == lone.generate_many([RowRequest(requests[index], params[index], 6)])[0].tokens
 
