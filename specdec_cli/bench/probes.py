@@ -13,6 +13,7 @@ import torch
 
 from specdec_cli.bench.runs import FORWARD_TIMINGS
 from specdec_cli.models import LoadedModel
+from specdec_cli.models.device import BackgroundLoad  # what the benchmarks' JSON reports, from here
 
 
 class MemoryProbe:
@@ -39,25 +40,6 @@ class MemoryProbe:
         self.sample()
         high = torch.cuda.max_memory_allocated(self.device) if self.cuda else self.high
         return max(0, high - self.base)
-
-
-class BackgroundLoad:
-    """How many cores' worth of CPU other processes used while a benchmark measured (models.device.CpuUse): its
-    timings include them. None until `begin()`, and where the OS has no /proc/stat."""
-
-    def __init__(self) -> None:
-        self.start = None
-
-    def begin(self) -> None:
-        from specdec_cli.models.device import CpuUse
-
-        self.start = CpuUse.at()
-
-    def cores(self) -> float | None:
-        from specdec_cli.models.device import CpuUse
-
-        now = CpuUse.at() if self.start is not None else None
-        return None if now is None else round(now.others_since(self.start), 2)
 
 
 def _rss() -> int:

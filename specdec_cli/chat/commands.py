@@ -56,12 +56,10 @@ def _k(conversation: Conversation, argument: str) -> Outcome:
 
 
 def _temperature(conversation: Conversation, argument: str) -> Outcome:
-    from specdec_cli.engine.sampling import GREEDY_BELOW
-
     if not argument:
         raise InputError("/temp needs a value", "use e.g. /temp 0.7 (0 = greedy)")
     temperature = conversation.set_temperature(argument)
-    return Outcome(f"temperature {temperature:g}" + (" (greedy)" if temperature < GREEDY_BELOW else ""))
+    return Outcome(f"temperature {temperature:g}" + (" (greedy)" if conversation.sampling().greedy else ""))
 
 
 def _stats(conversation: Conversation, argument: str) -> Outcome:

@@ -88,7 +88,7 @@ def calibrate_command(
     from specdec_cli.models.calibrate import (
         TOKEN_COUNTS, load_calibration, machine, measure_forward_costs, merged_with, save_calibration,
     )
-    from specdec_cli.models.device import CpuUse, busy_cores
+    from specdec_cli.models.device import BackgroundLoad, busy_cores
     from specdec_cli.models.prefill import GAIN
 
     chosen = load_profile(profile or DEFAULT_PROFILE)
@@ -109,11 +109,10 @@ def calibrate_command(
     def show(entry: dict) -> None:
         error_console().print(f"measured {entry['role']} · {entry['precision']}", markup=False)
 
-    started = CpuUse.at()
+    background = BackgroundLoad().begin()
     result = measure_forward_costs(models, formats, dtype=dtype or chosen.dtype, context_tokens=context,
                                    repeats=repeats, on_result=show, progress=True)
-    ended = CpuUse.at()
-    others = ended.others_since(started) if started is not None and ended is not None else None
+    others = background.cores()
     for entry in result["entries"]:  # the final figures: formats close enough to rank were timed again, together
         table.add_row(f"{entry['role']} {entry['model']}", entry["precision"], *_cells(entry["seconds"]))
     console.print(table)

@@ -109,17 +109,33 @@ class CpuUse:
         return max(0.0, (self.busy - earlier.busy) - (self.own - earlier.own)) / max(self.wall - earlier.wall, 1e-9)
 
 
+class BackgroundLoad:
+    """How many cores' worth of CPU other processes used since `begin()` (`CpuUse`), rounded to 0.01: what a timing
+    taken meanwhile includes. `cores()` is None before `begin()`, and where there is no /proc/stat."""
+
+    def __init__(self, stat: Path = Path("/proc/stat")) -> None:
+        self.stat = stat
+        self.start: CpuUse | None = None
+
+    def begin(self) -> "BackgroundLoad":
+        self.start = CpuUse.at(self.stat)
+        return self
+
+    def cores(self) -> float | None:
+        now = CpuUse.at(self.stat) if self.start is not None else None
+        return None if now is None else round(now.others_since(self.start), 2)
+
+
 def others_cpu_use(seconds: float = 0.5, stat: Path = Path("/proc/stat")) -> float | None:
     """How many cores' worth of CPU time other processes use over the next `seconds` (this process waits, and what
     it uses is taken out anyway); None where there is no /proc/stat."""
     import time
 
-    before = CpuUse.at(stat)
-    if before is None:
+    load = BackgroundLoad(stat).begin()
+    if load.start is None:
         return None
     time.sleep(seconds)
-    after = CpuUse.at(stat)
-    return None if after is None else after.others_since(before)
+    return load.cores()
 
 
 def cpu_has_fast_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
