@@ -15,6 +15,10 @@ speculative (the profile's draft, k = auto).
 --amx times the working tree's library on AMX (isa 3: the q4 matmul of several tokens, q4_amx.c) against its own
 VNNI code (isa 2), instead of a base revision's.
 
+--pairs times the working tree's library taking q4's weight blocks two at a time (forwards of up to 8 tokens)
+against one at a time (q4_gemm.c: the same bits; `specdec calibrate` picks one per machine), instead of a base
+revision's.
+
 --avx2 runs the code an AVX2-only CPU runs (the AVX2 kernels, and 7-bit activations for int8, as such a CPU gets
 them) on a CPU that has AVX512-VNNI too.
 
@@ -59,6 +63,9 @@ def main() -> None:
     parser.add_argument("--avx2", action="store_true", help="the code an AVX2-only CPU runs")
     parser.add_argument("--amx", action="store_true",
                         help="the working tree's library with AMX (isa 3) against its VNNI code, instead of --base")
+    parser.add_argument("--pairs", action="store_true",
+                        help="the working tree's library taking q4's blocks two at a time (up to 8 tokens) against one "
+                             "at a time, instead of --base")
     parser.add_argument("--sizes", default="1,2,4,8", help="new tokens per timed forward, comma-separated")
     parser.add_argument("--generate", type=int, default=0, help="time generations of N prompts instead")
     parser.add_argument("--batched", type=int, default=0, help="time the batched engine at batch size B instead")
@@ -74,9 +81,10 @@ def main() -> None:
     if args.amx and tree[1] != 3:
         raise SystemExit("--amx: this CPU (or this process) cannot use AMX")
     libraries = ({"VNNI": (tree[0], 2, None), "AMX": tree} if args.amx
+                 else {"single blocks": (*tree, 0), "paired blocks": (*tree, 8)} if args.pairs
                  else {args.base: _base_library(args.base, tree[1]), "working tree": tree})
     result = {"machine": machine(), "python": platform.python_version(), "format": args.format, "avx2_code": args.avx2,
-              "base": "VNNI (isa 2)" if args.amx else args.base,
+              "base": "VNNI (isa 2)" if args.amx else "single blocks" if args.pairs else args.base,
               "base_commit": _git("rev-parse", args.base).strip(), "context_tokens": args.context,
               "repeats": args.repeats, "milliseconds": {}}
     if args.generate or args.batched:
@@ -117,6 +125,10 @@ def _base_library(revision: str, isa: int) -> tuple[ctypes.CDLL, int, None]:
     if "int specdec_q4_linear(int isa, int layout," not in (folder / "q4_gemm.c").read_text():
         raise SystemExit(f"{revision}'s q4 kernel predates its layout argument (2026-12-05): its calls would take "
                          "other arguments than this tree passes; compare revisions from e024405 on")
+    if not any("specdec_amx_bf16_ready(void) {" in source.read_text() for source in sources):
+        # A revision before the AMX prompt read (b13da7a): this tree's _declare asks for its readiness; say not ready.
+        sources.append(folder / "amx_bf16_absent.c")
+        sources[-1].write_text("int specdec_amx_bf16_ready(void) { return 0; }\n")
     built = folder / "libbase.so"
     int8_kernel.compile_library(sources, built, int8_kernel.c_compiler())
     library = ctypes.CDLL(str(built))
@@ -144,13 +156,19 @@ def spec_bench_prompts(tokenizer, system: str | None, count: int, per_category: 
 
 @contextlib.contextmanager
 def _kernels(library: tuple):
-    """Every kernel call inside runs `library` (a `int8_kernel._library()` tuple); the process's own after."""
-    original = int8_kernel._library
-    int8_kernel._library = lambda: library
+    """Every kernel call inside runs `library` (a `int8_kernel._library()` tuple; a fourth item, where there is one:
+    up to how many tokens q4 takes its blocks in pairs); the process's own after."""
+    original, pairs = int8_kernel._library, library[3] if len(library) > 3 else None
+    int8_kernel._library = lambda: library[:3]
+    before = int8_kernel.q4_pairs() if pairs is not None else None
+    if pairs is not None:
+        int8_kernel.pair_q4_blocks(pairs)
     try:
         yield
     finally:
         int8_kernel._library = original
+        if before is not None:
+            int8_kernel.pair_q4_blocks(before)
 
 
 @torch.inference_mode()

@@ -122,6 +122,13 @@ def calibrate_command(
         if together:
             console.print(f"{role}: {', '.join(together)} were close, so they were timed again in turn; "
                           "their rows are those figures", markup=False)
+    if (pairs := result.get("q4_pairs")) is not None:
+        both = " · ".join(f"{n}: {1000 * pairs['seconds']['pairs'][n]:.1f} / {1000 * single:.1f} ms"
+                          for n, single in pairs["seconds"]["single"].items())
+        taken = (f"two at a time up to {pairs['up_to_tokens']} tokens" if pairs["up_to_tokens"]
+                 else "one at a time (two at a time was not faster here)")
+        console.print(f"q4 matmul: weight blocks {taken}; {pairs['model']} with / without pairs, new tokens: {both}",
+                      markup=False)
     for read in result["prompt_reads"]:
         console.print(f"target {read['model']} · {read['quantization']}: a {read['tokens']}-token prompt read in "
                       f"{read['model_seconds']:.2f} s, in bfloat16 (--prefill) in {read['copy_seconds']:.2f} s "

@@ -64,7 +64,25 @@ def load_library() -> tuple[ctypes.CDLL | None, int, str | None]:
         return None, 0, "this CPU has neither AVX512-VNNI nor AVX2"
     row_kernels.install(library)
     forced = {"avx2": 1, "vnni": min(isa, 2)}.get(choice, isa)
+    from specdec_cli.models.calibrate import calibrated_q4_pairs  # models/calibrate reads this module's results
+
+    library.specdec_q4_pair_up_to(calibrated_q4_pairs(forced))
     return library, forced, None
+
+
+def q4_pairs() -> int:
+    """Up to how many tokens q4's matmul takes its weight blocks two at a time (0: never; q4_gemm.c). Loading the
+    library sets what `specdec calibrate` measured here (`calibrated_q4_pairs`)."""
+    library, _, problem = _library()
+    return 0 if problem else library.specdec_q4_pairs()
+
+
+def pair_q4_blocks(up_to: int) -> None:
+    """From now on q4's matmul takes its weight blocks two at a time in forwards of up to `up_to` tokens (0: never):
+    the same bits, another speed, faster on some CPUs and slower on others."""
+    library, _, problem = _library()
+    if problem is None:
+        library.specdec_q4_pair_up_to(up_to)
 
 
 def _built() -> Path:
@@ -133,6 +151,9 @@ def _declare(library: ctypes.CDLL) -> None:
                                             pointer, pointer, size, pointer]
     library.specdec_q8_groups.restype = None
     library.specdec_q8_groups.argtypes = [integer, pointer, size, size, size, pointer, pointer, pointer]
+    library.specdec_q4_pair_up_to.restype = None
+    library.specdec_q4_pair_up_to.argtypes = [integer]
+    library.specdec_q4_pairs.restype = integer
     library.specdec_q4_linear.restype = integer
     library.specdec_q4_linear.argtypes = [integer, integer, integer, pointer, size, size, size, pointer, pointer, size,
                                           pointer]

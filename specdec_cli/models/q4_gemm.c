@@ -322,7 +322,12 @@ static void q4_block_avx2(const uint8_t *w, int layout, const int32_t *tokens, c
    decoder 1 / 2 / 4 / 8 tokens 35.3 / 38.2 / 45.0 / 57.6 -> 33.3 / 35.4 / 41.3 / 56.6 ms, draft decoder 11.8 -> 11.2
    ms a token; four blocks at a time was no better than two. The AVX2 code on the same CPU (--avx2,
    ...-paired-blocks-avx2-code-intel-amx.json): target decoder 1 / 2 / 4 tokens 40.0 / 48.3 / 64.6 -> 39.1 / 46.1 /
-   59.0 ms, draft 11.6 -> 11.4 ms (not timed on an AVX2-only CPU).
+   59.0 ms, draft 11.6 -> 11.4 ms (not timed on an AVX2-only CPU). On the AMD EPYC AVX512 the same pairs are slower
+   (kernel_ab.py --pairs, benchmarks/2026-12-06-kernel-ab-q4-pairs-amd-avx512.json): target decoder 1 / 2 / 4 / 8
+   tokens 23.3 / 20.9 / 27.5 / 47.4 -> 23.9 / 26.5 / 36.1 / 63.5 ms; whole generations (...-pairs-generate-...)
+   target alone 26.9 -> 25.6 tok/s, cascade 30.7 -> 28.2; the AVX2 code's 1 token 24.7 -> 32.6 ms (against the
+   revision before pairs, ...-paired-blocks-avx2-code-amd-avx512.json). So pairs are a choice per machine: off
+   until specdec_q4_pair_up_to says up to how many tokens to take them (`specdec calibrate` times both, stores it).
 
    More tokens: Q4_CHUNK groups at a time, so a block's chunk stays in L1 while every tile of tokens passes over it;
    each sum still takes its groups in order, so the result is the same. A block's last groups store their sums (+
@@ -330,6 +335,12 @@ static void q4_block_avx2(const uint8_t *w, int layout, const int32_t *tokens, c
    block, cost (demo pair, interleaved, AMD EPYC AVX512, scripts/kernel_ab.py) draft 10.9 / target 32.7 ms a token
    against 10.1 / 31.9, a 150-token forward of the target 1090 against 1046 ms. Returns 0, or 1 when its buffers
    could not be allocated (y is then unwritten). */
+static int64_t q4_paired_up_to = 0; /* forwards of up to this many tokens take blocks two at a time; 0: never */
+
+/* Pairs for forwards of up to `tokens` tokens from now on (0: never; capped at a tile). The same bits either way. */
+void specdec_q4_pair_up_to(int tokens) { q4_paired_up_to = tokens > 0 ? tokens : 0; }
+int specdec_q4_pairs(void) { return (int)q4_paired_up_to; }
+
 int specdec_q4_gemm(int isa, int layout, int threads, const int8_t *values, const float *scales,
                     const float *scaled_sums, int64_t M, int64_t groups, const uint8_t *w_packed, const float *bias,
                     int64_t N, float *y) {
@@ -341,8 +352,8 @@ int specdec_q4_gemm(int isa, int layout, int threads, const int8_t *values, cons
     int64_t steps = groups * 8; /* 4-channel steps per token */
     int64_t block_bytes = layout ? groups / 8 * Q4K_SUPER_BYTES : groups * Q4_GROUP_BYTES;
     const int32_t *tokens = (const int32_t *)values;
-    /* Up to a tile of tokens (VNNI below AMX's, AVX2 a tile of its own): blocks two at a time (their `next`) */
-    int paired = isa >= 2 ? !amx && M <= Q4_TILE : M <= Q4_AVX2_TILE;
+    /* Up to a tile of tokens (VNNI below AMX's, AVX2 a tile of its own) and q4_paired_up_to: blocks two at a time */
+    int paired = M <= q4_paired_up_to && (isa >= 2 ? !amx && M <= Q4_TILE : M <= Q4_AVX2_TILE);
     int64_t units = paired ? (blocks + 1) / 2 : blocks;
     /* More tokens than a tile: each thread's sums of every tile over the groups so far (none needed else) */
     size_t per_thread = M <= tile ? 0 : (size_t)(tiles * tile * Q4_ROWS);

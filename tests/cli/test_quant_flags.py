@@ -94,6 +94,29 @@ def test_calibrate_measures_each_format_and_stores_it(tiny_pair, tmp_path, monke
     assert "n=16" in result.output
 
 
+def test_calibrate_says_and_stores_how_the_q4_matmul_takes_its_blocks(tiny_pair, tmp_path, monkeypatch):
+    if int8_kernel._library()[2] is not None:
+        pytest.skip(int8_kernel._library()[2])
+    profiles = tmp_path / "home" / "profiles"
+    profiles.mkdir(parents=True)
+    (profiles / "tiny.toml").write_text(f'target = "{tiny_pair.target}"\ndraft = "{tiny_pair.draft}"\ndrafter = "model"\n')
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    before = int8_kernel.q4_pairs()
+    try:
+        result = CliRunner().invoke(app, ["calibrate", "--profile", "tiny", "--target-formats", "q4", "--draft-formats",
+                                          "q4", "--dtype", "float32", "--repeats", "1", "--context", "8"], env=WIDE)
+    finally:
+        int8_kernel.pair_q4_blocks(before)
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert result.exit_code == 0, result.output
+    pairs = json.loads((tmp_path / "home" / "calibration.json").read_text())["q4_pairs"]
+    assert pairs["model"] == tiny_pair.target and pairs["isa"] == int8_kernel._library()[1]
+    said = (f"two at a time up to {pairs['up_to_tokens']} tokens" if pairs["up_to_tokens"]
+            else "one at a time (two at a time was not faster here)")
+    said = f"q4 matmul: weight blocks {said}; {tiny_pair.target} with / without pairs"
+    assert said in " ".join(result.output.split())
+
+
 def test_a_calibration_of_a_few_formats_adds_to_the_one_stored_and_says_what_it_kept(tiny_pair, tmp_path, monkeypatch):
     """It replaced it: timing one more format lost every format timed before (what `auto` and the cost curves read)."""
     profiles = tmp_path / "home" / "profiles"

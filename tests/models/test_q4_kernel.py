@@ -127,6 +127,26 @@ def test_the_code_paths_agree_bit_for_bit(monkeypatch, faster, slower, layout, w
 
 
 @needs_kernel
+@pytest.mark.parametrize(("layout", "width"), [("q4", 1100), ("q4k", 1280)])
+def test_weight_blocks_taken_two_at_a_time_give_the_same_bits(code_path, layout, width):
+    """Pairs (q4_gemm.c: two blocks' groups alternating, each into sums of its own) are a speed choice per machine;
+    every few-token forward (odd rows: the last block alone) must give what one block at a time gives."""
+    layer = _layer(layout, width, 70, bias=True, seed=13)
+    x = _inputs(40, width)
+    before = int8_kernel.q4_pairs()
+    try:
+        int8_kernel.pair_q4_blocks(0)
+        alone = [layer(x[:tokens]) for tokens in TOKEN_COUNTS]
+        int8_kernel.pair_q4_blocks(8)
+        assert int8_kernel.q4_pairs() == 8
+        paired = [layer(x[:tokens]) for tokens in TOKEN_COUNTS]
+    finally:
+        int8_kernel.pair_q4_blocks(before)
+    for tokens, one, two in zip(TOKEN_COUNTS, alone, paired):
+        assert torch.equal(one, two), (tokens, code_path)
+
+
+@needs_kernel
 def test_the_layer_takes_a_models_batch_and_dtype_shapes():
     layer = Q4Linear.from_linear(torch.nn.Linear(64, 40))
     x = torch.randn(2, 3, 64)
