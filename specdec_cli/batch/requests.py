@@ -4,6 +4,8 @@ the batch. No torch, no Rich."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import math
 import sys
@@ -38,6 +40,7 @@ class Request:
     stop: tuple[str, ...] = ()
     error: str | None = None  # why this line cannot run; it becomes an error record
     id_given: bool = True  # False: the line has no id and `id` is its line number
+    digest: str = dataclasses.field(default="", compare=False)  # of the line as written (`line_digest`)
 
     @property
     def key(self) -> str:
@@ -55,12 +58,19 @@ def read_requests(lines: Iterable[bytes]) -> list[Request]:
     first: dict[str, Request] = {}
     for number, raw in enumerate(lines, start=1):
         if raw.strip():
-            request = parse_line(number, raw)
+            request = dataclasses.replace(parse_line(number, raw), digest=line_digest(number, raw))
             if request.key in first and request.error is None:
                 request = _failed(request, _duplicate(request, first[request.key]))
             first.setdefault(request.key, request)
             requests.append(request)
     return requests
+
+
+def line_digest(number: int, raw: bytes) -> str:
+    """What tells two requests under one id apart on --resume: the line's bytes (without the spaces and line end
+    around them, or line 1's byte-order mark), hashed."""
+    text = raw.removeprefix(b"\xef\xbb\xbf") if number == 1 else raw
+    return hashlib.sha256(text.strip()).hexdigest()[:16]
 
 
 def _duplicate(request: Request, earlier: Request) -> str:

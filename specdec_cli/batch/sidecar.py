@@ -1,6 +1,8 @@
 """The settings an OUTPUT was made with, in `OUTPUT.settings.json` beside it, so that `--resume` with other
 settings (a model, k, temperature, budget, system prompt ...) is refused instead of mixing two runs in one
-file. Written atomically (temporary file, fsync, rename) when a run starts a file. No torch."""
+file; and a digest of each request it answers, so that `--resume` with another input (whose lines take the same
+ids: line numbers) is refused instead of counting its requests as answered. Written atomically (temporary file,
+fsync, rename) when a run starts a file, and its digests when a run resumes it. No torch."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import TYPE_CHECKING
 from specdec_cli.errors import InputError
 
 if TYPE_CHECKING:  # settings imports torch; this package must not
+    from specdec_cli.batch.requests import Request
     from specdec_cli.settings import DecodingSettings, ModelChoice
 
 FORMAT = 1
@@ -43,12 +46,25 @@ def _reads_on_amx(choice: ModelChoice) -> bool:
     return reads_on_amx(choice.target_quantization)
 
 
-def write_settings(output: Path, settings: dict) -> None:
+def write_settings(output: Path, settings: dict, requests: dict[str, str] | None = None) -> None:
+    """The settings OUTPUT is made with, and `requests`: {Request.key: Request.digest} of those it will answer."""
+    _write(output, {"format": FORMAT, "settings": settings, **({"requests": requests} if requests else {})})
+
+
+def remember_requests(output: Path, requests: dict[str, str]) -> None:
+    """Resuming OUTPUT: its settings file (where it has one) takes the digests of the requests this run answers
+    (`requests`), in place of whatever requests an earlier run left unanswered under the same keys."""
+    stored = _read(output)
+    if stored is not None and requests:
+        _write(output, {**stored, "requests": {**_digests(stored), **requests}})
+
+
+def _write(output: Path, content: dict) -> None:
     path = settings_path(output)
     temporary = path.with_name(path.name + ".tmp")
     try:
         with open(temporary, "w", encoding="utf-8") as file:
-            json.dump({"format": FORMAT, "settings": settings}, file, indent=1, ensure_ascii=False)
+            json.dump(content, file, indent=1, ensure_ascii=False)
             file.write("\n")
             file.flush()
             os.fsync(file.fileno())
@@ -59,6 +75,11 @@ def write_settings(output: Path, settings: dict) -> None:
 
 def read_settings(output: Path) -> dict | None:
     """The stored settings; None when OUTPUT has no settings file (made before specdec wrote one)."""
+    stored = _read(output)
+    return None if stored is None else stored["settings"]
+
+
+def _read(output: Path) -> dict | None:
     path = settings_path(output)
     try:
         stored = json.loads(path.read_text(encoding="utf-8"))
@@ -70,7 +91,15 @@ def read_settings(output: Path) -> dict | None:
     if not isinstance(stored, dict) or not isinstance(stored.get("settings"), dict):
         raise InputError(f"{path} is not a specdec settings file",
                          "pass --force to resume without checking the settings, or --overwrite to start again")
-    return stored["settings"]
+    return stored
+
+
+def _digests(stored: dict) -> dict[str, str]:
+    """The request digests of a settings file; none in one made before specdec stored them."""
+    requests = stored.get("requests")
+    if not isinstance(requests, dict):
+        return {}
+    return {key: digest for key, digest in requests.items() if isinstance(digest, str)}
 
 
 def settings_differences(stored: dict, current: dict) -> list[str]:
@@ -100,3 +129,23 @@ def check_resumed_settings(output: Path, current: dict, force: bool) -> str | No
         return f"note: --force: resuming {output} with other settings than it was made with ({listed})"
     raise InputError(f"{output} was made with other settings: {listed}",
                      "run with the same settings, pass --force to mix them in one file, or --overwrite to start again")
+
+
+def check_resumed_requests(output: Path, source: str, answered: list[Request], force: bool) -> str | None:
+    """Refuse to resume OUTPUT where a request it already answers (`answered`: those of the input its records match
+    by key) is not the one it answered under that key: another input, or a line edited since (unless `force`,
+    which keeps those answers); the returned line, if any, is a note to print."""
+    stored = _read(output)
+    digests = {} if stored is None else _digests(stored)
+    changed = [request for request in answered if digests.get(request.key, request.digest) != request.digest]
+    if not changed:
+        return None
+    first = changed[0]
+    which = f"line {first.line} (id {_shown(first.id)})" + (f" and {len(changed) - 1} more" if len(changed) > 1 else "")
+    source = "the input" if source == "-" else source
+    if force:
+        return f"note: --force: {output} keeps its answers to other requests under the ids of {which} of {source}"
+    raise InputError(f"{output} answers another request than {which} of {source} under the same id: it was made "
+                     "from another input, or those lines changed since",
+                     "resume with the input it was made from, write to another -o, or pass --force to keep those "
+                     "answers")

@@ -138,9 +138,11 @@ def _run_locked(input: str, output: Path, resume: bool, overwrite: bool, force: 
     settings = decoding_settings(choice.profile, **decoding)
     finished = batch.read_finished(output) if resume else []
     current = batch.record_settings(choice, settings)
-    if finished:  # before loading anything: resuming with other settings is refused at once
-        _check_resumed_settings(output, current, force)
     pending = batch.pending_requests(requests, finished)
+    if finished:  # before loading anything: resuming with other settings or another input is refused at once
+        _check_resumed_settings(output, current, force)
+        waiting = set(map(id, pending))
+        _print_note(batch.check_resumed_requests(output, input, [r for r in requests if id(r) not in waiting], force))
     summary = batch.BatchSummary(
         total=len(requests), skipped=len(requests) - len(pending), failed_before=sum(map(batch.record_failed, finished))
     )
@@ -149,7 +151,7 @@ def _run_locked(input: str, output: Path, resume: bool, overwrite: bool, force: 
     job = sum(request.error is None for request in requests)  # the whole input's, so a resume batches alike
     with _engine(choice, settings, ray_options, batch_size, console, runnable, job) as (stream, reports, together):
         _run_with_progress(pending, stream, output, overwrite, summary, choice.target, console, parallel=together,
-                           settings=None if finished else current)
+                           settings=None if finished else current, resumed=bool(finished))
     _print_summary(summary, console, reports, together)
     _exit_on_failures(summary, output)
 
@@ -200,7 +202,10 @@ def _output_lock(output: Path) -> AbstractContextManager:
 
 def _check_resumed_settings(output: Path, current: dict, force: bool) -> None:
     """Resuming records: they must have been made with these settings."""
-    note = batch.check_resumed_settings(output, current, force)
+    _print_note(batch.check_resumed_settings(output, current, force))
+
+
+def _print_note(note: str | None) -> None:
     if note:
         error_console().print(note, markup=False)
 
@@ -210,12 +215,17 @@ def _never(request: batch.Request) -> batch.Completion:  # pragma: no cover - on
 
 
 def _run_with_progress(pending, stream: batch.Stream, output: Path, replace: bool, summary: batch.BatchSummary,
-                       model: str, console: Console, parallel: bool = False, settings: dict | None = None) -> None:
-    """settings: a file begun (or replaced) here stores them beside it, once the models loaded and the file is open
-    (emptied by --overwrite): a run that fails before then leaves an earlier file's records and settings as they were."""
+                       model: str, console: Console, parallel: bool = False, settings: dict | None = None,
+                       resumed: bool = False) -> None:
+    """settings: a file begun (or replaced) here stores them beside it, with the digests of the requests it answers
+    (a resumed one, `resumed`, only those), once the models loaded and the file is open (emptied by --overwrite): a
+    run that fails before then leaves an earlier file's records and settings as they were."""
     with batch.DurableWriter(output, replace) as writer, _progress_bar(console) as progress:
+        digests = {request.key: request.digest for request in pending}
         if settings is not None and output.is_file():  # a device such as /dev/null gets no settings file
-            batch.write_settings(output, settings)
+            batch.write_settings(output, settings, digests)
+        elif resumed and output.is_file():
+            batch.remember_requests(output, digests)
         task = progress.add_task("records", total=summary.total, completed=summary.done, speed="", acceptance="")
 
         def show(current: batch.BatchSummary) -> None:

@@ -1,4 +1,5 @@
-"""`--resume` checks the settings OUTPUT was made with (OUTPUT.settings.json) and refuses others unless --force."""
+"""`--resume` checks the settings OUTPUT was made with (OUTPUT.settings.json) and refuses others unless --force; and
+that the requests its records answer are those of the input (another file's lines take the same ids: line numbers)."""
 
 import json
 
@@ -110,3 +111,96 @@ def test_a_run_that_fails_to_load_leaves_no_settings_file(run, tmp_path):
     result = run("-n", "5", "--target", str(tmp_path / "no-such-model"))
     assert result.exit_code == 2, result.output
     assert not (tmp_path / "out.jsonl.settings.json").exists()
+
+
+# Requests: the same ids, other requests. Lines without an id take their line number: a second file's line 1 was
+# counted as answered by the first file's record 1, and never run.
+
+def _write_lines(path, prompts):
+    path.write_text("".join(json.dumps({"prompt": prompt}) + "\n" for prompt in prompts))
+
+
+@pytest.fixture
+def run_file(tiny_pair, tmp_path):
+    def invoke(name, *args):
+        arguments = ["run", str(tmp_path / name), "-o", str(tmp_path / "out.jsonl"), "--target", tiny_pair.target,
+                     "--dtype", "float32", "-t", "0", "-n", "4", *map(str, args)]
+        return CliRunner().invoke(app, arguments)
+    return invoke
+
+
+def test_resume_with_another_input_is_refused_before_loading_and_changes_nothing(run_file, tmp_path, monkeypatch):
+    _write_lines(tmp_path / "a.jsonl", ["Say hi", "Say bye"])
+    _write_lines(tmp_path / "b.jsonl", ["Name a colour", "Name a fruit", "Name a tree"])
+    assert run_file("a.jsonl").exit_code == 0
+    before = {name: (tmp_path / name).read_bytes() for name in ("out.jsonl", "out.jsonl.settings.json")}
+    monkeypatch.setattr(batch.ModelGeneration, "load", lambda *a, **k: pytest.fail("loaded the models"))
+    result = run_file("b.jsonl", "--resume")
+    assert result.exit_code == 2, result.output
+    assert result.stderr == (
+        f"error: {tmp_path / 'out.jsonl'} answers another request than line 1 (id 1) and 1 more of "
+        f"{tmp_path / 'b.jsonl'} under the same id: it was made from another input, or those lines changed since — "
+        "resume with the input it was made from, write to another -o, or pass --force to keep those answers\n")
+    assert {name: (tmp_path / name).read_bytes() for name in before} == before
+
+
+def test_an_input_that_grew_resumes_and_its_new_lines_are_checked_next_time(run_file, tmp_path):
+    _write_lines(tmp_path / "a.jsonl", ["Say hi", "Say bye"])
+    assert run_file("a.jsonl").exit_code == 0
+    _write_lines(tmp_path / "a.jsonl", ["Say hi", "Say bye", "Say yes"])  # appended to: its answers still hold
+    result = run_file("a.jsonl", "--resume")
+    assert result.exit_code == 0, result.output
+    assert "note:" not in result.stderr
+    assert [json.loads(line)["id"] for line in (tmp_path / "out.jsonl").read_text().splitlines()] == [1, 2, 3]
+    _write_lines(tmp_path / "a.jsonl", ["Say hi", "Say bye", "Say no", "Say maybe"])  # line 3 edited since
+    edited = run_file("a.jsonl", "--resume")
+    assert edited.exit_code == 2 and "another request than line 3 (id 3) of" in edited.stderr
+
+
+def test_a_request_left_unanswered_takes_the_digest_of_the_input_that_answers_it(run_file, tmp_path, monkeypatch):
+    """A resume that stops before answering leaves its digests behind; another input answering those lines later must
+    not be refused for them the time after."""
+    _write_lines(tmp_path / "a.jsonl", ["Say hi", "Say bye"])
+    assert run_file("a.jsonl").exit_code == 0
+    first = (tmp_path / "out.jsonl").read_text().splitlines()[0]
+    (tmp_path / "out.jsonl").write_text(first + "\n")  # stopped after line 1: the digests of both lines are stored
+    _write_lines(tmp_path / "b.jsonl", ["Say hi", "Something else"])  # line 2 not answered yet: b may answer it
+    assert run_file("b.jsonl", "--resume").exit_code == 0
+    again = run_file("b.jsonl", "--resume")
+    assert again.exit_code == 0, again.output
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 2
+    assert run_file("a.jsonl", "--resume").exit_code == 2  # its line 2 is not what the file answers
+
+
+def test_force_keeps_the_answers_under_those_ids_and_says_so(run_file, tmp_path):
+    _write_lines(tmp_path / "a.jsonl", ["Say hi"])
+    _write_lines(tmp_path / "b.jsonl", ["Name a colour", "Name a fruit"])
+    assert run_file("a.jsonl").exit_code == 0
+    result = run_file("b.jsonl", "--resume", "--force")
+    assert result.exit_code == 0, result.output
+    assert (f"note: --force: {tmp_path / 'out.jsonl'} keeps its answers to other requests under the ids of line 1 "
+            f"(id 1) of {tmp_path / 'b.jsonl'}") in result.stderr
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 2
+
+
+def test_a_settings_file_from_before_the_digests_resumes_unchecked(run_file, tmp_path):
+    _write_lines(tmp_path / "a.jsonl", ["Say hi"])
+    _write_lines(tmp_path / "b.jsonl", ["Name a colour", "Name a fruit"])
+    assert run_file("a.jsonl").exit_code == 0
+    path = tmp_path / "out.jsonl.settings.json"
+    content = json.loads(path.read_text())
+    del content["requests"]
+    path.write_text(json.dumps(content))
+    result = run_file("b.jsonl", "--resume")
+    assert result.exit_code == 0, result.output
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 2
+    assert set(json.loads(path.read_text())["requests"]) == {"2"}  # what it answered is on record from now on
+
+
+def test_a_line_with_spaces_around_it_or_a_byte_order_mark_is_still_the_same_request():
+    from specdec_cli.batch import read_requests
+
+    plain, = read_requests([b'{"prompt": "Say hi"}\n'])
+    spaced, = read_requests([b'\xef\xbb\xbf  {"prompt": "Say hi"}  \r\n'])
+    other, = read_requests([b'{"prompt": "Say hi!"}\n'])
+    assert plain.digest == spaced.digest != other.digest and len(plain.digest) == 16
