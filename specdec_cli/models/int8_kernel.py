@@ -13,7 +13,7 @@ AMX-INT8 too (and the kernel lets the process use it), the q4 matmul of several 
 the same bits as VNNI).
 SPECDEC_INT8_KERNEL=onednn forces torch's matmul, =avx2 the AVX2 code and =vnni the VNNI code without AMX (to
 compare them; `specdec calibrate` names the one it timed; q4 takes the same switch, and with `onednn` does not
-run). Without a C compiler the int8 format runs on oneDNN, q4 does not run, and `kernel_problem()` says why."""
+run); any other value is refused in one line. Without a C compiler the int8 format runs on oneDNN, q4 does not run, and `kernel_problem()` says why."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from specdec_cli.errors import InputError
 from specdec_cli.models import row_kernels
 from specdec_cli.models.paths import atomic_folder, cache_dir, one_maker
 
@@ -40,6 +41,9 @@ ISA_NAMES = {3: "AVX512-VNNI + AMX", 2: "AVX512-VNNI", 1: "AVX2"}
 BLOCK = 32  # output rows per packed block (int8_gemm.c)
 
 
+KERNEL_CHOICES = ("", "onednn", "avx2", "vnni")  # SPECDEC_INT8_KERNEL's values ("": unset, the CPU's best)
+
+
 @functools.cache
 def _library() -> tuple[ctypes.CDLL | None, int, str | None]:
     return load_library()
@@ -49,6 +53,10 @@ def load_library() -> tuple[ctypes.CDLL | None, int, str | None]:
     """(the loaded library, the ISA it runs: 3 AVX512-VNNI + AMX, 2 AVX512-VNNI or 1 AVX2, None) or (None, 0,
     why not); the library is compiled into the specdec home on first use. Once per process (`_library`)."""
     choice = os.environ.get("SPECDEC_INT8_KERNEL", "").strip().lower()
+    if choice not in KERNEL_CHOICES:  # a typo ran the default code while the user timed what they thought they chose
+        raise InputError(f"SPECDEC_INT8_KERNEL={os.environ['SPECDEC_INT8_KERNEL']!r} is not one of "
+                         f"{', '.join(filter(None, KERNEL_CHOICES))}",
+                         "unset it to run the code this CPU is best at")
     if choice == "onednn":
         return None, 0, "SPECDEC_INT8_KERNEL=onednn"
     if platform.machine().lower() not in ("x86_64", "amd64"):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdec_cli.errors import ModelLoadError
+from specdec_cli.errors import ModelLoadError, SpecdecError
 from specdec_cli.models import preflight, stored_layers
 from specdec_cli.models.device import dtype_name, resolve_device, resolve_dtype
 from specdec_cli.models.gguf import require_gguf, shared_readers
@@ -144,6 +144,8 @@ def _weight_bytes(plan: _Plan) -> int:
     config = _load_config(plan)
     try:
         return preflight.estimate_weight_bytes(config, plan.dtype, plan.quantization)
+    except SpecdecError:  # ours, already one line (a format's kernel choice, say): not the config's fault
+        raise
     except Exception as error:  # the model class's own code on a config it cannot build (a head count of 0, say)
         raise ModelLoadError(f"the config of {plan.source.spec} does not describe a model transformers can build: "
                              f"{type(error).__name__}: {_first_line(error)}", "check the model's config") from None

@@ -231,3 +231,24 @@ def test_calibrate_does_not_store_what_it_timed_while_other_processes_took_the_c
     allowed = CliRunner().invoke(app, [*common, "--allow-busy"], env=WIDE)
     assert allowed.exit_code == 0, allowed.output
     assert (tmp_path / "home" / "calibration.json").exists()
+
+
+def test_a_kernel_choice_that_is_none_of_the_known_ones_is_one_line_and_exit_2(tiny_pair, tmp_path, monkeypatch):
+    """SPECDEC_INT8_KERNEL=avx-2 ran the default code: the user then timed another kernel than they meant to."""
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"prompt": "x"}) + "\n")
+    monkeypatch.setenv("SPECDEC_INT8_KERNEL", "avx-2")
+    int8_kernel._library.cache_clear()  # the library loads again, and reads the variable, in this run
+    try:
+        result = CliRunner().invoke(app, ["run", str(source), "-o", str(tmp_path / "out.jsonl"), "--target",
+                                          tiny_pair.target, "--dtype", "float32", "--target-quant", "int8"], env=WIDE)
+    finally:
+        monkeypatch.delenv("SPECDEC_INT8_KERNEL")
+        int8_kernel._library.cache_clear()
+    assert isinstance(result.exception, SystemExit) and result.exit_code == 2, result.exception
+    assert result.stderr == ("error: SPECDEC_INT8_KERNEL='avx-2' is not one of onednn, avx2, vnni — unset it to run "
+                             "the code this CPU is best at\n")
+    assert not (tmp_path / "out.jsonl").exists()
+    for value in ("onednn", "AVX2", " vnni ", ""):  # the known ones, in any case and spacing, and unset
+        monkeypatch.setenv("SPECDEC_INT8_KERNEL", value)
+        assert int8_kernel.load_library()[2] in (None, "SPECDEC_INT8_KERNEL=onednn")
