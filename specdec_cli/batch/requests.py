@@ -19,7 +19,7 @@ from specdec_cli.errors import InputError
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 OPENAI_KEYS = ("custom_id", "method", "url", "body")
-MAX_SEED = 2**64 - 1  # torch's manual_seed accepts up to this
+MAX_SEED = 2**64 - 1  # engine.sampling.MAX_SEED, which this module cannot import without loading torch
 
 
 @dataclass(frozen=True)

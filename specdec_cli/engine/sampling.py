@@ -15,6 +15,7 @@ import torch
 # Temperatures below this decode greedily, as in vLLM (its _SAMPLING_EPS): logits divided by them overflow float32
 # (5e-324: every probability NaN), and well above that they already leave only the argmax.
 GREEDY_BELOW = 1e-5
+MAX_SEED = 2**64 - 1  # a torch.Generator's manual_seed takes 0 .. this (and negatives, which no user means)
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:  # past it, every request failed in manual_seed
+            raise ValueError(f"seed must be from 0 to {MAX_SEED}, got {self.seed} (no seed: a random one)")
 
     @property
     def greedy(self) -> bool:

@@ -80,11 +80,19 @@ def test_a_temperature_below_greedy_below_is_greedy_not_nan(temperature, top_k):
 @pytest.mark.parametrize("kwargs", [
     dict(temperature=-1), dict(top_k=-1), dict(top_p=0), dict(top_p=1.5),
     dict(temperature=math.nan), dict(temperature=math.inf), dict(temperature=-math.inf),
-    dict(top_p=math.nan), dict(top_p=math.inf),
+    dict(top_p=math.nan), dict(top_p=math.inf), dict(seed=-1), dict(seed=sampling.MAX_SEED + 1),
 ])
 def test_invalid_params_are_refused(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+def test_every_seed_in_range_seeds_a_generator_and_run_lines_take_the_same_range():
+    from specdec_cli.batch import MAX_SEED  # repeated there: that module loads no torch
+
+    assert MAX_SEED == sampling.MAX_SEED
+    for seed in (0, sampling.MAX_SEED):
+        make_generator(SamplingParams(seed=seed).seed)
 
 
 def test_same_seed_same_draws():
