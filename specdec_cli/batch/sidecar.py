@@ -70,6 +70,7 @@ def _write(output: Path, content: dict) -> None:
             os.fsync(file.fileno())
         os.replace(temporary, path)
     except OSError as error:
+        temporary.unlink(missing_ok=True)  # a full disk left it (empty or cut short)
         raise InputError(f"cannot write {path}: {error.strerror}", "choose an -o in a folder you can write") from None
 
 

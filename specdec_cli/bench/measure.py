@@ -228,4 +228,5 @@ def write_json(path: Path, report: dict) -> None:
         temporary.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
         os.replace(temporary, path)
     except OSError as error:
+        temporary.unlink(missing_ok=True)  # a full disk left it (empty or cut short)
         raise InputError(f"cannot write {path}: {error.strerror}", "choose a writable path for --json") from None

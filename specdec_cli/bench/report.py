@@ -3,6 +3,7 @@ PNG plot out. Nothing is measured or computed here beyond formatting."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from rich.markup import escape
@@ -184,9 +185,12 @@ def write_plot(path: Path, rows: list[dict]) -> None:
     if accept_axes.lines:
         accept_axes.legend()
     figure.tight_layout()
+    temporary = path.with_name(f".{path.name}.tmp")  # a full disk leaves no cut-short image (nor an old one cut)
     try:
-        figure.savefig(path, dpi=120)
+        figure.savefig(temporary, dpi=120, format=path.suffix.lstrip(".").lower())
+        os.replace(temporary, path)
     except OSError as error:
+        temporary.unlink(missing_ok=True)
         raise InputError(f"cannot write {path}: {error.strerror}", "choose a writable path for --plot") from None
     finally:
         plt.close(figure)

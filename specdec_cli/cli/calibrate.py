@@ -88,6 +88,7 @@ def calibrate_command(
     from specdec_cli.models.calibrate import (
         TOKEN_COUNTS, load_calibration, machine, measure_forward_costs, merged_with, save_calibration,
     )
+    from specdec_cli.bench.measure import write_json
     from specdec_cli.models.device import BackgroundLoad, busy_cores
     from specdec_cli.models.prefill import GAIN
 
@@ -141,6 +142,6 @@ def calibrate_command(
     if kept:
         earlier = ", ".join(f"{entry['role']} {entry['quantization']}" for entry in kept)
         error_console().print(f"kept from the calibration before (not timed again now): {earlier}", markup=False)
+    if json_path is not None:  # first: what the user asked for by name (a full disk then stops before the home's)
+        write_json(json_path, result)
     error_console().print(f"wrote {save_calibration(stored)}", markup=False)
-    if json_path is not None:
-        save_calibration(result, json_path)

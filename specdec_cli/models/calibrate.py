@@ -23,7 +23,7 @@ from specdec_cli.engine.kv import CachedModel
 from specdec_cli.errors import InputError
 from specdec_cli.models.device import cpu_flags, dtype_name
 from specdec_cli.models.loaded import LoadedModel, load_model
-from specdec_cli.models.paths import specdec_home
+from specdec_cli.models.paths import atomic_file, specdec_home
 from specdec_cli.models.preflight import available_memory_bytes, held_weight_bytes
 
 TOKEN_COUNTS = (1, 2, 4, 8, 16)
@@ -330,12 +330,11 @@ def calibration_path() -> Path:
 
 
 def save_calibration(result: dict, path: Path | None = None) -> Path:
-    """Write `result` as JSON (atomically: a reader never sees half a file); returns the path."""
+    """Write `result` as JSON (atomically: a reader never sees half a file, and a full disk leaves the one before
+    and no partial file, with a CacheWriteError saying so); returns the path."""
     path = path or calibration_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_name(f".{path.name}.tmp")
-    staging.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    staging.replace(path)
+    with atomic_file(path) as staging:
+        staging.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     return path
 
 

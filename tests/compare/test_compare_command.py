@@ -248,3 +248,42 @@ def test_the_json_says_how_much_cpu_other_processes_took_and_a_busy_run_gets_a_n
                 "(measure on an idle machine)") in busy.stderr
         assert json.loads(extra[-1].read_text())["environment"]["others_cpu_cores"] == 1.2
         assert "target alone" in busy.stdout
+
+
+def test_a_full_disk_leaves_no_partial_json_or_plot_and_an_earlier_plot_whole(tmp_path, monkeypatch):
+    """A full disk left `.out.json.tmp` beside the JSON, and a cut-short image in place of the plot."""
+    import errno
+
+    from matplotlib.figure import Figure
+
+    from specdec_cli.bench.measure import write_json
+    from specdec_cli.bench.report import write_plot
+    from specdec_cli.errors import InputError
+
+    def cut_short(write):
+        def failing(self, target, *args, **kwargs):
+            write(self, target, *args, **kwargs)
+            with open(target, "r+b") as file:  # the disk filled halfway through
+                file.truncate(max(1, file.seek(0, 2) // 2))
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return failing
+
+    rows = [{"configuration": "target alone", "speedup": 1.0, "speedup_min": 1.0, "speedup_max": 1.0,
+             "acceptance_rate": None, "acceptance_at": []}]
+    earlier = tmp_path / "out.png"
+    write_plot(earlier, rows)
+    image = earlier.read_bytes()
+    monkeypatch.setattr(Figure, "savefig", cut_short(Figure.savefig))
+    with pytest.raises(InputError, match="No space left on device"):
+        write_plot(earlier, rows)
+    written = type(tmp_path).write_text
+
+    def text_cut_short(self, text, *args, **kwargs):
+        written(self, text[: len(text) // 2], *args, **kwargs)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(type(tmp_path), "write_text", text_cut_short)
+    with pytest.raises(InputError, match="No space left on device"):
+        write_json(tmp_path / "out.json", {"runs": list(range(100))})
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["out.png"]
+    assert earlier.read_bytes() == image

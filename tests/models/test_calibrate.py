@@ -265,3 +265,27 @@ def test_a_calibration_without_q4_keeps_the_pairing_measured_before():
     newer = {**pairs, "up_to_tokens": 0}
     assert merged_with({**now, "q4_pairs": pairs}, {**now, "q4_pairs": newer})[0]["q4_pairs"] == newer
     assert "q4_pairs" not in merged_with({**now, "machine": {"cpu": "elsewhere"}, "q4_pairs": pairs}, now)[0]
+
+
+def test_a_full_disk_keeps_the_calibration_before_and_leaves_no_partial_file(specdec_home):
+    """It raised OSError (a traceback after minutes of timing) and left `.calibration.json.tmp` beside the file."""
+    import errno
+    from pathlib import Path
+
+    from specdec_cli.errors import CacheWriteError
+
+    before = {"machine": {"cpu": "test"}, "entries": []}
+    save_calibration(before)
+    written = Path.write_text
+
+    def cut_short(self, text, *args, **kwargs):  # the disk fills halfway through
+        written(self, text[: len(text) // 2], *args, **kwargs)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(CacheWriteError) as raised:
+        patch.setattr(Path, "write_text", cut_short)
+        save_calibration({"machine": {"cpu": "test"}, "entries": [{"role": "target"}] * 50})
+    assert raised.value.one_line() == (f"the disk is full: calibration.json could not be written in {specdec_home} — "
+                                       "free some space there, or set SPECDEC_HOME to a folder on a disk with room")
+    assert load_calibration() == before
+    assert sorted(path.name for path in specdec_home.iterdir()) == ["calibration.json"]

@@ -204,3 +204,18 @@ def test_a_line_with_spaces_around_it_or_a_byte_order_mark_is_still_the_same_req
     spaced, = read_requests([b'\xef\xbb\xbf  {"prompt": "Say hi"}  \r\n'])
     other, = read_requests([b'{"prompt": "Say hi!"}\n'])
     assert plain.digest == spaced.digest != other.digest and len(plain.digest) == 16
+
+
+def test_a_settings_file_the_disk_had_no_room_for_leaves_no_partial_file(tmp_path, monkeypatch):
+    import errno
+
+    from specdec_cli.batch import sidecar
+
+    def cut_short(content, file, **kwargs):
+        file.write(json.dumps(content)[:10])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sidecar.json, "dump", cut_short)
+    with pytest.raises(sidecar.InputError, match="No space left on device"):
+        sidecar.write_settings(tmp_path / "out.jsonl", {"k": 3}, {"1": "0" * 16})
+    assert list(tmp_path.iterdir()) == []
