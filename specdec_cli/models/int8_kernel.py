@@ -18,6 +18,7 @@ run); any other value is refused in one line. Without a C compiler the int8 form
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import hashlib
 import os
@@ -108,7 +109,9 @@ def _built() -> Path:
             with atomic_folder(final) as staging:
                 try:
                     compile_library(SOURCES, staging / library.name, compiler)
-                except OSError:  # a compiler or assembler without AMX (q4_amx.c): everything else, without it
+                except OSError as error:  # a compiler or assembler without AMX (q4_amx.c): everything else, without it
+                    if error.errno == errno.ENOSPC:  # a full disk: no second try (atomic_folder says it in one line)
+                        raise
                     compile_library(SOURCES, staging / library.name, compiler, defines=("SPECDEC_NO_AMX",))
                 _stamp(staging / library.name).write_text(_digest(staging / library.name), encoding="utf-8")
     return library
@@ -146,6 +149,8 @@ def compile_library(sources: Sequence[Path], output: Path, compiler: str, define
                              *map(str, sources), "-lm"],
                             capture_output=True, text=True, timeout=300)
     if result.returncode:
+        if "No space left on device" in result.stderr:  # said before the linker's last line: the cache's full disk
+            raise OSError(errno.ENOSPC, f"{Path(compiler).name} failed: No space left on device")
         last = (result.stderr.strip().splitlines() or ["no output"])[-1]
         raise OSError(f"{Path(compiler).name} failed: {last}")
 
