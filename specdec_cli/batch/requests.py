@@ -206,11 +206,40 @@ def _is_text_part(part: object) -> bool:
     return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
 
 
+# Settings of HF's generate, vLLM and OpenAI that change what a request gets and that specdec does not do, each with
+# the values that change nothing. A line asking for one otherwise is that line's error record: ignoring it (as
+# until 6 December) answered another request than the one asked (a penalty not applied, free text where JSON was
+# asked for, no logprobs where they were).
+NEUTRAL = {
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
+    "min_p": (0,), "typical_p": (1,), "num_beams": (1,), "best_of": (1,), "num_return_sequences": (1,),
+    "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "suffix": ("",), "tools": ([],),
+    "tool_choice": ("none",), "functions": ([],), "response_format": ({"type": "text"},), "guided_json": (),
+    "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+}
+
+
+def _refuse_unsupported(value: dict) -> None:
+    for key, neutral in NEUTRAL.items():
+        given = value.get(key)
+        if given is not None and not any(given == same and isinstance(given, bool) == isinstance(same, bool)
+                                         for same in neutral):  # true is not 1 here, nor false 0
+            instead = f" or set it to {json.dumps(neutral[0])}" if neutral else ""
+            raise BadRecord(f'unsupported "{key}": {json.dumps(given)[:40]} (specdec samples the model\'s own '
+                            f"distribution: temperature, top_p, top_k, seed, stop); leave it out{instead}")
+    if value.get("do_sample") is not None and not isinstance(value["do_sample"], bool):
+        raise BadRecord(f'"do_sample" must be true or false, got {_json_type(value["do_sample"])}')
+
+
 def _sampling_fields(value: dict, max_tokens: object, max_key: str) -> dict:
-    """The optional per-request settings; null means unset, like a missing key."""
+    """The optional per-request settings; null means unset, like a missing key. HF's `"do_sample": false` means
+    greedy, as in generate (whatever the temperature)."""
+    _refuse_unsupported(value)
+    greedy = value.get("do_sample") is False
     return {
         "max_new_tokens": _optional(max_tokens, lambda v: _integer(max_key, v, 1)),
-        "temperature": _optional(value.get("temperature"), lambda v: _number("temperature", v, 0.0, None)),
+        "temperature": 0.0 if greedy else _optional(value.get("temperature"),
+                                                    lambda v: _number("temperature", v, 0.0, None)),
         "top_p": _optional(value.get("top_p"), lambda v: _number("top_p", v, 0.0, 1.0, open_low=True)),
         "top_k": _optional(value.get("top_k"), lambda v: _integer("top_k", v, 0)),
         "seed": _optional(value.get("seed"), lambda v: _integer("seed", v, 0, MAX_SEED)),

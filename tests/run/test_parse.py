@@ -37,9 +37,38 @@ def test_a_prompt_records_limit_may_be_named_max_tokens_as_vllm_names_it():
 
 def test_an_openai_chat_line_maps_its_body():
     request = parse(openai_line(model="gpt-4o", messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
-                                max_tokens=5, temperature=0, top_p=1, seed=9, stop="\n", n=1, presence_penalty=0.1))
+                                max_tokens=5, temperature=0, top_p=1, seed=9, stop="\n", n=1, presence_penalty=0,
+                                logprobs=False, response_format={"type": "text"}))
     assert request == Request(1, "r1", openai=True, chat=True, messages=({"role": "user", "content": "ab"},),
                               max_new_tokens=5, temperature=0.0, top_p=1.0, seed=9, stop=("\n",))
+
+
+@pytest.mark.parametrize(("field", "value", "neutral"), [
+    ("presence_penalty", 0.1, "0"), ("frequency_penalty", -1, "0"), ("repetition_penalty", 1.2, "1"),
+    ("logit_bias", {"50256": -100}, "{}"), ("min_p", 0.05, "0"), ("num_beams", 4, "1"), ("best_of", 2, "1"),
+    ("logprobs", True, "false"), ("logprobs", 5, "false"), ("top_logprobs", 3, "0"), ("echo", True, "false"),
+    ("response_format", {"type": "json_object"}, '{"type": "text"}'), ("tools", [{"type": "function"}], "[]"),
+    ("tool_choice", "auto", '"none"'), ("num_beams", True, "1"),
+])
+@pytest.mark.parametrize("shape", ["plain", "openai"])
+def test_a_setting_specdec_does_not_do_is_that_lines_error_unless_it_changes_nothing(field, value, neutral, shape):
+    """vLLM's and OpenAI's penalties, logprobs, JSON mode ... were ignored: the line got another answer than it asked
+    for (a penalty not applied, free text where JSON was asked for) and no one was told."""
+    line = (openai_line(messages=[{"role": "user", "content": "hi"}], **{field: value}) if shape == "openai"
+            else {"prompt": "x", field: value})
+    assert parse(line).error == (f'line 1: unsupported "{field}": {json.dumps(value)} (specdec samples the model\'s '
+                                 f"own distribution: temperature, top_p, top_k, seed, stop); leave it out or set it "
+                                 f"to {neutral}")
+    neutral_line = ({**line, "body": {**line["body"], field: json.loads(neutral)}} if shape == "openai"
+                    else {**line, field: json.loads(neutral)})
+    assert parse(neutral_line).error is None
+
+
+def test_do_sample_false_is_greedy_as_in_hf_generate():
+    assert parse({"prompt": "x", "do_sample": False, "temperature": 0.7}).temperature == 0.0
+    assert parse({"prompt": "x", "do_sample": True, "temperature": 0.7}).temperature == 0.7
+    assert parse({"prompt": "x", "do_sample": True}).temperature is None  # the command's
+    assert parse({"prompt": "x", "do_sample": "no"}).error == 'line 1: "do_sample" must be true or false, got a string'
 
 
 def test_an_openai_completions_line_prefers_max_completion_tokens():
