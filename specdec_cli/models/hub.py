@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from specdec_cli.errors import ModelNotFoundError
+from specdec_cli.errors import ModelLoadError, ModelNotFoundError
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 
@@ -28,8 +28,42 @@ SAFETENSORS_PATTERNS = ["*.safetensors", "*.safetensors.index.json"]
 PICKLE_PATTERNS = ["*.bin", "*.bin.index.json", "*.pt"]
 
 
+# llama.cpp's `-hf org/name:Q4_K_M`: a repository of .gguf files and the quantisation tag of one of them.
+_GGUF_TAG = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(@(?P<revision>[\w.-]+))?:(?P<tag>[A-Za-z0-9][\w.-]*)$")
+_SPLIT = re.compile(r"-\d{5}-of-\d{5}$")  # llama-gguf-split's parts: name-00001-of-00003.gguf
+
+
 def is_hub_id(spec: str) -> bool:
     return bool(_HUB_ID.match(spec))
+
+
+def gguf_tag(spec: str) -> tuple[str, str | None, str] | None:
+    """(repo id, revision, tag) of `org/name[@revision]:TAG`; None for any other spec."""
+    found = _GGUF_TAG.match(spec)
+    return (found["repo"], found["revision"], found["tag"]) if found else None
+
+
+def download_gguf(spec: str) -> Path:
+    """The .gguf file of `org/name[@revision]:TAG` (its name ends in TAG, in any case, as llama.cpp's -hf picks it),
+    downloaded into the HF cache (offline: found there); one line where the repository has none or one in parts."""
+    repo_id, revision, tag = gguf_tag(spec)
+    variants = {tag, tag.lower(), tag.upper()}
+    patterns = [f"*[-_.]{variant}{part}.gguf" for variant in variants for part in ("", "-*-of-*")]
+    folder = download(f"{repo_id}@{revision}" if revision else repo_id, patterns)
+    found = sorted(path for path in folder.rglob("*.gguf")
+                   if re.search(rf"[-_.]{re.escape(tag)}$", _SPLIT.sub("", path.stem), re.IGNORECASE))
+    if not found:
+        raise ModelNotFoundError(f"{repo_id} has no .gguf file whose name ends in {tag}",
+                                 f"check the tag against the repository's files (hf download {repo_id} --include "
+                                 "'*.gguf' --dry-run lists them), e.g. :Q4_K_M")
+    if any(_SPLIT.search(path.stem) for path in found):
+        raise ModelLoadError(f"{repo_id}'s {tag} .gguf is split into {len(found)} parts, which transformers cannot read",
+                             "join them with llama.cpp's llama-gguf-split --merge FIRST-PART OUT.gguf and pass OUT.gguf")
+    if len(found) > 1:
+        names = ", ".join(path.name for path in found[:4])
+        raise ModelNotFoundError(f"{repo_id} has {len(found)} .gguf files ending in {tag} ({names})",
+                                 "download the one you mean (hf download) and pass that file")
+    return found[0]
 
 
 def split_revision(spec: str) -> tuple[str, str | None]:

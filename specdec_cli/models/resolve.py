@@ -1,7 +1,7 @@
 """One resolver: a user's string → where its config, tokenizer and weights are.
 
-Accepted: `demo:<name>` (the offline pair), a `.gguf` file, a local folder (config + safetensors), or a
-hub id `org/name[@revision]`. Resolving reads metadata only; weights are fetched by `weights_folder`."""
+Accepted: `demo:<name>` (the offline pair), a `.gguf` file, a local folder (config + safetensors), a
+hub id `org/name[@revision]`, or a hub repository's .gguf file by its tag, `org/name[@revision]:Q4_K_M`. Resolving reads metadata only; weights are fetched by `weights_folder`."""
 
 from __future__ import annotations
 
@@ -68,8 +68,8 @@ def _hub_source(spec: str) -> ModelSource:
     repo_id, revision = hub.split_revision(spec)
     if not (folder / "config.json").is_file():  # llama.cpp users' repositories hold .gguf files and no config
         raise ModelNotFoundError(f"{spec} has no config.json on the hub (a repository of .gguf files?)",
-                                 f"download one of its .gguf files (hf download {repo_id} FILE.gguf --local-dir .) "
-                                 "and pass that file")
+                                 f"name one of its .gguf files by its quantisation, as llama.cpp's -hf does: "
+                                 f"{spec}:Q4_K_M")
     return ModelSource(spec, "hub", f"{repo_id}@{revision or 'main'}", folder)
 
 
@@ -83,6 +83,9 @@ def resolve(spec: str, progress: bool = True) -> ModelSource:
         raise ModelNotFoundError(f"{spec}: no such file or folder", "check the path")
     if hub.is_hub_id(spec):
         return _hub_source(spec)
+    if hub.gguf_tag(spec) is not None:
+        path = hub.download_gguf(spec)
+        return ModelSource(spec, "gguf", str(path), None, gguf_path=path)
     raise ModelNotFoundError(
         f"{spec!r} is not a file, folder, demo model or hub id",
         "pass org/name for a hub model, a local folder, a .gguf file, or demo:qwen2.5-coder-1.5b",

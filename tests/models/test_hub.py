@@ -59,5 +59,47 @@ def test_a_hub_repository_of_gguf_files_says_to_pass_one_of_them(offline_hub):
     with pytest.raises(ModelNotFoundError) as raised:
         load_model("tiny-org/tiny-llama-GGUF", progress=False)
     assert raised.value.one_line() == (
-        "tiny-org/tiny-llama-GGUF has no config.json on the hub (a repository of .gguf files?) — download one of its "
-        ".gguf files (hf download tiny-org/tiny-llama-GGUF FILE.gguf --local-dir .) and pass that file")
+        "tiny-org/tiny-llama-GGUF has no config.json on the hub (a repository of .gguf files?) — name one of its .gguf "
+        "files by its quantisation, as llama.cpp's -hf does: tiny-org/tiny-llama-GGUF:Q4_K_M")
+
+
+@pytest.fixture
+def gguf_repo(offline_hub, tiny_gguf):
+    """`tiny-org/tiny-llama-GGUF` in the same cache: its files named as such repositories name them (lower case)."""
+    repo = offline_hub.parent / "models--tiny-org--tiny-llama-GGUF"
+    snapshot = repo / "snapshots" / REVISION
+    snapshot.mkdir(parents=True)
+    for name in ("tiny-llama-q4_k_m.gguf", "tiny-llama-q8_0.gguf"):
+        shutil.copy(tiny_gguf[0], snapshot / name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(REVISION)
+    return snapshot
+
+
+def test_a_gguf_repository_file_is_named_by_its_tag_as_llama_cpp_does(gguf_repo, tiny_gguf):
+    """`-hf org/name:Q4_K_M` is how a llama.cpp user names a model on the hub; it was "not a file, folder, demo model
+    or hub id"."""
+    loaded = load_model("tiny-org/tiny-llama-GGUF:Q4_K_M", device="cpu", dtype="float32", progress=False)
+    assert loaded.name == "tiny-org/tiny-llama-GGUF:Q4_K_M"
+    assert loaded.source == str(gguf_repo / "tiny-llama-q4_k_m.gguf")
+    assert loaded.vocab_size == tiny_gguf[1].config.vocab_size
+    pinned = load_model(f"tiny-org/tiny-llama-GGUF@{REVISION}:q8_0", device="cpu", dtype="float32", progress=False)
+    assert pinned.source == str(gguf_repo / "tiny-llama-q8_0.gguf")
+
+
+def test_a_gguf_tag_the_repository_lacks_or_holds_in_parts_is_one_line(gguf_repo, tiny_gguf):
+    from specdec_cli.errors import ModelLoadError
+
+    with pytest.raises(ModelNotFoundError) as raised:
+        load_model("tiny-org/tiny-llama-GGUF:Q4_K", progress=False)  # not a prefix of Q4_K_M: the name must end in it
+    assert raised.value.one_line() == (
+        "tiny-org/tiny-llama-GGUF has no .gguf file whose name ends in Q4_K — check the tag against the repository's "
+        "files (hf download tiny-org/tiny-llama-GGUF --include '*.gguf' --dry-run lists them), e.g. :Q4_K_M")
+    for part in (1, 2):
+        shutil.copy(tiny_gguf[0], gguf_repo / f"tiny-llama-f16-0000{part}-of-00002.gguf")
+    with pytest.raises(ModelLoadError) as raised:
+        load_model("tiny-org/tiny-llama-GGUF:F16", progress=False)
+    assert raised.value.one_line().startswith("tiny-org/tiny-llama-GGUF's F16 .gguf is split into 2 parts")
+    with pytest.raises(ModelNotFoundError) as raised:
+        load_model("tiny-org/not-downloaded-GGUF:Q4_K_M", progress=False)
+    assert raised.value.one_line().startswith("tiny-org/not-downloaded-GGUF is not in the local Hugging Face cache")
