@@ -73,7 +73,7 @@ def load_library() -> tuple[ctypes.CDLL | None, int, str | None]:
         return None, 0, "this CPU has neither AVX512-VNNI nor AVX2"
     row_kernels.install(library)
     forced = {"avx2": 1, "vnni": min(isa, 2)}.get(choice, isa)
-    from specdec_cli.models.calibrate import calibrated_q4_pairs  # models/calibrate reads this module's results
+    from specdec_cli.models.q4_pairs import calibrated_q4_pairs  # it reads the calibration, which asks this module
 
     library.specdec_q4_pair_up_to(calibrated_q4_pairs(forced))
     return library, forced, None

@@ -3,10 +3,9 @@
 import json
 
 import pytest
-import torch
 
 from specdec_cli.models.calibrate import (
-    calibration_path, cpu, load_calibration, measure_forward_costs, pairs_up_to, save_calibration,
+    calibration_path, load_calibration, measure_forward_costs, save_calibration,
 )
 
 
@@ -171,100 +170,6 @@ def test_a_cache_past_the_models_context_is_refused_before_any_forward(llama_fol
     assert forwards == []
     calibrate.forward_costs(loaded, (1, 4), context_tokens=limit - 4)  # exactly full: timed
     assert len(forwards) == 1
-
-
-# q4's matmul takes its weight blocks two at a time or one at a time (q4_gemm.c): the same bits, a speed that depends
-# on the CPU (faster on an Intel Xeon, slower on an AMD EPYC), so calibrate measures it and the library keeps it.
-
-@pytest.fixture
-def q4_kernel():
-    """The kernel library (skipped where it does not run), its pairing as it was put back after the test."""
-    from specdec_cli.models import int8_kernel
-
-    library, isa, problem = int8_kernel._library()
-    if problem is not None:
-        pytest.skip(problem)
-    before = int8_kernel.q4_pairs()
-    yield library, isa
-    int8_kernel.pair_q4_blocks(before)
-
-
-def _this_machine() -> dict:
-    return {**cpu(), "threads": torch.get_num_threads()}
-
-
-def test_pairs_are_taken_up_to_the_largest_size_where_they_win_there_and_below():
-    single = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}
-    assert pairs_up_to({1: 0.9, 2: 0.9, 4: 0.95, 8: 1.1}, single) == 4
-    assert pairs_up_to({n: 0.5 for n in single}, single) == 8
-    assert pairs_up_to({1: 0.9, 2: 1.2, 4: 0.8, 8: 0.8}, single) == 1  # not past a size where they lose
-    assert pairs_up_to({1: 0.99, 2: 0.8, 4: 0.8, 8: 0.8}, single) == 0  # a tie at one token is no win
-
-
-def test_the_first_q4_model_times_both_ways_and_the_library_keeps_the_faster(llama_folder, q4_kernel, monkeypatch):
-    from specdec_cli.models import calibrate, int8_kernel
-
-    result = measure_forward_costs({"target": str(llama_folder)}, {"target": ["int8", "q4"]}, dtype="float32",
-                                   token_counts=(1,), context_tokens=8, repeats=1)
-    pairs = result["q4_pairs"]
-    assert (pairs["isa"], pairs["model"]) == (q4_kernel[1], str(llama_folder))
-    assert {way: list(row) for way, row in pairs["seconds"].items()} == {"pairs": ["1", "2", "4", "8"],
-                                                                         "single": ["1", "2", "4", "8"]}
-    assert int8_kernel.q4_pairs() == pairs["up_to_tokens"] == pairs_up_to(
-        *({int(n): s for n, s in pairs["seconds"][way].items()} for way in ("pairs", "single")))
-    json.dumps(result)
-    # Timings where pairs win to 2 tokens: the library takes them to 2, and what is timed after runs so.
-    made_up = {"pairs": {1: 0.5, 2: 0.5, 4: 2.0, 8: 2.0}, "single": {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}}
-    monkeypatch.setattr(calibrate, "_interleaved_seconds", lambda runners, *args: made_up)
-    loaded = calibrate.load_model(str(llama_folder), dtype="float32", quantization="q4", progress=False)
-    assert calibrate.measure_q4_pairs(loaded)["up_to_tokens"] == int8_kernel.q4_pairs() == 2
-    unquantised = calibrate.load_model(str(llama_folder), dtype="float32", progress=False)
-    assert calibrate.measure_q4_pairs(unquantised) is None and int8_kernel.q4_pairs() == 2  # no q4 layer: untouched
-
-
-def test_without_a_q4_format_nothing_is_said_of_pairs(llama_folder):
-    result = measure_forward_costs({"target": str(llama_folder)}, {"target": ["int8"]}, dtype="float32",
-                                   token_counts=(1,), context_tokens=8, repeats=1)
-    assert "q4_pairs" not in result
-
-
-def test_a_stored_pairing_counts_for_the_code_it_was_timed_on_and_on_this_machine_only(specdec_home):
-    from specdec_cli.models.calibrate import calibrated_q4_pairs
-
-    stored = {"machine": _this_machine(), "q4_pairs": {"isa": 2, "up_to_tokens": 4}}
-    assert calibrated_q4_pairs(2, stored) == 4
-    assert calibrated_q4_pairs(1, stored) == 0  # the AVX2 code (SPECDEC_INT8_KERNEL=avx2) was not timed
-    for machine in ({**_this_machine(), "cpu": "elsewhere"}, {**_this_machine(), "threads": 99}, {}):
-        assert calibrated_q4_pairs(2, {**stored, "machine": machine}) == 0
-    for odd in ("4", None, [], {"isa": 2}, {"isa": 2, "up_to_tokens": "8"}, {"isa": 2, "up_to_tokens": -3}):
-        assert calibrated_q4_pairs(2, {**stored, "q4_pairs": odd}) == 0
-    assert calibrated_q4_pairs(2) == 0  # nothing stored
-    save_calibration(stored)
-    assert calibrated_q4_pairs(2) == 4
-
-
-def test_loading_the_kernel_library_takes_the_pairing_stored_for_this_machine(specdec_home, q4_kernel, monkeypatch):
-    from pathlib import Path
-
-    from specdec_cli.models import int8_kernel
-
-    library, isa = q4_kernel
-    monkeypatch.setattr(int8_kernel, "_built", lambda: Path(library._name))  # the library built already
-    save_calibration({"machine": _this_machine(), "q4_pairs": {"isa": isa, "up_to_tokens": 4}})
-    assert int8_kernel.load_library()[0].specdec_q4_pairs() == 4
-    save_calibration({"machine": {**_this_machine(), "cpu": "elsewhere"}, "q4_pairs": {"isa": isa, "up_to_tokens": 4}})
-    assert int8_kernel.load_library()[0].specdec_q4_pairs() == 0
-
-
-def test_a_calibration_without_q4_keeps_the_pairing_measured_before():
-    from specdec_cli.models.calibrate import merged_with
-
-    now = {"machine": {"cpu": "here"}, "context_tokens": 200, "clock": "wall", "entries": [], "prompt_reads": []}
-    pairs = {"isa": 2, "model": "m", "up_to_tokens": 4}
-    assert merged_with({**now, "q4_pairs": pairs}, now)[0]["q4_pairs"] == pairs
-    newer = {**pairs, "up_to_tokens": 0}
-    assert merged_with({**now, "q4_pairs": pairs}, {**now, "q4_pairs": newer})[0]["q4_pairs"] == newer
-    assert "q4_pairs" not in merged_with({**now, "machine": {"cpu": "elsewhere"}, "q4_pairs": pairs}, now)[0]
 
 
 def test_a_full_disk_keeps_the_calibration_before_and_leaves_no_partial_file(specdec_home):
