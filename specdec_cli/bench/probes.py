@@ -127,6 +127,10 @@ def environment(target: LoadedModel, draft: LoadedModel | None, background: Back
         from specdec_cli.models.int8 import matmul_name
 
         record["int8_kernel"] = matmul_name()  # which int8 matmul ran (int8_kernel.py)
+    if "q4" in (target.quantization, draft.quantization if draft else None):
+        from specdec_cli.models.int8_kernel import q4_pairs
+
+        record["q4_pairs_up_to"] = q4_pairs()  # q4's blocks two at a time up to this many tokens (models/q4_pairs.py)
     if target.device.type == "cuda":
         record["gpu"] = torch.cuda.get_device_name(target.device)
     return record

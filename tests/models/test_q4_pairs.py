@@ -98,3 +98,16 @@ def test_a_calibration_without_q4_keeps_the_pairing_measured_before():
     newer = {**pairs, "up_to_tokens": 0}
     assert merged_with({**now, "q4_pairs": pairs}, {**now, "q4_pairs": newer})[0]["q4_pairs"] == newer
     assert "q4_pairs" not in merged_with({**now, "machine": {"cpu": "elsewhere"}, "q4_pairs": pairs}, now)[0]
+
+
+def test_compares_json_says_how_q4_took_its_blocks(llama_folder, q4_kernel):
+    from specdec_cli.bench.probes import environment
+    from specdec_cli.models import int8_kernel
+
+    q4_target = load_model(str(llama_folder), dtype="float32", quantization="q4", progress=False)
+    int8_kernel.pair_q4_blocks(4)
+    assert environment(q4_target, None)["q4_pairs_up_to"] == 4
+    int8_kernel.pair_q4_blocks(0)
+    assert environment(q4_target, None)["q4_pairs_up_to"] == 0
+    unquantised = load_model(str(llama_folder), dtype="float32", progress=False)
+    assert "q4_pairs_up_to" not in environment(unquantised, None)
