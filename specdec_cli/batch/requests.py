@@ -274,8 +274,11 @@ def _stop(stop: object) -> tuple[str, ...]:
     if stop is None:
         return ()
     stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(each, str) for each in stops):
+    if not isinstance(stops, list):
         raise BadRecord(f'"stop" must be a string or a list of strings, got {_json_type(stop)}')
+    odd = [each for each in stops if not isinstance(each, str)]
+    if odd:
+        raise BadRecord(f'"stop" must be a string or a list of strings, got a list holding {_json_type(odd[0])}')
     if "" in stops:
         raise BadRecord('"stop" holds an empty string')
     return tuple(stops)
