@@ -57,8 +57,9 @@ def download_gguf(spec: str) -> Path:
                                  f"check the tag against the repository's files (hf download {repo_id} --include "
                                  "'*.gguf' --dry-run lists them), e.g. :Q4_K_M")
     if any(_SPLIT.search(path.stem) for path in found):
-        raise ModelLoadError(f"{repo_id}'s {tag} .gguf is split into {len(found)} parts, which transformers cannot read",
-                             "join them with llama.cpp's llama-gguf-split --merge FIRST-PART OUT.gguf and pass OUT.gguf")
+        raise ModelLoadError(f"{repo_id}'s {tag} .gguf is split into {len(found)} parts, which transformers cannot "
+                             "read", "join them with llama.cpp's llama-gguf-split --merge FIRST-PART OUT.gguf and pass "
+                             "OUT.gguf")
     if len(found) > 1:
         names = ", ".join(path.name for path in found[:4])
         raise ModelNotFoundError(f"{repo_id} has {len(found)} .gguf files ending in {tag} ({names})",

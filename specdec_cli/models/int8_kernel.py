@@ -13,7 +13,8 @@ AMX-INT8 too (and the kernel lets the process use it), the q4 matmul of several 
 the same bits as VNNI).
 SPECDEC_INT8_KERNEL=onednn forces torch's matmul, =avx2 the AVX2 code and =vnni the VNNI code without AMX (to
 compare them; `specdec calibrate` names the one it timed; q4 takes the same switch, and with `onednn` does not
-run); any other value is refused in one line. Without a C compiler the int8 format runs on oneDNN, q4 does not run, and `kernel_problem()` says why."""
+run); any other value is refused in one line. Without a C compiler the int8 format runs on oneDNN, q4 does
+not run, and `kernel_problem()` says why."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """One resolver: a user's string → where its config, tokenizer and weights are.
 
 Accepted: `demo:<name>` (the offline pair), a `.gguf` file, a local folder (config + safetensors), a
-hub id `org/name[@revision]`, or a hub repository's .gguf file by its tag, `org/name[@revision]:Q4_K_M`. Resolving reads metadata only; weights are fetched by `weights_folder`."""
+hub id `org/name[@revision]`, or a hub repository's .gguf file by its tag, `org/name[@revision]:Q4_K_M`.
+Resolving reads metadata only; weights are fetched by `weights_folder`."""
 
 from __future__ import annotations
 
