@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from specdec_cli.errors import InputError
+from specdec_cli.models.paths import replacing
 
 if TYPE_CHECKING:  # settings imports torch; this package must not
     from specdec_cli.batch.requests import Request
@@ -60,18 +61,12 @@ def remember_requests(output: Path, requests: dict[str, str]) -> None:
 
 
 def _write(output: Path, content: dict) -> None:
-    path = settings_path(output)
-    temporary = path.with_name(path.name + ".tmp")
-    try:
+    with replacing(settings_path(output), "choose an -o in a folder you can write") as temporary:
         with open(temporary, "w", encoding="utf-8") as file:
             json.dump(content, file, indent=1, ensure_ascii=False)
             file.write("\n")
             file.flush()
             os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except OSError as error:
-        temporary.unlink(missing_ok=True)  # a full disk left it (empty or cut short)
-        raise InputError(f"cannot write {path}: {error.strerror}", "choose an -o in a folder you can write") from None
 
 
 def read_settings(output: Path) -> dict | None:

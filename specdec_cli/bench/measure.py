@@ -16,7 +16,6 @@ No Rich and no printing here: report.py renders the rows that `Benchmark.summary
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -35,6 +34,7 @@ from specdec_cli.bench.theory import summary_row
 from specdec_cli.engine import GenerationStats, cut_at_eos
 from specdec_cli.errors import InputError
 from specdec_cli.models import LoadedModel
+from specdec_cli.models.paths import replacing
 from specdec_cli.models.preflight import held_weight_bytes
 from specdec_cli.prompts import Prompt
 from specdec_cli.session import build_decoder, encode_chat, encode_completion, encode_folding_system, eos_token_ids
@@ -223,10 +223,5 @@ def encode_prompt(prompt: Prompt, tokenizer, system: str | None = None) -> list[
 
 def write_json(path: Path, report: dict) -> None:
     """Write the report whole or not at all: a temporary file beside `path`, renamed over it."""
-    temporary = path.with_name(f".{path.name}.tmp")
-    try:
+    with replacing(path, "choose a writable path for --json") as temporary:
         temporary.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
-        os.replace(temporary, path)
-    except OSError as error:
-        temporary.unlink(missing_ok=True)  # a full disk left it (empty or cut short)
-        raise InputError(f"cannot write {path}: {error.strerror}", "choose a writable path for --json") from None

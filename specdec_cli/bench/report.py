@@ -3,7 +3,6 @@ PNG plot out. Nothing is measured or computed here beyond formatting."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from rich.markup import escape
@@ -12,7 +11,7 @@ from rich.table import Table
 from specdec_cli.bench.measure import Benchmark
 from specdec_cli.bench.runs import POSITIONS
 from specdec_cli.bench.throughput import ThroughputBenchmark
-from specdec_cli.errors import InputError
+from specdec_cli.models.paths import replacing
 
 
 def _fixed(value: float | None, pattern: str = "{:.1f}") -> str:
@@ -185,12 +184,8 @@ def write_plot(path: Path, rows: list[dict]) -> None:
     if accept_axes.lines:
         accept_axes.legend()
     figure.tight_layout()
-    temporary = path.with_name(f".{path.name}.tmp")  # a full disk leaves no cut-short image (nor an old one cut)
     try:
-        figure.savefig(temporary, dpi=120, format=path.suffix.lstrip(".").lower())
-        os.replace(temporary, path)
-    except OSError as error:
-        temporary.unlink(missing_ok=True)
-        raise InputError(f"cannot write {path}: {error.strerror}", "choose a writable path for --plot") from None
+        with replacing(path, "choose a writable path for --plot") as temporary:  # no cut-short image, nor old one cut
+            figure.savefig(temporary, dpi=120, format=path.suffix.lstrip(".").lower())
     finally:
         plt.close(figure)

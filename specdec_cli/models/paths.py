@@ -11,7 +11,7 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import ContextManager, Iterator
 
-from specdec_cli.errors import CacheWriteError
+from specdec_cli.errors import CacheWriteError, InputError
 
 MOVE_HOME = "free some space there, or set SPECDEC_HOME to a folder on a disk with room"
 _SPARE = 64 * 1024 * 1024  # what a check for room leaves free besides (a stamp, a lock, the file system's own)
@@ -133,6 +133,20 @@ def _umask() -> int:
     current = os.umask(0)
     os.umask(current)
     return current
+
+
+@contextmanager
+def replacing(final: Path, hint: str) -> Iterator[Path]:
+    """A temporary path beside a user's file `final` (a record's settings, --json, --plot) to write it whole; renamed
+    over `final` if the block succeeds, removed if not (a full disk leaves no part, and an earlier `final` whole). An
+    OSError in the block or the rename is one InputError: "cannot write FINAL: why", then `hint`."""
+    temporary = final.with_name(f".{final.name}.tmp")
+    try:
+        yield temporary
+        os.replace(temporary, final)
+    except OSError as error:
+        temporary.unlink(missing_ok=True)
+        raise InputError(f"cannot write {final}: {error.strerror}", hint) from None
 
 
 @contextmanager
