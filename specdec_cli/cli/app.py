@@ -85,6 +85,17 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def one_line_descriptions(typer_app: typer.Typer) -> None:
+    """Each command's line in its group's command list: the docstring as one paragraph. Typer prints the
+    docstring there with its line breaks, so the list broke each description where the source did."""
+    for info in typer_app.registered_commands:
+        if info.short_help is None and info.callback is not None:
+            info.short_help = " ".join((info.callback.__doc__ or "").split())
+    for group in typer_app.registered_groups:
+        if group.typer_instance is not None:
+            one_line_descriptions(group.typer_instance)
+
+
 def _print_version(value: bool) -> None:
     if value:
         typer.echo(f"specdec {__version__}")

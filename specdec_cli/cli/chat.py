@@ -72,8 +72,8 @@ def chat(
     no_color: NoColorOption = False,
 ) -> None:
     """Chat with a model. Tokens are coloured by where they came from: accepted draft tokens, the
-    target's corrections, bonus tokens. Type /help in the chat for commands; a line ending in \\ goes
-    on on the next line. Input may be piped: `echo hi | specdec chat`."""
+    target's corrections, bonus tokens. Type /help in the chat for commands; a line ending in \\
+    continues on the next line. Input may be piped: `echo hi | specdec chat`."""
     from specdec_cli.chat import Conversation, run_chat  # torch and the models: not for --help
     from specdec_cli.models.prefill import load_meanwhile, settle
     from specdec_cli.settings import choose_models, decoding_settings, load_choice

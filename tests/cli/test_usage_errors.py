@@ -96,3 +96,17 @@ def test_a_bug_shows_its_traceback_with_or_without_debug(tmp_path, flags):
     assert process.returncode == 1
     assert "Traceback (most recent call last):" in process.stderr
     assert process.stderr.strip().splitlines()[-1] == "RuntimeError: an internal error"
+
+
+@pytest.mark.parametrize(("args", "command", "said"), [
+    ([], "chat", "accepted draft tokens, the target's corrections, bonus tokens."),
+    ([], "run", "lines, OpenAI Batch API request lines, or both."),
+    (["profiles"], "list", "A broken file is named on stderr (with what is wrong) after the table of the good ones,"),
+])
+def test_a_command_list_gives_each_description_as_one_paragraph(args, command, said):
+    """Typer prints a command's docstring in its group's list with the source's line breaks: at 200 columns the
+    description must run on, not break where the docstring did."""
+    result = CliRunner().invoke(app, [*args, "--help"], env=WIDE)
+    assert_exited(result, 0)
+    line = next(line for line in result.stdout.splitlines() if line.startswith(f"│ {command} "))
+    assert said in line, result.stdout
