@@ -183,7 +183,25 @@ def load_choice(choice: ModelChoice, console: Printer | None = None,
     console.print(draft.describe("draft") if draft else "draft: n-gram lookup", markup=False)
     if choice.drafter == "tree" and draft is not None:
         say_tree_note(target, draft, console)
+    note = kernels_note(target, draft)
+    if note:
+        console.print(note, markup=False)
     return target, draft
+
+
+def kernels_note(target: LoadedModel, draft: LoadedModel | None) -> str | None:
+    """The line saying why an int8 model runs on torch's oneDNN: specdec's kernels did not build (no C compiler).
+    Without it `auto` ran the demo pair in int8 at ~7 tok/s where q4 on the kernels runs at ~30 (AMD EPYC
+    AVX512), and nothing said why; a compiler fixes it."""
+    from specdec_cli.models import int8_kernel
+
+    slow = [model for model in (target, draft) if model is not None and model.device.type == "cpu"
+            and model.quantization == "int8"]
+    problem = int8_kernel.build_problem() if slow else None
+    if problem is None:
+        return None
+    return (f"note: {problem}, so int8 runs on torch's oneDNN matmul, several times slower, and q4 cannot run — "
+            "install a C compiler (gcc) or set CC to one, then start again")
 
 
 def _read_prompts(choice: ModelChoice, target: LoadedModel, draft: LoadedModel | None, console: Printer,

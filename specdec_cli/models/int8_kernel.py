@@ -46,6 +46,9 @@ BLOCK = 32  # output rows per packed block (int8_gemm.c)
 KERNEL_CHOICES = ("", "onednn", "avx2", "vnni")  # SPECDEC_INT8_KERNEL's values ("": unset, the CPU's best)
 
 
+BUILD_FAILED = "specdec's matmul kernels (int8, q4) did not build"
+
+
 @functools.cache
 def _library() -> tuple[ctypes.CDLL | None, int, str | None]:
     return load_library()
@@ -66,7 +69,7 @@ def load_library() -> tuple[ctypes.CDLL | None, int, str | None]:
     try:
         path = _built()
     except (OSError, subprocess.SubprocessError) as error:
-        return None, 0, f"specdec's matmul kernels (int8, q4) did not build ({error})"
+        return None, 0, f"{BUILD_FAILED} ({error})"
     library = ctypes.CDLL(str(path))
     _declare(library)
     isa = library.specdec_isa()
@@ -199,6 +202,13 @@ def _declare(library: ctypes.CDLL) -> None:
     library.specdec_lean_mlp.restype = integer
     library.specdec_lean_mlp.argtypes = [integer, integer, pointer, pointer, size, size, pointer, pointer,
                                          ctypes.c_float, pointer, pointer, pointer]
+
+
+def build_problem() -> str | None:
+    """Why the kernels did not build here (no C compiler, a compiler that fails), where that is what keeps them
+    from running: the one kernel problem a user can fix. None when they run, or for any other reason."""
+    problem = _library()[2]
+    return problem if problem is not None and problem.startswith(BUILD_FAILED) else None
 
 
 def kernel_problem(bits: int) -> str | None:

@@ -83,6 +83,30 @@ def test_load_choice_says_once_what_was_chosen(tmp_path):
     assert console.export_text().splitlines() == [f"target: {tmp_path / 'tiny'} · cpu · float32", "draft: n-gram lookup"]
 
 
+@pytest.mark.parametrize("quantization", ["int8", "none"])
+def test_load_choice_says_why_int8_runs_on_onednn_where_the_kernels_did_not_build(tmp_path, monkeypatch, quantization):
+    """A machine without a C compiler: the kernels really fail to build (CC=false, a fresh home), int8 falls back to
+    torch's oneDNN matmul, and one note says why and what to install; a float model needs no kernel and gets none."""
+    from rich.console import Console
+
+    from specdec_cli.models import int8_kernel
+    from tests.tiny import build_tiny_model
+
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(int8_kernel, "_library", int8_kernel.load_library)  # built anew, not the process's cached one
+    build_tiny_model(tmp_path / "tiny")
+    console = Console(record=True, width=400)
+    target, _ = load_choice(choose(target=str(tmp_path / "tiny"), device="cpu", dtype="float32",
+                                   target_quant=quantization), console)
+    assert target.quantization == (None if quantization == "none" else quantization)
+    notes = [line for line in console.export_text().splitlines() if line.startswith("note:")]
+    expected = ("note: specdec's matmul kernels (int8, q4) did not build (false failed: no output), so int8 runs on "
+                "torch's oneDNN matmul, several times slower, and q4 cannot run — install a C compiler (gcc) or set "
+                "CC to one, then start again")
+    assert notes == ([expected] if quantization == "int8" else [])
+
+
 def _command_app():
     """A command declared with the shared options, as chat/run/compare do."""
     import typer
