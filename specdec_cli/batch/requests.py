@@ -197,6 +197,14 @@ def _message(index: int, message: object) -> dict:
     content = message.get("content")
     if isinstance(content, list) and all(_is_text_part(part) for part in content):
         content = "".join(part["text"] for part in content)  # OpenAI's [{"type": "text", "text": ...}]
+    if isinstance(content, list):
+        other = next(part for part in content if not _is_text_part(part))
+        if isinstance(other, dict) and isinstance(other.get("type"), str) and other["type"] != "text":
+            raise BadRecord(f'messages[{index}].content holds a part of type "{other["type"]}": specdec runs text models, '
+                            'so a message\'s parts must all be {"type": "text", "text": ...}')
+    if content is None and message.get("tool_calls"):
+        raise BadRecord(f'messages[{index}] holds "tool_calls": specdec does not run tools, so a conversation cannot '
+                        'hold tool calls or their results')
     if not isinstance(content, str):
         raise BadRecord(f'messages[{index}].content must be a string or a list of text parts, got {_json_type(content)}')
     return {"role": message["role"], "content": content}
