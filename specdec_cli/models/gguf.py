@@ -3,10 +3,14 @@
 A conversion is keyed by the file (its identity), the dtype and the versions of transformers and gguf
 that made it: a conversion bug fixed by an upgrade (or brought by one) gets a fresh entry instead of
 being read back from the cache for ever. One process converts a file at a time (paths.one_maker), only where
-the disk and the free RAM hold it, and a cached conversion found damaged is converted again."""
+the disk and the free RAM hold it, and a cached conversion found damaged is converted again. A new conversion
+first removes the ones it supersedes (`superseded_conversions`), which nothing here can read again: without
+that, every upgrade of transformers left the demo pair's 4.6 GB behind, and the disk filled with specdec's own
+dead entries."""
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import importlib.util
 import json
@@ -138,13 +142,44 @@ def ensure_converted(path: Path, dtype: torch.dtype, identity: str | None = None
                 return folder
             what = f"its cached conversion is damaged ({problem}): converting"
             shutil.rmtree(folder, ignore_errors=True)
+        for older in superseded_conversions(path, dtype, identity):
+            shutil.rmtree(older, ignore_errors=True)
         size = element_count(path) * dtype.itemsize
         check_room(folder.parent, size, f"converting {path.name} to safetensors")
         _check_memory(path, int(CONVERSION_MEMORY * size))
         with status(f"{what} {path.name} to safetensors (once) ...", progress):
             with atomic_folder(folder) as staging:
                 _convert(path, dtype, staging)
+                (staging / SOURCE).write_text(json.dumps(_source_record(path, dtype)), encoding="utf-8")
     return folder
+
+
+SOURCE = "specdec-source.json"  # in each conversion: the .gguf (its absolute path) and dtype it was made from
+
+
+def _source_record(path: Path, dtype: torch.dtype) -> dict:
+    return {"gguf": str(path.resolve()), "dtype": dtype_name(dtype)}
+
+
+def superseded_conversions(path: Path, dtype: torch.dtype, identity: str | None = None) -> list[Path]:
+    """The cached conversions of `path` at `dtype` other than today's: those of the same file by other versions of
+    transformers or gguf (an upgrade; the key says so), and those of what the path held before (a file changed or
+    downloaded again: their SOURCE names the path). This install can read none of them again. Another dtype's
+    conversion stays, and so do conversions from before SOURCE of a file since changed (nothing names their file)."""
+    current = converted_folder(path, dtype, identity)
+    home = current.parent
+    if not home.is_dir():
+        return []
+    stem = glob.escape(path.stem)
+    older = set(home.glob(f"{stem}-{identity or file_identity(path)}-tf*-gguf*-{dtype_name(dtype)}"))
+    record = _source_record(path, dtype)
+    for folder in home.glob(f"{stem}-*-{dtype_name(dtype)}"):
+        try:
+            if json.loads((folder / SOURCE).read_text(encoding="utf-8")) == record:
+                older.add(folder)
+        except (OSError, ValueError):
+            continue
+    return sorted(folder for folder in older if folder != current and folder.is_dir())
 
 
 # What a conversion holds at its peak, in multiples of the converted weights' size: transformers keeps every

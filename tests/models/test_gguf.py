@@ -238,3 +238,40 @@ def test_a_gguf_of_an_architecture_transformers_cannot_read_is_named_as_such(spe
     line = raised.value.one_line()
     assert line.startswith(f"{path} holds a 'clip' model, which transformers cannot read from a .gguf")
     assert "download" not in line and "mmproj" in line
+
+
+def test_a_new_conversion_removes_the_ones_it_supersedes(tiny_gguf, specdec_home, monkeypatch, tmp_path):
+    """Every transformers upgrade converted the demo pair again beside the old conversion (4.6 GB each time), and a
+    .gguf downloaded again did the same: the disk filled with entries nothing could read. A new conversion removes
+    those of the same file and dtype by other converter versions, and those of what the same path held before;
+    another dtype's conversion and other files' stay."""
+    import os
+    import shutil
+
+    path = tmp_path / "mine" / tiny_gguf[0].name  # its own copy: this test changes the file's mtime
+    path.parent.mkdir()
+    shutil.copy(tiny_gguf[0], path)
+    load_model(str(path), device="cpu", dtype="float32", progress=False)
+    load_model(str(path), device="cpu", dtype="bfloat16", progress=False)
+    (as_bfloat16,) = [entry for entry in gguf.existing_conversions(path) if entry.name.endswith("bfloat16")]
+    other_file = tmp_path / "other" / path.name  # the same name in another folder: another file
+    other_file.parent.mkdir()
+    shutil.copy(path, other_file)
+    load_model(str(other_file), device="cpu", dtype="float32", progress=False)
+    (other,) = gguf.existing_conversions(other_file)
+
+    monkeypatch.setattr(gguf, "converter_versions", lambda: "tf99.0.0-gguf9.9.9")  # an upgrade
+    (before,) = [entry for entry in gguf.superseded_conversions(path, torch.float32)]
+    assert before.name.endswith("float32") and before != other
+    load_model(str(path), device="cpu", dtype="float32", progress=False)
+    (upgraded,) = [entry for entry in gguf.existing_conversions(path) if entry.name.endswith("-float32")]
+    assert "tf99.0.0-gguf9.9.9" in upgraded.name and not before.exists()
+    assert as_bfloat16.is_dir() and other.is_dir()
+
+    os.utime(path, ns=(0, 0))  # the file changed in place (downloaded again): a new identity
+    load_model(str(path), device="cpu", dtype="float32", progress=False)
+    (changed,) = [entry for entry in gguf.existing_conversions(path) if entry.name.endswith("-float32")]
+    assert changed != upgraded and not upgraded.exists() and gguf.conversion_problem(changed) is None
+    assert as_bfloat16.is_dir() and other.is_dir()
+    assert sorted(entry.name for entry in (specdec_home / "gguf").iterdir() if not entry.name.startswith(".")) == \
+        sorted([changed.name, as_bfloat16.name, other.name])
