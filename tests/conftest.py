@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from tests.isolation import specdec_home  # noqa: F401  (autouse: no test writes the real cache)
+from tests.isolation import module_specdec_home, specdec_home  # noqa: F401  (autouse: no test writes the real cache)
 
 VOCAB = 96
 

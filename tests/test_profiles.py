@@ -2,7 +2,7 @@ import pytest
 
 from specdec_cli.errors import ProfileError
 from specdec_cli.profiles import DEFAULT_PROFILE, list_profiles, load_profile, scan_profiles
-from tests.isolation import specdec_home  # noqa: F401  (autouse)
+from tests.isolation import module_specdec_home, specdec_home  # noqa: F401  (autouse)
 
 SHIPPED = {"demo", "demo-ngram", "qwen2.5-7b", "qwen2.5-7b-4bit", "qwen2.5-coder-7b", "llama-3.1-8b", "gemma-2-9b"}
 
