@@ -4,6 +4,7 @@ HF_HOME, HF_HUB_CACHE, HF_TOKEN and HF_HUB_OFFLINE are honoured by huggingface-h
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -72,6 +73,11 @@ def split_revision(spec: str) -> tuple[str, str | None]:
     return repo_id, revision or None
 
 
+def _set(value: str | None) -> bool:
+    """An environment switch as huggingface_hub reads it: 1, ON, YES or TRUE, in any case."""
+    return (value or "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
 def _hub_error(spec: str, error: Exception) -> ModelNotFoundError:
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -87,9 +93,16 @@ def _hub_error(spec: str, error: Exception) -> ModelNotFoundError:
     if isinstance(error, RepositoryNotFoundError):
         return ModelNotFoundError(f"{spec} was not found on the Hugging Face hub", "check the name, or set HF_TOKEN for a private model")
     if isinstance(error, LocalEntryNotFoundError):
-        return ModelNotFoundError(
-            f"{spec} is not in the local Hugging Face cache and the hub cannot be reached (offline)",
-            "connect and unset HF_HUB_OFFLINE to download it once, or pass a local folder or .gguf file",
+        offline = [name for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE") if _set(os.environ.get(name))]
+        if offline:  # the user's own switch: say which
+            return ModelNotFoundError(
+                f"{spec} is not in the local Hugging Face cache and {offline[0]} is set",
+                f"unset {offline[0]} to download it once, or pass a local folder or .gguf file",
+            )
+        return ModelNotFoundError(  # no switch: the network (or a proxy) did not reach huggingface.co
+            f"{spec} is not in the local Hugging Face cache and the hub cannot be reached",
+            "check the connection to huggingface.co (or HTTPS_PROXY, or HF_ENDPOINT for a mirror) to download it "
+            "once, or pass a local folder or .gguf file",
         )
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return ModelNotFoundError(f"cannot download {spec} from the hub: {first_line}", "check the connection or HF_TOKEN")

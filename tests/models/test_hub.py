@@ -43,9 +43,24 @@ def test_an_uncached_model_offline_is_one_line_naming_it(offline_hub):
     with pytest.raises(ModelNotFoundError) as raised:
         load_model("tiny-org/not-downloaded", progress=False)
     line = raised.value.one_line()
-    assert line.startswith("tiny-org/not-downloaded is not in the local Hugging Face cache")
-    assert "HF_HUB_OFFLINE" in line
+    assert line.startswith("tiny-org/not-downloaded is not in the local Hugging Face cache and HF_HUB_OFFLINE is set")
+    assert "unset HF_HUB_OFFLINE to download it once" in line
     assert "\n" not in line
+
+
+def test_an_uncached_model_with_no_network_says_to_check_the_connection_not_hf_hub_offline(offline_hub, monkeypatch):
+    """Not offline by the user's switch, the hub just out of reach (no network, a proxy): the line said "unset
+    HF_HUB_OFFLINE", which the user never set."""
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    with pytest.raises(ModelNotFoundError) as raised:
+        load_model("tiny-org/not-downloaded", progress=False)
+    assert raised.value.one_line() == (
+        "tiny-org/not-downloaded is not in the local Hugging Face cache and the hub cannot be reached — check the "
+        "connection to huggingface.co (or HTTPS_PROXY, or HF_ENDPOINT for a mirror) to download it once, or pass a "
+        "local folder or .gguf file")
 
 
 def test_a_hub_repository_of_gguf_files_says_to_pass_one_of_them(offline_hub):
