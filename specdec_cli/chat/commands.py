@@ -20,7 +20,8 @@ HELP = f"""\
 /stats           totals for this session
 /save FILE       write the transcript as JSON lines (one message per line)
 /exit            quit (also Ctrl-D; Ctrl-C at the prompt)
-End a line with {CONTINUATION} to continue your message on the next line. Ctrl-C stops a reply."""
+End a line with {CONTINUATION} to continue your message on the next line; start it with // to send a message that
+begins with / (//usr/bin sends /usr/bin). Ctrl-C stops a reply."""
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,12 @@ class Outcome:
 
 
 def is_command(line: str) -> bool:
-    return line.startswith("/")
+    return line.startswith("/") and not line.startswith("//")
+
+
+def as_message(line: str) -> str:
+    """A line that is no command as the message it sends: `//` sends one `/` (a path, a regex, a comment)."""
+    return line[1:] if line.startswith("//") else line
 
 
 def _help(conversation: Conversation, argument: str) -> Outcome:
@@ -95,5 +101,6 @@ def run_command(conversation: Conversation, line: str) -> Outcome:
     name, _, argument = line[1:].strip().partition(" ")
     command = COMMANDS.get(name.lower())
     if command is None:
-        raise InputError(f"unknown command /{name}", "type /help for the list")
+        raise InputError(f"unknown command /{name}", "type /help for the list, or start the line with // to send it "
+                                                     "as a message")
     return command(conversation, argument.strip())

@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.text import Text
 
 from specdec_cli import render
-from specdec_cli.chat.commands import CONTINUATION, is_command, run_command
+from specdec_cli.chat.commands import CONTINUATION, as_message, is_command, run_command
 from specdec_cli.chat.conversation import Conversation
 from specdec_cli.chat.history import Message
 from specdec_cli.chat.text import Piece
@@ -101,7 +101,7 @@ def handle(conversation: Conversation, screen: Screen, message: str) -> bool:
         return True
     try:
         if not is_command(message):
-            stream_reply(conversation, screen, message)
+            stream_reply(conversation, screen, as_message(message))
             return True
         outcome = run_command(conversation, message)
     except SpecdecError as error:

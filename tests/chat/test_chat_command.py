@@ -144,7 +144,8 @@ def test_exit_ends_the_chat_and_later_lines_are_not_read(chat):
         ("/k 99", "error: invalid draft length '99' — use a number from 0 to 16, or auto"),
         ("/temp hot", "error: invalid temperature 'hot' — use a number, e.g. /temp 0.7 (0 = greedy)"),
         ("/save /proc/no/such/place.jsonl", "error: cannot write /proc/no/such/place.jsonl: No such file or directory — pick a folder you can write to"),
-        ("/dance", "error: unknown command /dance — type /help for the list"),
+        ("/dance", "error: unknown command /dance — type /help for the list, or start the line with // to send it as "
+                   "a message"),
     ],
 )
 def test_a_bad_command_is_one_line_and_the_chat_goes_on(chat, line, complaint):
@@ -152,6 +153,17 @@ def test_a_bad_command_is_one_line_and_the_chat_goes_on(chat, line, complaint):
     assert_exited(result, 0)
     assert result.stderr.splitlines()[-1] == complaint
     assert re.search(r"\d+ tokens? · ", result.stdout)  # the next message still got its reply
+
+
+def test_a_line_starting_with_two_slashes_is_a_message_with_one(chat, tmp_path):
+    """A message that begins with / (a path, a regex) read as an unknown command, and nothing could send it."""
+    path = tmp_path / "chat.jsonl"
+    result = chat(f"//usr/bin/python is slow\n/save {path}\n")
+    assert_exited(result, 0)
+    assert "unknown command" not in result.stderr
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    assert [(record["role"], record["content"]) for record in records][0] == ("user", "/usr/bin/python is slow")
+    assert records[1]["role"] == "assistant" and records[1]["content"] in result.stdout
 
 
 def test_a_bad_model_is_one_line_and_exit_2(tiny_pair, tmp_path):
