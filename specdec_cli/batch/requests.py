@@ -305,8 +305,11 @@ def refuse_one_document(requests: list[Request], lines: list[bytes], source: str
 def read_input(source: str) -> list[bytes]:
     """The lines of INPUT (`-`: stdin), as bytes: a line that is not UTF-8 fails alone."""
     if source == "-":
-        return sys.stdin.buffer.read().splitlines()
-    try:
-        return Path(source).read_bytes().splitlines()
-    except OSError as error:
-        raise InputError(f"cannot read {source}: {error.strerror}", "check the input path") from None
+        data = sys.stdin.buffer.read()
+    else:
+        try:
+            data = Path(source).read_bytes()
+        except OSError as error:
+            raise InputError(f"cannot read {source}: {error.strerror}", "check the input path") from None
+    jsonl.refuse_wide_encoding(data, source)
+    return data.splitlines()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec_cli.errors import InputError
-from specdec_cli.prompts.jsonl import refuse_one_document
+from specdec_cli.prompts.jsonl import refuse_one_document, refuse_wide_encoding
 from specdec_cli.prompts.builtin import BUILTIN_PROMPTS
 
 DEFAULT_CATEGORY = "default"
@@ -39,7 +39,9 @@ def builtin_prompts() -> list[Prompt]:
 
 def read_prompt_file(path: Path) -> list[Prompt]:
     try:
-        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors) is not part of line 1
+        data = path.read_bytes()
+        refuse_wide_encoding(data, str(path))
+        text = data.decode("utf-8-sig")  # a byte-order mark (Windows editors) is not part of line 1
     except FileNotFoundError:
         raise InputError(f"no prompt file {path}", "give an existing .jsonl file") from None
     except (OSError, UnicodeDecodeError) as error:

@@ -1,5 +1,5 @@
 """What `run` (batch/requests.py) and `compare` (prompt files) say when a file of JSON lines is one JSON document
-instead. No torch, no Rich."""
+instead, or UTF-16 or UTF-32 text. No torch, no Rich."""
 
 from __future__ import annotations
 
@@ -30,3 +30,22 @@ def refuse_one_document(text: str, source: str) -> None:
     if isinstance(document, dict) and lines > 1:
         raise InputError(f"{name} is one JSON object over {lines} lines, not JSON lines",
                          f"write each object on one line, e.g. jq -c . {file} > {lines_file}")
+
+
+# Byte-order marks of the encodings a Windows tool writes where UTF-8 was meant (Windows PowerShell 5's `>` and
+# Out-File write UTF-16 LE), longest first: UTF-32 LE's begins with UTF-16 LE's.
+WIDE_MARKS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
+              (b"\xfe\xff", "UTF-16"))
+
+
+def refuse_wide_encoding(data: bytes, source: str) -> None:
+    """Raise InputError when `data` (the file's first bytes at least) starts with a UTF-16 or UTF-32 byte-order mark:
+    every line of such a file failed alone as "not UTF-8", and its NUL bytes split it into lines that are not there."""
+    encoding = next((name for mark, name in WIDE_MARKS if data.startswith(mark)), None)
+    if encoding is None:
+        return
+    name = "standard input" if source == "-" else source
+    file = "FILE" if source == "-" else shlex.quote(source)
+    raise InputError(f"{name} is {encoding} text, not UTF-8",
+                     f"save it as UTF-8 (PowerShell: Out-File -Encoding utf8), or convert it: iconv -f {encoding} -t "
+                     f"UTF-8 {file} > {file.removesuffix('.jsonl')}-utf8.jsonl")

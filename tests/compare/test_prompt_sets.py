@@ -86,6 +86,23 @@ def test_a_byte_order_mark_is_not_part_of_the_first_line(tmp_path):
     assert [prompt.text for prompt in read_prompt_file(path)] == ["hi", "yo"]
 
 
+@pytest.mark.parametrize(("encoding", "name"), [("utf-16", "UTF-16"), ("utf-16-be", "UTF-16"), ("utf-32", "UTF-32")])
+def test_a_utf16_or_utf32_file_is_named_as_such_by_compare_and_run(tmp_path, encoding, name):
+    """Windows PowerShell 5's `>` writes UTF-16: compare said only that the file was not UTF-8, and run failed every
+    line alone as "not UTF-8", plus lines the NUL bytes made up."""
+    from specdec_cli.batch import read_input
+
+    path = tmp_path / "q.jsonl"
+    mark = "\ufeff" if encoding == "utf-16-be" else ""  # the plain codecs write their own mark
+    path.write_bytes((mark + json.dumps({"prompt": "hi"}) + "\n" + json.dumps({"prompt": "yo"}) + "\n").encode(encoding))
+    says = (f"{path} is {name} text, not UTF-8 — save it as UTF-8 (PowerShell: Out-File -Encoding utf8), or convert it: "
+            f"iconv -f {name} -t UTF-8 {path} > {tmp_path / 'q'}-utf8.jsonl")
+    for read in (read_prompt_file, read_input):
+        with pytest.raises(InputError) as raised:
+            read(path) if read is read_prompt_file else read(str(path))
+        assert raised.value.one_line() == says
+
+
 @pytest.mark.parametrize(("text", "says"), [
     (json.dumps(spec_bench_lines()), "q.json is one JSON list of 10 items, not JSON lines — write one object per line, "
                                      "e.g. jq -c '.[]' {folder}/q.json > {folder}/q.jsonl"),
