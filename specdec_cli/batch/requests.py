@@ -163,8 +163,6 @@ def _openai_fields(value: dict) -> dict:
         raise BadRecord(f"unsupported url {url!r}: use {CHAT_URL} or {COMPLETIONS_URL}")
     if not isinstance(body, dict):
         raise BadRecord(f'"body" must be an object, got {_json_type(body)}')
-    if body.get("n") not in (None, 1):
-        raise BadRecord(f'"n" must be 1 (one completion per request), got {body.get("n")!r}')
     wanted, other = ("messages", "prompt") if url == CHAT_URL else ("prompt", "messages")
     if body.get(wanted) is None:
         raise BadRecord(f'{url} needs "{wanted}" in "body"' + (f', not "{other}"' if other in body else ""))
@@ -243,16 +241,27 @@ def _sampling_fields(value: dict, max_tokens: object, max_key: str) -> dict:
     """The optional per-request settings; null means unset, like a missing key. HF's `"do_sample": false` means
     greedy, as in generate (whatever the temperature)."""
     _refuse_unsupported(value)
+    if value.get("n") not in (None, 1) or isinstance(value.get("n"), bool):  # a plain line's too: it was ignored
+        raise BadRecord(f'"n" must be 1 (one completion per request), got {json.dumps(value["n"])[:40]}')
     greedy = value.get("do_sample") is False
     return {
         "max_new_tokens": _optional(max_tokens, lambda v: _integer(max_key, v, 1)),
         "temperature": 0.0 if greedy else _optional(value.get("temperature"),
                                                     lambda v: _number("temperature", v, 0.0, None)),
         "top_p": _optional(value.get("top_p"), lambda v: _number("top_p", v, 0.0, 1.0, open_low=True)),
-        "top_k": _optional(value.get("top_k"), lambda v: _integer("top_k", v, 0)),
+        "top_k": _optional(value.get("top_k"), _top_k),
         "seed": _optional(value.get("seed"), lambda v: _integer("seed", v, 0, MAX_SEED)),
         "stop": _stop(value.get("stop")),
     }
+
+
+def _top_k(value: object) -> int:
+    """0 keeps every token, and so does vLLM's -1 (its default: lines written for vLLM carry it)."""
+    if value == -1 and not isinstance(value, bool):
+        return 0
+    if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+        raise BadRecord(f'"top_k" must be at least 0 (or -1, as vLLM has it: every token), got {value}')
+    return _integer("top_k", value, 0)
 
 
 def _optional(value: object, check: Callable[[object], object]) -> object:

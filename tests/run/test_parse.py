@@ -64,6 +64,13 @@ def test_a_setting_specdec_does_not_do_is_that_lines_error_unless_it_changes_not
     assert parse(neutral_line).error is None
 
 
+def test_top_k_minus_one_keeps_every_token_as_in_vllm():
+    """vLLM's default top_k is -1 (every token), so lines written for it carry -1: each got an error record."""
+    assert parse({"prompt": "x", "top_k": -1}).top_k == 0
+    assert parse(openai_line(messages=[{"role": "user", "content": "hi"}], top_k=-1)).top_k == 0
+    assert parse({"prompt": "x", "top_k": 0, "n": 1}).top_k == 0
+
+
 def test_do_sample_false_is_greedy_as_in_hf_generate():
     assert parse({"prompt": "x", "do_sample": False, "temperature": 0.7}).temperature == 0.0
     assert parse({"prompt": "x", "do_sample": True, "temperature": 0.7}).temperature == 0.7
@@ -105,7 +112,10 @@ def test_a_record_without_an_id_gets_its_line_number():
         ({"prompt": "x", "temperature": -1}, 'line 1: "temperature" must be at least 0, got -1'),
         ({"prompt": "x", "temperature": "hot"}, 'line 1: "temperature" must be a number, got a string'),
         ({"prompt": "x", "top_p": 0}, 'line 1: "top_p" must be in (0, 1], got 0'),
-        ({"prompt": "x", "top_k": -3}, 'line 1: "top_k" must be at least 0, got -3'),
+        ({"prompt": "x", "top_k": -3}, 'line 1: "top_k" must be at least 0 (or -1, as vLLM has it: every token), got -3'),
+        ({"prompt": "x", "top_k": True}, 'line 1: "top_k" must be an integer, got a boolean'),
+        ({"prompt": "x", "n": 2}, 'line 1: "n" must be 1 (one completion per request), got 2'),
+        ({"messages": [{"role": "user", "content": "x"}], "n": True}, 'line 1: "n" must be 1 (one completion per request), got true'),
         ({"prompt": "x", "seed": 2**64}, f'line 1: "seed" must be at least 0 and at most {2**64 - 1}, got {2**64}'),
         ({"prompt": "x", "stop": [1]}, 'line 1: "stop" must be a string or a list of strings, got a list holding a number'),
         ({"prompt": "x", "stop": ["a", None]}, 'line 1: "stop" must be a string or a list of strings, got a list holding null'),
