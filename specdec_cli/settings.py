@@ -322,7 +322,7 @@ def decoding_settings(
         k=parse_k(k if k is not None else profile.k),
         temperature=temperature if temperature is not None else profile.temperature,
         top_p=top_p if top_p is not None else profile.top_p,
-        top_k=top_k if top_k is not None else profile.top_k,
+        top_k=(0 if top_k == -1 else top_k) if top_k is not None else profile.top_k,  # vLLM's -1: every token
         seed=seed,
         max_new_tokens=max_new_tokens if max_new_tokens is not None else profile.max_new_tokens,
         system=system if system is not None else profile.system,

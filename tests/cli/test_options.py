@@ -212,3 +212,19 @@ class _Named:
 
     def describe(self, role):
         return role
+
+
+@pytest.mark.parametrize(("top_k", "kept"), [(None, 20), (-1, 0), (0, 0), (5, 5)])
+def test_top_k_minus_one_is_every_token_as_in_vllm(top_k, kept):
+    """A vLLM user's --top-k -1 (its 'every token') was refused; -2 still is."""
+    from specdec_cli.settings import decoding_settings
+
+    profile = choose().profile
+    assert decoding_settings(profile, top_k=top_k).top_k == kept
+
+
+def test_top_k_below_minus_one_is_refused():
+    from specdec_cli.settings import decoding_settings
+
+    with pytest.raises(InputError, match="top_k must be >= 0, got -2"):
+        decoding_settings(choose().profile, top_k=-2)
