@@ -26,13 +26,13 @@ from specdec_cli.batch.requests import (
 from specdec_cli.batch.sidecar import (
     check_resumed_requests, check_resumed_settings, record_settings, remember_requests, settings_path, write_settings,
 )
-from specdec_cli.batch.writer import DurableWriter, check_output, read_finished
+from specdec_cli.batch.writer import STDOUT, DurableWriter, check_output, output_name, read_finished
 
 __all__ = [
-    "CHAT_URL", "COMPLETIONS_URL", "MAX_SEED", "OPENAI_KEYS", "BadRecord", "BatchSummary", "BatchedGeneration", "Completion", "DurableWriter",
+    "CHAT_URL", "COMPLETIONS_URL", "MAX_SEED", "OPENAI_KEYS", "STDOUT", "BadRecord", "BatchSummary", "BatchedGeneration", "Completion", "DurableWriter",
     "Generate", "GenerateOne", "ModelGeneration", "Outcome", "OutputLock", "RayOptions", "RayWorkers", "Request", "Stream",
     "WorkerReport", "check_output", "check_resumed_requests", "check_resumed_settings", "each", "error_record", "import_ray", "in_groups",
-    "lock_path", "one_at_a_time", "parse_line", "pending_requests", "read_finished", "read_input", "read_requests",
+    "lock_path", "one_at_a_time", "output_name", "parse_line", "pending_requests", "read_finished", "read_input", "read_requests",
     "record_failed", "record_key", "record_settings", "record_stats", "refuse_one_document", "remember_requests", "run_batch", "run_grouped", "run_streamed",
     "settings_path", "success_record", "write_settings",
 ]

@@ -17,6 +17,12 @@ def check_output(output: Path, resume: bool, overwrite: bool) -> None:
     would mix two runs in one file, and overwriting it silently would lose finished records."""
     if resume and overwrite:
         raise InputError("--resume and --overwrite contradict each other", "pick one")
+    if output == STDOUT:
+        if resume or overwrite:
+            flag = "--resume" if resume else "--overwrite"
+            raise InputError(f"{flag} needs an OUTPUT file, and -o - writes to standard output",
+                             "write to a file with -o FILE to resume or replace it")
+        return
     if output.is_dir():
         raise InputError(f"{output} is a folder", "give a file name for -o")
     if not output.parent.is_dir():
@@ -55,12 +61,24 @@ def _finished_record(output: Path, number: int, line: bytes) -> dict:
     return record
 
 
+STDOUT = Path("-")  # `-o -`: the records go to standard output, in input order, as they are done
+
+
+def output_name(output: Path) -> str:
+    """OUTPUT in a message: its path, or "standard output"."""
+    return "standard output" if output == STDOUT else str(output)
+
+
 class DurableWriter:
     """Appends one JSON line per record; `write` returns only once the record is on disk. A write that
-    fails (disk full) raises OutputWriteError after cutting the file back to its last whole record."""
+    fails (disk full) raises OutputWriteError after cutting the file back to its last whole record.
+    For STDOUT it writes to a copy of file descriptor 1 (whatever it is: a pipe, a terminal, a redirected file)."""
 
     def __init__(self, output: Path, replace: bool) -> None:
         self.output = output
+        if output == STDOUT:
+            self._descriptor = os.dup(1)
+            return
         created = not output.exists()
         flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if replace else os.O_APPEND)
         try:
@@ -80,6 +98,9 @@ class DurableWriter:
             _fsync(self._descriptor)
         except OSError as error:
             _cut_back(self._descriptor, size)
+            if self.output == STDOUT:
+                raise OutputWriteError(f"cannot write to standard output: {error.strerror}",
+                                       "write to a file with -o FILE, which --resume can continue") from None
             raise OutputWriteError(f"cannot write {self.output}: {error.strerror}",
                                    "make room (or fix the disk) and run the same command with --resume") from None
 

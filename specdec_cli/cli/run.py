@@ -38,7 +38,7 @@ WRITE_FAILED = 3  # OUTPUT could not be written (disk full); 1 means "some recor
 @report_errors
 def run_command(
     input: Annotated[str, typer.Argument(metavar="INPUT", help="JSONL requests, one per line; - reads stdin.", show_default=False)],
-    output: Annotated[Path, typer.Option("--output", "-o", help="JSONL file for the results (one line per request, in input order).", rich_help_panel=_FILES, show_default=False)],
+    output: Annotated[Path, typer.Option("--output", "-o", help="JSONL file for the results (one line per request, in input order); - writes them to stdout.", rich_help_panel=_FILES, show_default=False)],
     resume: Annotated[bool, typer.Option("--resume", help="Continue OUTPUT: skip the requests it already answers.", rich_help_panel=_FILES)] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUTPUT if it exists.", rich_help_panel=_FILES)] = False,
     force: Annotated[bool, typer.Option("--force", help="With --resume: continue OUTPUT even with other settings than it was made with.", rich_help_panel=_FILES)] = False,
@@ -196,7 +196,10 @@ def _same_file(source: Path, output: Path) -> bool:
 
 
 def _output_lock(output: Path) -> AbstractContextManager:
-    """The lock, for a regular file (or one to be made); a device such as /dev/null is no record file."""
+    """The lock, for a regular file (or one to be made); a device such as /dev/null, or standard output, is no record
+    file."""
+    if output == batch.STDOUT:
+        return nullcontext()
     return batch.OutputLock(output) if output.is_file() or not output.exists() else nullcontext()
 
 
@@ -222,9 +225,9 @@ def _run_with_progress(pending, stream: batch.Stream, output: Path, replace: boo
     run that fails before then leaves an earlier file's records and settings as they were."""
     with batch.DurableWriter(output, replace) as writer, _progress_bar(console) as progress:
         digests = {request.key: request.digest for request in pending}
-        if settings is not None and output.is_file():  # a device such as /dev/null gets no settings file
+        if settings is not None and output != batch.STDOUT and output.is_file():  # /dev/null, stdout: no settings file
             batch.write_settings(output, settings, digests)
-        elif resumed and output.is_file():
+        elif resumed and output != batch.STDOUT and output.is_file():
             batch.remember_requests(output, digests)
         task = progress.add_task("records", total=summary.total, completed=summary.done, speed="", acceptance="")
 
@@ -238,8 +241,8 @@ def _run_with_progress(pending, stream: batch.Stream, output: Path, replace: boo
         except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM as `Terminated`
             progress.stop()
             error_console().print(
-                f"interrupted: {summary.done} of {summary.total} records are in {output} — "
-                "run the same command with --resume to finish", markup=False,
+                f"interrupted: {summary.done} of {summary.total} records are in {batch.output_name(output)}"
+                + (" — run the same command with --resume to finish" if output != batch.STDOUT else ""), markup=False,
             )
             raise typer.Exit(interrupted_exit_code(interrupt)) from None
         except OutputWriteError as error:
@@ -291,7 +294,7 @@ def _exit_on_failures(summary: batch.BatchSummary, output: Path) -> None:
     failed = summary.failed + summary.failed_before
     if failed:
         error_console().print(
-            f"{failed} of {summary.total} records failed — their lines in {output} have finish_reason "
+            f"{failed} of {summary.total} records failed — their lines in {batch.output_name(output)} have finish_reason "
             '"error" (or an "error" object) saying why', markup=False,
         )
         raise typer.Exit(1)

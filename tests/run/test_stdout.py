@@ -1,0 +1,49 @@
+"""`run -o -`: the records on standard output, in input order; no file named "-", no lock, nothing to resume."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from specdec_cli.cli import app
+
+from tests.cli_result import assert_exited
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def specdec_run(tiny_pair, tmp_path, *args, stdin=None):
+    command = [sys.executable, "-m", "specdec_cli", "run", *args, "--target", tiny_pair.target, "--draft", tiny_pair.draft,
+               "--dtype", "float32", "-t", "0", "-n", "4", "-q"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(command, cwd=tmp_path, env=env, input=stdin, capture_output=True, text=True, timeout=300)
+
+
+def test_dash_writes_the_records_to_standard_output_in_input_order(tiny_pair, tmp_path):
+    """`-o -` made a file named "-" in the current folder (and a "-.lock", and "-.settings.json"), and printed nothing."""
+    lines = [{"id": f"r{number}", "prompt": f"Hello {number}"} for number in range(5)] + [{"id": "bad", "prompt": 3}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    process = specdec_run(tiny_pair, tmp_path, "in.jsonl", "-o", "-")
+    assert process.returncode == 1, process.stderr  # the bad line's record failed
+    records = [json.loads(line) for line in process.stdout.splitlines()]
+    assert [record["id"] for record in records] == [line["id"] for line in lines]
+    assert all(record["finish_reason"] == "length" for record in records[:5]) and records[5]["finish_reason"] == "error"
+    assert "1 of 6 records failed — their lines in standard output have finish_reason" in process.stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["in.jsonl"]
+
+    piped = specdec_run(tiny_pair, tmp_path, "-", "-o", "-", stdin=(tmp_path / "in.jsonl").read_text())
+    texts = lambda output: [(record["id"], record["text"]) for record in map(json.loads, output.splitlines())]  # noqa: E731
+    assert texts(piped.stdout) == texts(process.stdout)  # greedy: the same answers, stdin to stdout (stats' times differ)
+
+
+@pytest.mark.parametrize("flag", ["--resume", "--overwrite"])
+def test_dash_with_resume_or_overwrite_is_a_usage_mistake(tmp_path, flag):
+    (tmp_path / "in.jsonl").write_text(json.dumps({"prompt": "Hi"}) + "\n")
+    result = CliRunner().invoke(app, ["run", str(tmp_path / "in.jsonl"), "-o", "-", flag, "--target", str(tmp_path / "none")])
+    assert_exited(result, 2)
+    assert result.stderr == (f"error: {flag} needs an OUTPUT file, and -o - writes to standard output — write to a file "
+                             "with -o FILE to resume or replace it\n")
