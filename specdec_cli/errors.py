@@ -52,6 +52,10 @@ class OutputWriteError(SpecdecError):
     """OUTPUT could not be written (disk full, I/O error); the records before it are intact."""
 
 
+class OutputClosed(OutputWriteError):
+    """Standard output's reader went away (`run -o - | head`): the run stops quietly, as a pipe's writer does."""
+
+
 class CacheWriteError(SpecdecError):
     """The specdec home could not be written (a full disk, a read-only folder); nothing half-written is left."""
 

@@ -9,7 +9,7 @@ import os
 import stat
 from pathlib import Path
 
-from specdec_cli.errors import InputError, OutputWriteError
+from specdec_cli.errors import InputError, OutputClosed, OutputWriteError
 
 
 def check_output(output: Path, resume: bool, overwrite: bool) -> None:
@@ -98,6 +98,8 @@ class DurableWriter:
             _fsync(self._descriptor)
         except OSError as error:
             _cut_back(self._descriptor, size)
+            if self.output == STDOUT and error.errno == errno.EPIPE:
+                raise OutputClosed("standard output was closed", "") from None
             if self.output == STDOUT:
                 raise OutputWriteError(f"cannot write to standard output: {error.strerror}",
                                        "write to a file with -o FILE, which --resume can continue") from None

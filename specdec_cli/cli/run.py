@@ -25,7 +25,7 @@ from specdec_cli.cli.options import (
     Target4bitOption, TargetOption, TemperatureOption, TopKOption, TopPOption, TrustRemoteCodeOption,
     PrefillOption, decoding_overrides, model_overrides,
 )
-from specdec_cli.errors import InputError, OutputWriteError
+from specdec_cli.errors import InputError, OutputClosed, OutputWriteError
 
 if TYPE_CHECKING:
     from specdec_cli.settings import DecodingSettings, ModelChoice, ModelOverrides
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 _FILES = "Files"
 _ENGINE = "Engine"
 WRITE_FAILED = 3  # OUTPUT could not be written (disk full); 1 means "some records failed", 2 a usage mistake
+PIPE_CLOSED = 128 + 13  # -o -'s reader went away: the shell's code for a writer stopped by SIGPIPE
 
 
 @report_errors
@@ -245,6 +246,9 @@ def _run_with_progress(pending, stream: batch.Stream, output: Path, replace: boo
                 + (" — run the same command with --resume to finish" if output != batch.STDOUT else ""), markup=False,
             )
             raise typer.Exit(interrupted_exit_code(interrupt)) from None
+        except OutputClosed:  # `-o - | head`: the reader has what it wanted
+            progress.stop()
+            raise typer.Exit(PIPE_CLOSED) from None
         except OutputWriteError as error:
             progress.stop()
             error_console().print(

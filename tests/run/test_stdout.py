@@ -47,3 +47,17 @@ def test_dash_with_resume_or_overwrite_is_a_usage_mistake(tmp_path, flag):
     assert_exited(result, 2)
     assert result.stderr == (f"error: {flag} needs an OUTPUT file, and -o - writes to standard output — write to a file "
                              "with -o FILE to resume or replace it\n")
+
+
+def test_a_reader_that_goes_away_stops_the_run_quietly(tiny_pair, tmp_path):
+    """`run -o - | head -1`: the closed pipe was an error line telling the user to resume a file (exit 3)."""
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": n, "prompt": f"Count {n}"}) + "\n" for n in range(40)))
+    command = [sys.executable, "-m", "specdec_cli", "run", "in.jsonl", "-o", "-", "-b", "1", "--target", tiny_pair.target,
+               "--draft", tiny_pair.draft, "--dtype", "float32", "-t", "0", "-n", "4"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert json.loads(process.stdout.readline())["id"] == 0
+    process.stdout.close()  # as head does once it has its line
+    assert process.wait(timeout=300) == 141
+    stderr = process.stderr.read().decode()
+    assert "error" not in stderr and "Traceback" not in stderr, stderr
