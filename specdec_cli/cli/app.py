@@ -31,9 +31,23 @@ _state = {"debug": bool(os.environ.get("SPECDEC_DEBUG"))}
 F = TypeVar("F", bound=Callable[..., object])
 
 
+PIPE_CLOSED = 128 + 13  # the shell's code for a writer stopped by SIGPIPE (`specdec chat | head` once head is done)
+
+
+class PipeConsole(Console):
+    """A Rich console whose reader going away (`| head`) ends the command with the shell's SIGPIPE code: Rich's own
+    exits 1, the code of a crash, with nothing said."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, (sys.stderr if self.stderr else sys.stdout).fileno())
+        raise SystemExit(PIPE_CLOSED)
+
+
 def error_console() -> Console:
     # Built per call so that tests capturing stderr (CliRunner) see what is printed.
-    return Console(stderr=True, highlight=False, soft_wrap=True)
+    return PipeConsole(stderr=True, highlight=False, soft_wrap=True)
 
 
 def report_errors(command: F) -> F:

@@ -8,10 +8,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from specdec_cli.cli.app import error_console, report_errors
+from specdec_cli.cli.app import PipeConsole, error_console, report_errors
 from specdec_cli.cli.options import DtypeOption, ProfileOption
 from specdec_cli.errors import InputError, MissingExtraError, ModelLoadError
 from specdec_cli.profiles import DEFAULT_PROFILE, load_profile
@@ -102,7 +101,7 @@ def calibrate_command(
         _refuse_a_busy_machine()
     models = {"target": chosen.target, **({"draft": chosen.draft} if chosen.draft else {})}
     facts = machine()
-    console = Console(highlight=False)
+    console = PipeConsole(highlight=False)
     console.print(f"{facts['cpu']} · {' '.join(facts['cpu_flags']) or 'no AVX-512/AMX'} · {facts['threads']} threads · "
                   f"int8 on {facts['int8_kernel']} · {context}-token cache, median of {repeats}", markup=False)
     table = Table("model", "precision", *(f"n={n}" for n in TOKEN_COUNTS), title="forward costs (ratio to n=1)")

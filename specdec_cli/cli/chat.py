@@ -6,10 +6,9 @@ import sys
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
 
 from specdec_cli.cli import options
-from specdec_cli.cli.app import error_console, report_errors
+from specdec_cli.cli.app import PipeConsole, error_console, report_errors
 from specdec_cli.errors import InputError
 
 if TYPE_CHECKING:
@@ -21,10 +20,10 @@ NoColorOption = Annotated[bool, typer.Option("--no-color", help="Plain text, no 
 def _screen(no_color: bool) -> Screen:
     from specdec_cli.chat import Screen
 
-    console = Console(highlight=False, soft_wrap=True, markup=False, emoji=False)
+    console = PipeConsole(highlight=False, soft_wrap=True, markup=False, emoji=False)
     styled = console.is_terminal and not console.no_color and not no_color
     if not styled:
-        console = Console(highlight=False, soft_wrap=True, markup=False, emoji=False, color_system=None)
+        console = PipeConsole(highlight=False, soft_wrap=True, markup=False, emoji=False, color_system=None)
     return Screen(console, error_console(), styled=styled, interactive=sys.stdin.isatty())
 
 

@@ -20,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from specdec_cli import bench
 from specdec_cli.bench.runs import HF_LOOKUP_TOKENS
-from specdec_cli.cli.app import error_console, report_errors
+from specdec_cli.cli.app import PipeConsole, error_console, report_errors
 from specdec_cli.cli.options import (
     AllowPickleOption, DeviceOption, Draft4bitOption, DraftInt8Option, DraftQuantOption, TargetQuantOption, DraftOption, DtypeOption, LoadIn4bitOption,
     LoadIn8bitOption, MaxNewTokensOption, ProfileOption, Target4bitOption, TargetOption, TemperatureOption,
@@ -319,8 +319,8 @@ def _say_background(background) -> None:
 
 def _stdout_console() -> Console:
     """A file or a pipe keeps the whole table instead of folding it to 80 columns."""
-    console = Console()
-    return console if console.is_terminal else Console(width=200)
+    console = PipeConsole()
+    return console if console.is_terminal else PipeConsole(width=200)
 
 
 def _measure_quality(benchmark: bench.Benchmark, choice) -> str:

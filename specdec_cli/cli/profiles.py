@@ -5,10 +5,9 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from specdec_cli.cli.app import error_console, report_errors
+from specdec_cli.cli.app import PipeConsole, error_console, report_errors
 from specdec_cli.profiles import DEFAULT_PROFILE, Profile, load_profile, scan_profiles
 
 app = typer.Typer(help="List and inspect model-pair profiles.", no_args_is_help=True)
@@ -55,7 +54,7 @@ def list_command() -> None:
     for profile in profiles:
         name = f"{profile.name} (default)" if profile.name == DEFAULT_PROFILE else profile.name
         table.add_row(name, profile.target, _draft_label(profile), _quantization_label(profile), _estimate_gb(profile))
-    Console(soft_wrap=True).print(table)
+    PipeConsole(soft_wrap=True).print(table)
     for problem in problems:
         error_console().print(f"error: {problem.one_line()}", markup=False)
     if problems:
@@ -72,4 +71,4 @@ def show_command(name: Annotated[str, typer.Argument(help="Profile name, as in `
         if field != "weights_gb":  # a hint, shown through the estimate below so the two commands agree
             table.add_row(field, "-" if value is None else str(value))
     table.add_row("weights (est.)", _estimate_gb(profile))
-    Console(soft_wrap=True).print(table)
+    PipeConsole(soft_wrap=True).print(table)

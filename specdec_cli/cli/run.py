@@ -18,7 +18,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from specdec_cli import batch
-from specdec_cli.cli.app import error_console, interrupted_exit_code, report_errors, sigterm_as_interrupt
+from specdec_cli.cli.app import (
+    PIPE_CLOSED, PipeConsole, error_console, interrupted_exit_code, report_errors, sigterm_as_interrupt,
+)
 from specdec_cli.cli.options import (
     AllowPickleOption, DeviceOption, Draft4bitOption, DraftInt8Option, DraftQuantOption, TargetQuantOption, DraftOption, DrafterOption, DtypeOption, KOption,
     LoadIn4bitOption, LoadIn8bitOption, MaxNewTokensOption, ProfileOption, SeedOption, SystemOption,
@@ -33,7 +35,6 @@ if TYPE_CHECKING:
 _FILES = "Files"
 _ENGINE = "Engine"
 WRITE_FAILED = 3  # OUTPUT could not be written (disk full); 1 means "some records failed", 2 a usage mistake
-PIPE_CLOSED = 128 + 13  # -o -'s reader went away: the shell's code for a writer stopped by SIGPIPE
 
 
 @report_errors
@@ -147,7 +148,7 @@ def _run_locked(input: str, output: Path, resume: bool, overwrite: bool, force: 
     summary = batch.BatchSummary(
         total=len(requests), skipped=len(requests) - len(pending), failed_before=sum(map(batch.record_failed, finished))
     )
-    console = Console(stderr=True, highlight=False, soft_wrap=True, quiet=quiet)
+    console = PipeConsole(stderr=True, highlight=False, soft_wrap=True, quiet=quiet)
     runnable = any(request.error is None for request in pending)
     job = sum(request.error is None for request in requests)  # the whole input's, so a resume batches alike
     with _engine(choice, settings, ray_options, batch_size, console, runnable, job) as (stream, reports, together):

@@ -51,13 +51,33 @@ def test_dash_with_resume_or_overwrite_is_a_usage_mistake(tmp_path, flag):
 
 def test_a_reader_that_goes_away_stops_the_run_quietly(tiny_pair, tmp_path):
     """`run -o - | head -1`: the closed pipe was an error line telling the user to resume a file (exit 3)."""
-    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": n, "prompt": f"Count {n}"}) + "\n" for n in range(40)))
+    # more records than a pipe holds (64 KB): the writer meets the closed pipe however fast it runs
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": n, "prompt": f"Count {n}"}) + "\n" for n in range(400)))
     command = [sys.executable, "-m", "specdec_cli", "run", "in.jsonl", "-o", "-", "-b", "1", "--target", tiny_pair.target,
                "--draft", tiny_pair.draft, "--dtype", "float32", "-t", "0", "-n", "4"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert json.loads(process.stdout.readline())["id"] == 0
     process.stdout.close()  # as head does once it has its line
+    assert process.wait(timeout=300) == 141
+    stderr = process.stderr.read().decode()
+    assert "error" not in stderr and "Traceback" not in stderr, stderr
+
+
+@pytest.mark.parametrize("command", [["chat", "--no-color", "-n", "400"], ["run", "-", "-o", "-", "-b", "1", "-n", "4"]])
+def test_a_closed_pipe_ends_chat_and_run_with_the_sigpipe_code_not_a_crash(tiny_pair, tmp_path, command):
+    """`specdec chat | head -c 100` exited 1 (the code of a crash) with nothing said: Rich's own broken-pipe exit."""
+    # More output than a pipe holds (64 KB), so the writer meets the closed pipe however fast it runs; it stops there.
+    lines = "".join(json.dumps({"id": n, "prompt": f"Count {n}"}) + "\n" for n in range(400))
+    stdin = lines if command[0] == "run" else "Tell me a long story\n/reset\n" * 200  # each reply from an empty context
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "specdec_cli", *command, "--target", tiny_pair.target, "--draft",
+                                tiny_pair.draft, "--dtype", "float32", "-t", "0"], cwd=tmp_path, env=env,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdin.write(stdin.encode())
+    process.stdin.close()
+    assert process.stdout.read(20)
+    process.stdout.close()
     assert process.wait(timeout=300) == 141
     stderr = process.stderr.read().decode()
     assert "error" not in stderr and "Traceback" not in stderr, stderr
