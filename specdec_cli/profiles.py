@@ -5,6 +5,7 @@ Shipped profiles live in `profiles/` (inside the wheel as `specdec_cli/profiles/
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 import tomllib
@@ -139,7 +140,10 @@ assert set(_RULES) == _TOML_KEYS, "every Profile field read from TOML needs a ru
 def _check_keys(path: Path, data: dict) -> None:
     unknown = sorted(set(data) - _TOML_KEYS)
     if unknown:
-        raise _bad(path, f"unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(_TOML_KEYS))}")
+        guesses = [f"{key}: did you mean {close[0]}?" for key in unknown
+                   if (close := difflib.get_close_matches(key, _TOML_KEYS, 1))]
+        meant = f" ({'; '.join(guesses)})" if guesses else ""
+        raise _bad(path, f"unknown key(s) {', '.join(unknown)}{meant}; known: {', '.join(sorted(_TOML_KEYS))}")
     if "target" not in data:
         raise _bad(path, "`target` (a model name) is required")
 

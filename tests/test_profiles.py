@@ -81,7 +81,8 @@ def test_a_profile_that_is_not_utf8_is_one_line_and_the_others_still_list(specde
     ("text", "complaint"),
     [
         ('draft = "org/small"\n', "`target` (a model name) is required"),
-        ('target = "org/big"\ntempreature = 0.1\n', "unknown key(s) tempreature"),
+        ('target = "org/big"\ntempreature = 0.1\n', "unknown key(s) tempreature (tempreature: did you mean temperature?); known:"),
+        ('target = "org/big"\nflavour = 1\n', "unknown key(s) flavour; known:"),
         ('target = "org/big"\ndrafter = "model"\n', 'drafter "model" needs a `draft`'),
         ('target = "org/big"\ndrafter = "forest"\n', "`drafter` must be one of model, ngram, cascade, tree, not 'forest'"),
         ('target = "org/big"\ntarget_quantization = "3bit"\n', "`target_quantization` must be one of none, auto, int8, int4, q4, nf4, bnb8, 4bit, 8bit, not '3bit'"),
