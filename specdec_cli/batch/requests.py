@@ -5,6 +5,7 @@ the batch. No torch, no Rich."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
 import math
@@ -137,6 +138,7 @@ def _record_id(value: dict, key: str, number: int) -> str | int:
 
 
 def _plain_fields(value: dict) -> dict:
+    _refuse_near_misses(value)
     prompt, messages = value.get("prompt"), value.get("messages")
     if prompt is None and messages is None:
         raise BadRecord('no "prompt" or "messages"')
@@ -163,6 +165,7 @@ def _openai_fields(value: dict) -> dict:
         raise BadRecord(f"unsupported url {url!r}: use {CHAT_URL} or {COMPLETIONS_URL}")
     if not isinstance(body, dict):
         raise BadRecord(f'"body" must be an object, got {_json_type(body)}')
+    _refuse_near_misses(body)
     wanted, other = ("messages", "prompt") if url == CHAT_URL else ("prompt", "messages")
     if body.get(wanted) is None:
         raise BadRecord(f'{url} needs "{wanted}" in "body"' + (f', not "{other}"' if other in body else ""))
@@ -235,6 +238,23 @@ def _refuse_unsupported(value: dict) -> None:
                             f"distribution: temperature, top_p, top_k, seed, stop); leave it out{instead}")
     if value.get("do_sample") is not None and not isinstance(value["do_sample"], bool):
         raise BadRecord(f'"do_sample" must be true or false, got {_json_type(value["do_sample"])}')
+
+
+SETTINGS = ("max_new_tokens", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+            "n", "do_sample", "prompt", "messages", *NEUTRAL)
+
+
+def _refuse_near_misses(value: dict) -> None:
+    """A key that is not a setting but is one letter or two from one the line lacks ("max_token", "temprature") is
+    that line's error: other keys are kept as metadata, so such a line ran with the command's setting instead of the
+    one it asked for, and nothing said so."""
+    for key in value:
+        if key in SETTINGS or not isinstance(key, str):
+            continue
+        close = difflib.get_close_matches(key, SETTINGS, 1, cutoff=0.85)
+        if close and close[0] not in value:
+            raise BadRecord(f'unknown "{key}": did you mean "{close[0]}"? (a line\'s other keys are kept as metadata: '
+                            "rename it if it is one)")
 
 
 def _sampling_fields(value: dict, max_tokens: object, max_key: str) -> dict:

@@ -172,3 +172,24 @@ def test_ids_7_and_the_string_7_are_different():
 def test_a_line_that_is_not_utf8_fails_alone_and_a_bom_is_ignored():
     requests = read_requests(['\ufeff{"prompt": "a"}'.encode(), b'{"prompt": "\xff"}'])
     assert [r.error for r in requests] == [None, "line 2: not UTF-8 (byte 13)"]
+
+
+@pytest.mark.parametrize(("line", "meant"), [
+    ({"prompt": "x", "max_token": 50}, ("max_token", "max_tokens")),
+    ({"prompt": "x", "temprature": 0}, ("temprature", "temperature")),
+    ({"prompt": "x", "topp": 0.5}, ("topp", "top_p")),
+    ({"prompts": "x"}, ("prompts", "prompt")),
+    (openai_line(messages=[{"role": "user", "content": "hi"}], max_complete_tokens=5),
+     ("max_complete_tokens", "max_completion_tokens")),
+])
+def test_a_key_one_slip_from_a_setting_is_that_lines_error(line, meant):
+    """Other keys are metadata, so "max_token": 50 ran to the command's limit and "temprature": 0 sampled, silently."""
+    key, setting = meant
+    assert parse(line).error == (f'line 1: unknown "{key}": did you mean "{setting}"? (a line\'s other keys are kept '
+                                 "as metadata: rename it if it is one)")
+
+
+def test_metadata_keys_stay_metadata():
+    request = parse({"prompt": "x", "category": "qa", "source": "web", "tags": ["a"], "question_id": 3, "turns": 1,
+                     "model": "m", "user": "u", "stream": False, "top_n": 3, "max_tokens": 4, "max_token": "meta"})
+    assert request.error is None and request.max_new_tokens == 4  # beside the setting itself, a near name is metadata
