@@ -12,6 +12,14 @@ from pathlib import Path
 from specdec_cli.errors import InputError, OutputClosed, OutputWriteError
 
 
+STDOUT = Path("-")  # `-o -`: the records go to standard output, in input order, as they are done
+
+
+def output_name(output: Path) -> str:
+    """OUTPUT in a message: its path, or "standard output"."""
+    return "standard output" if output == STDOUT else str(output)
+
+
 def check_output(output: Path, resume: bool, overwrite: bool) -> None:
     """Refuse to touch an existing, non-empty OUTPUT unless told how: resuming with other settings
     would mix two runs in one file, and overwriting it silently would lose finished records."""
@@ -59,14 +67,6 @@ def _finished_record(output: Path, number: int, line: bytes) -> dict:
             "pass --overwrite to replace the file, or choose another -o",
         )
     return record
-
-
-STDOUT = Path("-")  # `-o -`: the records go to standard output, in input order, as they are done
-
-
-def output_name(output: Path) -> str:
-    """OUTPUT in a message: its path, or "standard output"."""
-    return "standard output" if output == STDOUT else str(output)
 
 
 class DurableWriter:
