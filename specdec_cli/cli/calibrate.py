@@ -4,6 +4,7 @@ README's forward-cost tables read). The measuring is `specdec_cli.models.calibra
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated
 
@@ -11,6 +12,7 @@ import typer
 from rich.table import Table
 
 from specdec_cli.cli.app import PipeConsole, error_console, report_errors
+from specdec_cli.cli.paths import check_result_path
 from specdec_cli.cli.options import DtypeOption, ProfileOption
 from specdec_cli.errors import InputError, MissingExtraError, ModelLoadError
 from specdec_cli.profiles import DEFAULT_PROFILE, load_profile
@@ -55,6 +57,15 @@ def _cells(seconds: dict[str, float]) -> list[str]:
     return [f"{1000 * s:.0f} ms" + ("" if n == "1" else f" ×{s / one:.2f}") for n, s in seconds.items()]
 
 
+def _is_result(path: Path) -> bool:
+    """Whether `path` holds what `calibrate --json` writes (a machine and its timed entries)."""
+    try:
+        found = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(found, dict) and {"machine", "entries"} <= found.keys()
+
+
 def _refuse_a_busy_machine() -> None:
     """Timings taken beside another job (a `specdec run` in another terminal) measure it too, and `auto` and the
     draft policy would read them as this machine's costs until the next calibration."""
@@ -95,8 +106,8 @@ def calibrate_command(
     formats = {"target": _formats(target_formats, "--target-formats"), "draft": _formats(draft_formats, "--draft-formats")}
     formats = {role: _available(names, given != DEFAULT_FORMATS)
                for (role, names), given in zip(formats.items(), (target_formats, draft_formats))}
-    if json_path is not None and json_path.is_dir():
-        raise InputError(f"{json_path} is a folder", "give a file name for --json")
+    if json_path is not None:  # before minutes of timing: a missing folder cost them all (nothing stored)
+        check_result_path(json_path, "--json", "calibrate", _is_result)
     if not allow_busy:
         _refuse_a_busy_machine()
     models = {"target": chosen.target, **({"draft": chosen.draft} if chosen.draft else {})}

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -21,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from specdec_cli import bench
 from specdec_cli.bench.runs import HF_LOOKUP_TOKENS
 from specdec_cli.cli.app import PipeConsole, error_console, report_errors
+from specdec_cli.cli.paths import check_result_path
 from specdec_cli.cli.options import (
     AllowPickleOption, DeviceOption, Draft4bitOption, DraftInt8Option, DraftQuantOption, TargetQuantOption, DraftOption, DtypeOption, LoadIn4bitOption,
     LoadIn8bitOption, MaxNewTokensOption, ProfileOption, Target4bitOption, TargetOption, TemperatureOption,
@@ -214,18 +213,7 @@ def _check_outputs(json_path: Path | None, plot: Path | None, prompts: Path | No
         if path.resolve() in taken:
             raise InputError(f"{flag} {path} is {taken[path.resolve()]}", f"give {flag} another file name")
         taken[path.resolve()] = f"the {flag} file too"
-        if flag == "--json" and path.exists() and not _is_result(path):
-            raise InputError(f"{path} exists and is not a specdec compare result: --json would replace it",
-                             "give --json a new file name, or remove that file first")
-        if not path.parent.is_dir():
-            raise InputError(f"no folder {path.parent} for {flag}", "create it or choose another path")
-        try:  # the files are written as a temporary file renamed over the path: the folder must take new files
-            descriptor, probe = tempfile.mkstemp(dir=path.parent, prefix=".specdec-probe-")
-        except OSError as error:
-            raise InputError(f"cannot write in {path.parent} for {flag}: {error.strerror}",
-                             "choose another path") from None
-        os.close(descriptor)
-        os.unlink(probe)
+        check_result_path(path, flag, "compare", _is_result if flag == "--json" else None)
     if plot is not None and importlib.util.find_spec("matplotlib") is None:
         raise MissingExtraError("--plot needs matplotlib", "pip install 'specdec[plot]'")
     if plot is not None and plot.suffix:

@@ -9,6 +9,7 @@ from specdec_cli.cli import app
 from specdec_cli.errors import InputError, ModelLoadError
 from specdec_cli.models import int8_kernel
 from specdec_cli.settings import ModelOverrides, choose_models
+from tests.cli_result import assert_exited
 
 WIDE = {"COLUMNS": "200"}
 
@@ -252,3 +253,36 @@ def test_a_kernel_choice_that_is_none_of_the_known_ones_is_one_line_and_exit_2(t
     for value in ("onednn", "AVX2", " vnni ", ""):  # the known ones, in any case and spacing, and unset
         monkeypatch.setenv("SPECDEC_INT8_KERNEL", value)
         assert int8_kernel.load_library()[2] in (None, "SPECDEC_INT8_KERNEL=onednn")
+
+
+@pytest.mark.parametrize(("json_path", "says"), [
+    ("{tmp}/no/such/folder/costs.json", "no folder {tmp}/no/such/folder for --json — create it or choose another path"),
+    ("{tmp}/notes.md", "{tmp}/notes.md exists and is not a specdec calibrate result: --json would replace it — give "
+                       "--json a new file name, or remove that file first"),
+    ("{tmp}", "{tmp} is a folder — give --json a file name"),
+])
+def test_calibrate_refuses_a_json_path_it_could_not_write_before_it_times_anything(tiny_pair, tmp_path, monkeypatch,
+                                                                                     json_path, says):
+    """A --json in a folder that does not exist was found only after minutes of timing, and the calibration was
+    lost with it (the file named by the user is written first); a typo naming another file would replace it."""
+    from specdec_cli.models import calibrate
+
+    (tmp_path / "notes.md").write_text("mine\n")
+    monkeypatch.setattr(calibrate, "measure_forward_costs", lambda *args, **kwargs: pytest.fail("timed first"))
+    result = CliRunner().invoke(app, ["calibrate", "--profile", "demo", "--json", json_path.format(tmp=tmp_path)],
+                                env=WIDE)
+    assert_exited(result, 2)
+    assert result.stderr == f"error: {says.format(tmp=tmp_path)}\n"
+    assert (tmp_path / "notes.md").read_text() == "mine\n"
+
+
+def test_calibrate_json_may_replace_its_own_earlier_result(tiny_pair, tmp_path, monkeypatch):
+    profiles = tmp_path / "home" / "profiles"
+    profiles.mkdir(parents=True)
+    (profiles / "tiny.toml").write_text(f'target = "{tiny_pair.target}"\ndraft = "{tiny_pair.draft}"\ndrafter = "model"\n')
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    common = ["calibrate", "--profile", "tiny", "--dtype", "float32", "--repeats", "1", "--context", "8",
+              "--target-formats", "none", "--draft-formats", "none", "--json", str(tmp_path / "costs.json")]
+    for _ in range(2):
+        result = CliRunner().invoke(app, common, env=WIDE)
+        assert_exited(result, 0)
