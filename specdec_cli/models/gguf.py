@@ -3,10 +3,10 @@
 A conversion is keyed by the file (its identity), the dtype and the versions of transformers and gguf
 that made it: a conversion bug fixed by an upgrade (or brought by one) gets a fresh entry instead of
 being read back from the cache for ever. One process converts a file at a time (paths.one_maker), only where
-the disk and the free RAM hold it, and a cached conversion found damaged is converted again. A new conversion
-first removes the ones it supersedes (`superseded_conversions`), which nothing here can read again: without
-that, every upgrade of transformers left the demo pair's 4.6 GB behind, and the disk filled with specdec's own
-dead entries."""
+the disk and the free RAM hold it, and a cached conversion found damaged is converted again. Each load also
+removes the conversions the one it reads supersedes (`superseded_conversions`), once they have gone unread for a
+week (KEEP_UNUSED_SECONDS): without that, every upgrade of transformers left the demo pair's 4.6 GB behind, and the
+disk filled with specdec's own dead entries."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import importlib.util
 import json
 import shutil
 import struct
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -132,18 +133,17 @@ def ensure_converted(path: Path, dtype: torch.dtype, identity: str | None = None
     where the cached one is damaged (a file cut short or gone: `conversion_problem`)."""
     folder = converted_folder(path, dtype, identity)
     if folder.exists() and conversion_problem(folder) is None:
-        return folder
+        return _used(folder, path, dtype, identity)
     require_gguf()
     with one_maker(folder, status(f"another specdec is converting {path.name}; waiting ...", progress)):
         what = "converting"
         if folder.exists():
             problem = conversion_problem(folder)
             if problem is None:  # another process made it meanwhile
-                return folder
+                return _used(folder, path, dtype, identity)
             what = f"its cached conversion is damaged ({problem}): converting"
             shutil.rmtree(folder, ignore_errors=True)
-        for older in superseded_conversions(path, dtype, identity):
-            shutil.rmtree(older, ignore_errors=True)
+        _drop_unused(path, dtype, identity)  # before the room check: they may be what fills the disk
         size = element_count(path) * dtype.itemsize
         check_room(folder.parent, size, f"converting {path.name} to safetensors")
         _check_memory(path, int(CONVERSION_MEMORY * size))
@@ -151,7 +151,41 @@ def ensure_converted(path: Path, dtype: torch.dtype, identity: str | None = None
             with atomic_folder(folder) as staging:
                 _convert(path, dtype, staging)
                 (staging / SOURCE).write_text(json.dumps(_source_record(path, dtype)), encoding="utf-8")
+    return _used(folder, path, dtype, identity)
+
+
+USED = "specdec-used"  # in each conversion: its modification time says when a load last read it
+# How long a superseded conversion stays unread before it goes: another install beside this one (another venv with
+# another transformers, sharing the home) still reads its own, and removing it at once made the two convert in turn
+# at every start (minutes, ~6 GB of memory for the demo target each time).
+KEEP_UNUSED_SECONDS = 7 * 24 * 3600
+
+
+def _used(folder: Path, path: Path, dtype: torch.dtype, identity: str | None) -> Path:
+    """Mark `folder` read now, drop the conversions it supersedes that have gone unread, and return it."""
+    try:
+        (folder / USED).touch()
+    except OSError:  # a read-only home: nothing is dropped for want of a stamp
+        pass
+    _drop_unused(path, dtype, identity)
     return folder
+
+
+def _drop_unused(path: Path, dtype: torch.dtype, identity: str | None) -> None:
+    now = time.time()
+    for older in superseded_conversions(path, dtype, identity):
+        if now - _last_read(older) > KEEP_UNUSED_SECONDS:
+            shutil.rmtree(older, ignore_errors=True)
+
+
+def _last_read(folder: Path) -> float:
+    """When a load last read `folder` (its USED stamp; a conversion from before the stamps: when it was made)."""
+    for marker in (folder / USED, folder):
+        try:
+            return marker.stat().st_mtime
+        except OSError:
+            continue
+    return time.time()
 
 
 SOURCE = "specdec-source.json"  # in each conversion: the .gguf (its absolute path) and dtype it was made from

@@ -83,8 +83,7 @@ def test_a_gguf_cut_short_is_a_one_line_load_error_saying_to_download_it_again(t
 
 
 def test_the_conversion_cache_key_names_the_converters_versions(tiny_gguf, specdec_home, monkeypatch):
-    """A conversion made by other transformers or gguf versions is not read back: it is made again, in place of
-    the old one."""
+    """A conversion made by other transformers or gguf versions is not read back: it is made again."""
     from importlib.metadata import version
 
     path, _ = tiny_gguf
@@ -97,7 +96,7 @@ def test_the_conversion_cache_key_names_the_converters_versions(tiny_gguf, specd
     assert gguf.existing_conversions(path) == []
     load_model(str(path), device="cpu", dtype="float32", progress=False)
     entries = _cache_entries(specdec_home)
-    assert entries == [entry.replace(f"-tf{version('transformers')}-", "-tf9.9.9-")]
+    assert sorted(entries) == sorted([entry, entry.replace(f"-tf{version('transformers')}-", "-tf9.9.9-")])
 
 
 def test_a_first_load_reads_the_gguf_once_and_gives_the_reader_back(tiny_gguf, specdec_home, monkeypatch):
@@ -241,13 +240,23 @@ def test_a_gguf_of_an_architecture_transformers_cannot_read_is_named_as_such(spe
     assert "download" not in line and "mmproj" in line
 
 
-def test_a_new_conversion_removes_the_ones_it_supersedes(tiny_gguf, specdec_home, monkeypatch, tmp_path):
+def test_a_load_removes_the_conversions_it_supersedes_once_they_go_unread(tiny_gguf, specdec_home, monkeypatch,
+                                                                           tmp_path):
     """Every transformers upgrade converted the demo pair again beside the old conversion (4.6 GB each time), and a
-    .gguf downloaded again did the same: the disk filled with entries nothing could read. A new conversion removes
-    those of the same file and dtype by other converter versions, and those of what the same path held before;
-    another dtype's conversion and other files' stay."""
+    .gguf downloaded again did the same: the disk filled with entries nothing could read. A load removes those of the
+    same file and dtype by other converter versions, and those of what the same path held before, once unread for
+    KEEP_UNUSED_SECONDS: another install sharing the home (another transformers) still reads its own, and removing it
+    at once made the two convert in turn at every start. Another dtype's conversion and other files' stay."""
     import os
     import shutil
+    import time
+
+    def age(folder):  # as if no load had read it for longer than kept
+        then = time.time() - gguf.KEEP_UNUSED_SECONDS - 60
+        os.utime(folder / gguf.USED, (then, then))
+
+    def float32_conversions():
+        return [entry for entry in gguf.existing_conversions(path) if entry.name.endswith("-float32")]
 
     path = tmp_path / "mine" / tiny_gguf[0].name  # its own copy: this test changes the file's mtime
     path.parent.mkdir()
@@ -260,19 +269,23 @@ def test_a_new_conversion_removes_the_ones_it_supersedes(tiny_gguf, specdec_home
     shutil.copy(path, other_file)
     load_model(str(other_file), device="cpu", dtype="float32", progress=False)
     (other,) = gguf.existing_conversions(other_file)
+    for folder in (as_bfloat16, other):
+        age(folder)
 
     monkeypatch.setattr(gguf, "converter_versions", lambda: "tf99.0.0-gguf9.9.9")  # an upgrade
-    (before,) = [entry for entry in gguf.superseded_conversions(path, torch.float32)]
+    (before,) = gguf.superseded_conversions(path, torch.float32)
     assert before.name.endswith("float32") and before != other
     load_model(str(path), device="cpu", dtype="float32", progress=False)
-    (upgraded,) = [entry for entry in gguf.existing_conversions(path) if entry.name.endswith("-float32")]
-    assert "tf99.0.0-gguf9.9.9" in upgraded.name and not before.exists()
-    assert as_bfloat16.is_dir() and other.is_dir()
+    (upgraded,) = float32_conversions()
+    assert "tf99.0.0-gguf9.9.9" in upgraded.name and before.is_dir()  # read a moment ago: another install's, maybe
+    age(before)
+    load_model(str(path), device="cpu", dtype="float32", progress=False)  # read from the cache this time
+    assert not before.exists() and as_bfloat16.is_dir() and other.is_dir()
 
     os.utime(path, ns=(0, 0))  # the file changed in place (downloaded again): a new identity
+    age(upgraded)
     load_model(str(path), device="cpu", dtype="float32", progress=False)
-    (changed,) = [entry for entry in gguf.existing_conversions(path) if entry.name.endswith("-float32")]
+    (changed,) = float32_conversions()
     assert changed != upgraded and not upgraded.exists() and gguf.conversion_problem(changed) is None
-    assert as_bfloat16.is_dir() and other.is_dir()
     assert sorted(entry.name for entry in (specdec_home / "gguf").iterdir() if not entry.name.startswith(".")) == \
         sorted([changed.name, as_bfloat16.name, other.name])
