@@ -244,13 +244,14 @@ def _measure(benchmark: bench.Benchmark, json_path: Path | None) -> None:
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     console = error_console()
     started = time.perf_counter()
+    failed: list[InputError] = []
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("warming up", total=total)
 
         def advance(done: int, _total: int, prompt: int, config: bench.Configuration) -> None:
             progress.update(task, completed=done, description=f"prompt {prompt + 1}/{n_prompts} · {config.name}")
             if json_path and done % per_prompt == 0:
-                bench.write_json(json_path, benchmark.report(by_category=False) | {"partial": True})
+                _write_partial(json_path, benchmark.report(by_category=False) | {"partial": True}, failed, console)
             if not console.is_terminal and done % per_prompt == 0:  # no live bar: one line per prompt instead
                 console.print(f"prompt {prompt + 1}/{n_prompts} measured ({done}/{total} runs, "
                               f"{time.perf_counter() - started:.0f} s)", markup=False)
@@ -264,18 +265,32 @@ def _measure(benchmark: bench.Benchmark, json_path: Path | None) -> None:
             raise
 
 
+def _write_partial(json_path: Path, report: dict, failed: list[InputError], console: Console) -> None:
+    """Rewrite --json with what is measured so far. Where it cannot be written (a disk that filled up), say so once
+    and measure on: the tables still print at the end, and --json is written again then. A failed partial write
+    stopped the benchmark, and whatever it had measured was lost with it."""
+    try:
+        bench.write_json(json_path, report)
+    except InputError as error:
+        if not failed:
+            console.print(f"note: {error.message}: measuring goes on; the tables print at the end, and --json is "
+                          "written again then", markup=False)
+        failed.append(error)
+
+
 def _compare_throughput(benchmark: bench.ThroughputBenchmark, json_path: Path | None) -> None:
     """Measure with a progress bar on stderr, rewriting --json after every pass ("partial" until the end), then
     print the table."""
     console = error_console()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    failed: list[InputError] = []
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("warming up", total=len(benchmark.order))
 
         def advance(done: int, total: int, config: bench.BatchedConfiguration) -> None:
             progress.update(task, completed=done, description=config.name)
             if json_path:
-                bench.write_json(json_path, benchmark.report() | {"partial": True})
+                _write_partial(json_path, benchmark.report() | {"partial": True}, failed, console)
             if not console.is_terminal:  # no live bar: one line per pass instead
                 console.print(f"pass {done}/{total} measured: {config.name}", markup=False)
 

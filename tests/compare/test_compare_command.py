@@ -287,3 +287,39 @@ def test_a_full_disk_leaves_no_partial_json_or_plot_and_an_earlier_plot_whole(tm
         write_json(tmp_path / "out.json", {"runs": list(range(100))})
     assert sorted(path.name for path in tmp_path.iterdir()) == ["out.png"]
     assert earlier.read_bytes() == image
+
+
+@pytest.mark.parametrize("disk", ["fills then frees", "stays full"])
+def test_a_json_that_cannot_be_written_midway_does_not_stop_the_measuring(tiny_pair, tmp_path, monkeypatch, disk):
+    """--json is rewritten after every prompt; a disk that filled up midway stopped the benchmark at that write, and
+    every run measured was lost, tables and all. Now it says so once, measures on, prints the tables, and writes
+    --json again at the end (an error line, exit 2, if that fails too)."""
+    from specdec_cli import bench
+    from specdec_cli.errors import InputError
+
+    real_write = bench.write_json
+    calls = []
+
+    def write_json(path, report):
+        calls.append(report.get("partial", False))
+        if disk == "stays full" or len(calls) == 1:
+            raise InputError(f"cannot write {path}: No space left on device", "choose a writable path for --json")
+        real_write(path, report)
+
+    monkeypatch.setattr(bench, "write_json", write_json)
+    out = tmp_path / "out.json"
+    result = invoke("--target", tiny_pair.target, "--draft", tiny_pair.same, "--dtype", "float32", "--device", "cpu",
+                    "--prompts", spec_bench_file(tmp_path / "q.jsonl"), "--drafter", "model", "--k", "2",
+                    "--max-new-tokens", "4", "--json", out, env={"SPECDEC_HOME": str(tmp_path / "home")})
+    assert result.stderr.count(f"note: cannot write {out}: No space left on device: measuring goes on") == 1
+    assert [row[0] for row in table_rows(result.stdout)][:2] == ["target alone", "model k=2"]  # the tables printed
+    assert calls[-1] is False and calls.count(True) == 4  # a partial write per prompt, then the whole report
+    if disk == "stays full":
+        assert_exited(result, 2)
+        assert result.stderr.splitlines()[-1] == (f"error: cannot write {out}: No space left on device — choose a "
+                                                  "writable path for --json")
+        assert not out.exists()
+    else:
+        assert_exited(result, 0)
+        report = json.loads(out.read_text())
+        assert "partial" not in report and len(report["runs"]) == 8  # 4 prompts x 2 configurations
