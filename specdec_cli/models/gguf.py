@@ -14,6 +14,7 @@ import glob
 import hashlib
 import importlib.util
 import json
+import os
 import shutil
 import struct
 import time
@@ -154,7 +155,6 @@ def ensure_converted(path: Path, dtype: torch.dtype, identity: str | None = None
     return _used(folder, path, dtype, identity)
 
 
-USED = "specdec-used"  # in each conversion: its modification time says when a load last read it
 # How long a superseded conversion stays unread before it goes: another install beside this one (another venv with
 # another transformers, sharing the home) still reads its own, and removing it at once made the two convert in turn
 # at every start (minutes, ~6 GB of memory for the demo target each time).
@@ -162,9 +162,11 @@ KEEP_UNUSED_SECONDS = 7 * 24 * 3600
 
 
 def _used(folder: Path, path: Path, dtype: torch.dtype, identity: str | None) -> Path:
-    """Mark `folder` read now, drop the conversions it supersedes that have gone unread, and return it."""
+    """Mark `folder` read now (its own modification time: a file in it would change the key of the layers stored
+    from it, stored_layers.entry_key, and remake them at every load), drop the conversions it supersedes that have
+    gone unread, and return it."""
     try:
-        (folder / USED).touch()
+        os.utime(folder)
     except OSError:  # a read-only home: nothing is dropped for want of a stamp
         pass
     _drop_unused(path, dtype, identity)
@@ -179,13 +181,11 @@ def _drop_unused(path: Path, dtype: torch.dtype, identity: str | None) -> None:
 
 
 def _last_read(folder: Path) -> float:
-    """When a load last read `folder` (its USED stamp; a conversion from before the stamps: when it was made)."""
-    for marker in (folder / USED, folder):
-        try:
-            return marker.stat().st_mtime
-        except OSError:
-            continue
-    return time.time()
+    """When a load last read `folder` (a conversion from before the stamps: when it was made)."""
+    try:
+        return folder.stat().st_mtime
+    except OSError:
+        return time.time()
 
 
 SOURCE = "specdec-source.json"  # in each conversion: the .gguf (its absolute path) and dtype it was made from

@@ -253,7 +253,7 @@ def test_a_load_removes_the_conversions_it_supersedes_once_they_go_unread(tiny_g
 
     def age(folder):  # as if no load had read it for longer than kept
         then = time.time() - gguf.KEEP_UNUSED_SECONDS - 60
-        os.utime(folder / gguf.USED, (then, then))
+        os.utime(folder, (then, then))
 
     def float32_conversions():
         return [entry for entry in gguf.existing_conversions(path) if entry.name.endswith("-float32")]
@@ -272,12 +272,19 @@ def test_a_load_removes_the_conversions_it_supersedes_once_they_go_unread(tiny_g
     for folder in (as_bfloat16, other):
         age(folder)
 
+    today = gguf.converter_versions()
     monkeypatch.setattr(gguf, "converter_versions", lambda: "tf99.0.0-gguf9.9.9")  # an upgrade
     (before,) = gguf.superseded_conversions(path, torch.float32)
     assert before.name.endswith("float32") and before != other
     load_model(str(path), device="cpu", dtype="float32", progress=False)
     (upgraded,) = float32_conversions()
     assert "tf99.0.0-gguf9.9.9" in upgraded.name and before.is_dir()  # read a moment ago: another install's, maybe
+    age(before)
+    with monkeypatch.context() as other_install:  # the install beside it, with the old versions, reads its own
+        other_install.setattr(gguf, "converter_versions", lambda: today)
+        load_model(str(path), device="cpu", dtype="float32", progress=False)
+    load_model(str(path), device="cpu", dtype="float32", progress=False)
+    assert before.is_dir()  # made long ago, but read just now
     age(before)
     load_model(str(path), device="cpu", dtype="float32", progress=False)  # read from the cache this time
     assert not before.exists() and as_bfloat16.is_dir() and other.is_dir()
