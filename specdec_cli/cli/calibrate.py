@@ -4,7 +4,6 @@ README's forward-cost tables read). The measuring is `specdec_cli.models.calibra
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
@@ -12,7 +11,7 @@ import typer
 from rich.table import Table
 
 from specdec_cli.cli.app import PipeConsole, error_console, report_errors
-from specdec_cli.cli.paths import check_result_path
+from specdec_cli.cli.paths import check_result_path, json_object
 from specdec_cli.cli.options import DtypeOption, ProfileOption
 from specdec_cli.errors import InputError, MissingExtraError, ModelLoadError
 from specdec_cli.profiles import DEFAULT_PROFILE, load_profile
@@ -59,11 +58,8 @@ def _cells(seconds: dict[str, float]) -> list[str]:
 
 def _is_result(path: Path) -> bool:
     """Whether `path` holds what `calibrate --json` writes (a machine and its timed entries)."""
-    try:
-        found = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(found, dict) and {"machine", "entries"} <= found.keys()
+    found = json_object(path)
+    return found is not None and {"machine", "entries"} <= found.keys()
 
 
 def _refuse_a_busy_machine() -> None:

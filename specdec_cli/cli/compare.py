@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from specdec_cli import bench
 from specdec_cli.bench.runs import HF_LOOKUP_TOKENS
 from specdec_cli.cli.app import PipeConsole, error_console, report_errors
-from specdec_cli.cli.paths import check_result_path
+from specdec_cli.cli.paths import check_result_path, json_object
 from specdec_cli.cli.options import (
     AllowPickleOption, DeviceOption, Draft4bitOption, DraftInt8Option, DraftQuantOption, TargetQuantOption, DraftOption, DtypeOption, LoadIn4bitOption,
     LoadIn8bitOption, MaxNewTokensOption, ProfileOption, Target4bitOption, TargetOption, TemperatureOption,
@@ -227,12 +227,8 @@ def _check_outputs(json_path: Path | None, plot: Path | None, prompts: Path | No
 
 def _is_result(path: Path) -> bool:
     """Whether `path` holds a JSON result `compare --json` wrote (whole, partial or interrupted)."""
-    try:
-        with open(path, encoding="utf-8") as file:
-            found = json.load(file)
-    except (OSError, ValueError):
-        return False
-    return isinstance(found, dict) and str(found.get("schema", "")).startswith(RESULT_SCHEMAS)
+    found = json_object(path)
+    return found is not None and str(found.get("schema", "")).startswith(RESULT_SCHEMAS)
 
 
 def _measure(benchmark: bench.Benchmark, json_path: Path | None) -> None:

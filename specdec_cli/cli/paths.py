@@ -3,6 +3,7 @@ name in a folder that exists and takes new files, which replaces no file but an 
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Callable
@@ -28,3 +29,12 @@ def check_result_path(path: Path, flag: str, kind: str | None = None,
         raise InputError(f"cannot write in {path.parent} for {flag}: {error.strerror}", "choose another path") from None
     os.close(descriptor)
     os.unlink(probe)
+
+
+def json_object(path: Path) -> dict | None:
+    """The JSON object `path` holds; None where it holds something else or cannot be read (for the `is_result`s)."""
+    try:
+        found = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
