@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Callable
 from pathlib import Path
 
 from specdec_cli.errors import InputError
@@ -17,12 +18,8 @@ def refuse_one_document(text: str, source: str) -> None:
         document = json.loads(text.removeprefix("\ufeff"))
     except json.JSONDecodeError:
         return
-    if source == "-":
-        name, file, lines_file = "standard input", "FILE", "lines.jsonl"
-    else:
-        path = Path(source)
-        lines_path = path.with_suffix(".jsonl") if path.suffix != ".jsonl" else path.with_name(f"{path.stem}-lines.jsonl")
-        name, file, lines_file = source, shlex.quote(source), shlex.quote(str(lines_path))
+    name, file, lines_file = _shown(source, lambda path: path.with_suffix(".jsonl") if path.suffix != ".jsonl"
+                                    else path.with_name(f"{path.stem}-lines.jsonl"), "lines.jsonl")
     if isinstance(document, list):
         raise InputError(f"{name} is one JSON list of {len(document)} items, not JSON lines",
                          f"write one object per line, e.g. jq -c '.[]' {file} > {lines_file}")
@@ -44,8 +41,15 @@ def refuse_wide_encoding(data: bytes, source: str) -> None:
     encoding = next((name for mark, name in WIDE_MARKS if data.startswith(mark)), None)
     if encoding is None:
         return
-    name = "standard input" if source == "-" else source
-    file = "FILE" if source == "-" else shlex.quote(source)
+    name, file, utf8_file = _shown(source, lambda path: path.with_name(f"{path.stem}-utf8.jsonl"), "FILE-utf8.jsonl")
     raise InputError(f"{name} is {encoding} text, not UTF-8",
                      f"save it as UTF-8 (PowerShell: Out-File -Encoding utf8), or convert it: iconv -f {encoding} -t "
-                     f"UTF-8 {file} > {file.removesuffix('.jsonl')}-utf8.jsonl")
+                     f"UTF-8 {file} > {utf8_file}")
+
+
+def _shown(source: str, fixed: Callable[[Path], Path], fixed_from_stdin: str) -> tuple[str, str, str]:
+    """(`source` in a message, `source` in a shell line, the fixed file's name in that line) for a path, or for
+    standard input (`-`): both quoted for the shell, so a name with a space stays one word."""
+    if source == "-":
+        return "standard input", "FILE", fixed_from_stdin
+    return source, shlex.quote(source), shlex.quote(str(fixed(Path(source))))

@@ -125,3 +125,12 @@ def test_the_builtin_set_has_two_prompts_in_each_of_six_categories():
         "chat": 2, "code": 2, "summarisation": 2, "qa": 2, "translation": 2, "math": 2,
     }
     assert len({p.id for p in prompts}) == 12 and all(p.as_user_turn and p.text for p in prompts)
+
+
+def test_the_conversion_line_for_a_name_with_a_space_quotes_the_output_too(tmp_path):
+    """The suggested output name was the quoted input with "-utf8.jsonl" glued after the closing quote."""
+    path = tmp_path / "my questions.jsonl"
+    path.write_bytes(json.dumps({"prompt": "hi"}).encode("utf-16"))
+    with pytest.raises(InputError) as raised:
+        read_prompt_file(path)
+    assert raised.value.one_line().endswith(f"iconv -f UTF-16 -t UTF-8 '{path}' > '{tmp_path}/my questions-utf8.jsonl'")
