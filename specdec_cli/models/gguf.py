@@ -152,7 +152,7 @@ def ensure_converted(path: Path, dtype: torch.dtype, identity: str | None = None
             with atomic_folder(folder) as staging:
                 _convert(path, dtype, staging)
                 (staging / SOURCE).write_text(json.dumps(_source_record(path, dtype)), encoding="utf-8")
-    return _used(folder, path, dtype, identity)
+    return folder  # made just now: its time is its stamp, and what it supersedes was dropped before
 
 
 # How long a superseded conversion stays unread before it goes: another install beside this one (another venv with
@@ -200,12 +200,13 @@ def superseded_conversions(path: Path, dtype: torch.dtype, identity: str | None 
     transformers or gguf (an upgrade; the key says so), and those of what the path held before (a file changed or
     downloaded again: their SOURCE names the path). This install can read none of them again. Another dtype's
     conversion stays, and so do conversions from before SOURCE of a file since changed (nothing names their file)."""
+    identity = identity or file_identity(path)
     current = converted_folder(path, dtype, identity)
     home = current.parent
     if not home.is_dir():
         return []
     stem = glob.escape(path.stem)
-    older = set(home.glob(f"{stem}-{identity or file_identity(path)}-tf*-gguf*-{dtype_name(dtype)}"))
+    older = set(home.glob(f"{stem}-{identity}-tf*-gguf*-{dtype_name(dtype)}"))
     record = _source_record(path, dtype)
     for folder in home.glob(f"{stem}-*-{dtype_name(dtype)}"):
         try:
