@@ -259,6 +259,7 @@ def encode_chat(tokenizer, messages: Sequence[dict], add_generation_prompt: bool
 
     if not getattr(tokenizer, "chat_template", None):
         raise InputError("this model has no chat template", "give a raw prompt instead of messages")
+    messages = _roles_rendered(tokenizer, messages, add_generation_prompt)
     try:
         ids = tokenizer.apply_chat_template(
             list(messages), add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
@@ -270,6 +271,48 @@ def encode_chat(tokenizer, messages: Sequence[dict], add_generation_prompt: bool
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return [int(i) for i in ids]
+
+
+COMMON_ROLES = ("system", "user", "assistant", "tool")
+
+
+def _render(tokenizer, messages: Sequence[dict], add_generation_prompt: bool) -> str | None:
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                             tokenize=False)
+    except TemplateError:
+        return None
+
+
+def _roles_rendered(tokenizer, messages: Sequence[dict], add_generation_prompt: bool) -> Sequence[dict]:
+    """`messages`, with a role the chat template does not know refused rather than lost: a template skips a message
+    whose role it does not name (Qwen's drops "developer", "System", "function" and keeps the rest), so its text never
+    reached the model and nothing said so. A message is lost when the prompt is the same without it. OpenAI's
+    "developer" is its newer name for "system", so where the template leaves it out it goes in as "system"."""
+    unusual = [i for i, m in enumerate(messages) if m.get("role") not in COMMON_ROLES and m.get("content")]
+    if not unusual:
+        return messages
+
+    def lost(candidate: Sequence[dict], index: int) -> bool:
+        whole = _render(tokenizer, candidate, add_generation_prompt)
+        return whole is not None and whole == _render(tokenizer, [*candidate[:index], *candidate[index + 1:]],
+                                                      add_generation_prompt)
+
+    missing = [i for i in unusual if lost(messages, i)]
+    if missing and all(messages[i]["role"] == "developer" for i in missing):
+        as_system = [{**m, "role": "system"} if i in missing else m for i, m in enumerate(messages)]
+        if not any(lost(as_system, i) for i in missing):
+            return as_system
+    if not missing:
+        return messages
+    index = missing[0]
+    role = messages[index]["role"]
+    known = [r for r in COMMON_ROLES if r == role.strip().lower()]
+    instead = f'write "{known[0]}"' if known else 'use "system", "user" or "assistant"'
+    raise ChatTemplateError(f'messages[{index}] has the role "{role}", which the model\'s chat template leaves out of '
+                            "the prompt: its text would never reach the model", instead)
 
 
 def encode_folding_system(tokenizer, messages: Sequence[dict]) -> tuple[list[int], bool]:

@@ -67,3 +67,24 @@ def test_the_target_answers_a_coding_question_sensibly(demo_pair):
     text = _greedy(target, prompt_ids, 24)
     print(repr(text))
     assert "def " in text
+
+
+@requires_demo
+def test_a_role_the_qwen_template_leaves_out_is_refused_or_renamed_not_lost(demo_pair):
+    """Qwen's template renders system, user, assistant and tool turns and skips any other role without a word: a
+    "developer" message (OpenAI's newer name for the system one) or a "System" lost its text, and the model answered
+    without the instruction. "developer" now goes in as "system"; another role the template leaves out is refused."""
+    from specdec_cli.errors import ChatTemplateError
+    from specdec_cli.session import encode_chat
+
+    tokenizer = demo_pair[0].tokenizer
+    question = {"role": "user", "content": "Name a prime."}
+    as_system = encode_chat(tokenizer, [{"role": "system", "content": "Answer in French."}, question])
+    assert encode_chat(tokenizer, [{"role": "developer", "content": "Answer in French."}, question]) == as_system
+    assert "Answer in French." in tokenizer.decode(as_system)
+    for role, instead in (("System", 'write "system"'), ("function", 'use "system", "user" or "assistant"')):
+        with pytest.raises(ChatTemplateError, match=f'messages\\[0\\] has the role "{role}", which the model') as raised:
+            encode_chat(tokenizer, [{"role": role, "content": "Answer in French."}, question])
+        assert raised.value.hint == instead
+    tool = encode_chat(tokenizer, [question, {"role": "assistant", "content": "7"}, {"role": "tool", "content": "ok"}])
+    assert "<tool_response>\nok\n</tool_response>" in tokenizer.decode(tool)  # a role it knows, as it renders it

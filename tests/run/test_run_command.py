@@ -200,6 +200,39 @@ def test_a_line_the_chat_template_refuses_is_an_error_record(run, tiny_pair, tmp
     assert records[1]["prompt_tokens"] == len(encode_chat(AutoTokenizer.from_pretrained(folder), folded))
 
 
+def test_a_role_the_chat_template_leaves_out_is_an_error_record_and_developer_is_system(run, tiny_pair, tmp_path):
+    """A template that renders only the roles it names (Qwen's) skipped a "System" or "developer" message: its line
+    was answered without that text, and nothing said so. "developer" (OpenAI's newer name for the system message)
+    now goes in as "system"; another role the template leaves out is that line's error record."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from specdec_cli.session import encode_chat
+
+    folder = tmp_path / "known-roles"
+    shutil.copytree(tiny_pair.target, folder)
+    template = folder / "chat_template.jinja"
+    text = template.read_text()
+    assert text.count("{% for message in messages %}") == 1
+    template.write_text(text.replace("{% for message in messages %}", "{% for message in messages %}"
+                                     "{% if message['role'] in ['system', 'user', 'assistant'] %}")
+                        .replace("{% endfor %}", "{% endif %}{% endfor %}"))
+    question = {"role": "user", "content": "Hi"}
+    lines = [{"id": "d", "messages": [{"role": "developer", "content": "Be brief."}, question]},
+             {"id": "S", "messages": [{"role": "System", "content": "Be brief."}, question]},
+             {"id": "s", "messages": [{"role": "system", "content": "Be brief."}, question]}]
+    (tmp_path / "in.jsonl").write_text(jsonl(lines))
+    result = run(tmp_path / "in.jsonl", "-o", tmp_path / "out.jsonl", "--target", folder, "--draft", tiny_pair.draft)
+    assert_exited(result, 1)  # the failed record's exit code, not a crash
+    developer, capital, system = read(tmp_path / "out.jsonl")
+    assert capital["error"] == ('line 2: messages[0] has the role "System", which the model\'s chat template leaves '
+                                'out of the prompt: its text would never reach the model — write "system"')
+    as_system = encode_chat(AutoTokenizer.from_pretrained(folder), lines[2]["messages"])
+    assert developer["prompt_tokens"] == system["prompt_tokens"] == len(as_system)
+    assert without_timings(developer) == without_timings(system) | {"id": "d"}
+
+
 def test_an_existing_output_is_refused_and_left_alone(run, tmp_path):
     (tmp_path / "in.jsonl").write_text(jsonl(MIXED[:1]))
     (tmp_path / "out.jsonl").write_text('{"id": "precious"}\n')
