@@ -8,6 +8,7 @@ Any line may carry `"category"` (default `default`). Text only: encoding to ids 
 
 from __future__ import annotations
 
+import difflib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -65,6 +66,7 @@ def _parse_line(line: str, number: int, path: Path) -> Prompt:
         raise InputError(f"{where} is not valid JSON ({error.msg})", "write one JSON object per line") from None
     if not isinstance(record, dict):
         raise InputError(f"{where} is not a JSON object", LINE_KINDS)
+    _refuse_near_miss(record, where)
     prompt_id = str(record.get("question_id", record.get("id", number)))
     category = str(record.get("category", DEFAULT_CATEGORY))
     if isinstance(record.get("prompt"), str) and record["prompt"]:
@@ -75,6 +77,20 @@ def _parse_line(line: str, number: int, path: Path) -> Prompt:
     if isinstance(turns, list) and turns and isinstance(turns[0], str) and turns[0]:
         return Prompt(prompt_id, category, text=turns[0], as_user_turn=True)
     raise InputError(f"{where} has no usable prompt", LINE_KINDS)
+
+
+KEYS = ("prompt", "messages", "turns", "category", "id", "question_id")
+
+
+def _refuse_near_miss(record: dict, where: str) -> None:
+    """A key one letter or two from one the line lacks ("catgory") is a typo: other keys are ignored, so that line
+    went into the default category (or fell back to another key's prompt) and its table row said nothing of it."""
+    for key in record:
+        close = difflib.get_close_matches(key, KEYS, 1, cutoff=0.85) if key not in KEYS else []
+        if close and close[0] not in record:
+            raise InputError(f'{where} has "{key}": did you mean "{close[0]}"?',
+                             f"rename it (a prompt file's lines take {', '.join(map(repr, KEYS))}; other keys are "
+                             "ignored)")
 
 
 def _is_conversation(messages: object) -> bool:

@@ -71,6 +71,21 @@ def test_a_bad_line_is_named_by_its_number(tmp_path, line, complaint):
         read_prompt_file(path)
 
 
+def test_a_near_miss_of_a_key_is_refused_with_the_key_it_resembles(tmp_path):
+    """Other keys are ignored, so a "catgory" put its line in the default category, and compare's per-category table
+    showed a category short and a "default" row nobody asked for."""
+    path = write_lines(tmp_path / "p.jsonl", [{"prompt": "fine", "category": "code"},
+                                              {"prompt": "typo", "catgory": "code"}])
+    with pytest.raises(InputError) as caught:
+        read_prompt_file(path)
+    assert caught.value.one_line() == (
+        f'line 2 of {path} has "catgory": did you mean "category"? — rename it (a prompt file\'s lines take '
+        "'prompt', 'messages', 'turns', 'category', 'id', 'question_id'; other keys are ignored)")
+    # metadata keys stay metadata; a near miss of a key the line has is not a typo of it
+    path = write_lines(tmp_path / "q.jsonl", [{"prompt": "a", "category": "c", "reference": ["x"], "categry": "old"}])
+    assert [(p.text, p.category) for p in read_prompt_file(path)] == [("a", "c")]
+
+
 def test_a_missing_or_empty_file_is_an_input_error(tmp_path):
     with pytest.raises(InputError, match="no prompt file"):
         read_prompt_file(tmp_path / "nope.jsonl")
