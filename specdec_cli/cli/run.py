@@ -40,7 +40,7 @@ WRITE_FAILED = 3  # OUTPUT could not be written (disk full); 1 means "some recor
 @report_errors
 def run_command(
     input: Annotated[str, typer.Argument(metavar="INPUT", help="JSONL requests, one per line; - reads stdin.", show_default=False)],
-    output: Annotated[Path, typer.Option("--output", "-o", help="JSONL file for the results (one line per request, in input order); - writes them to stdout.", rich_help_panel=_FILES, show_default=False)],
+    output: Annotated[str, typer.Option("--output", "-o", help="JSONL file for the results (one line per request, in input order); - writes them to stdout.", rich_help_panel=_FILES, show_default=False)],
     resume: Annotated[bool, typer.Option("--resume", help="Continue OUTPUT: skip the requests it already answers.", rich_help_panel=_FILES)] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUTPUT if it exists.", rich_help_panel=_FILES)] = False,
     force: Annotated[bool, typer.Option("--force", help="With --resume: continue OUTPUT even with other settings than it was made with.", rich_help_panel=_FILES)] = False,
@@ -83,11 +83,21 @@ def run_command(
     usage mistake, 3 when OUTPUT could not be written (disk full)."""
     ray_options = _ray_options(engine, address, workers, cpus_per_worker, gpus_per_worker)
     size = _batch_size(batch_size, ray_options is not None)
+    output = _output_path(output)
     _check_paths(input, output, resume, overwrite)
     with sigterm_as_interrupt(), _output_lock(output):
         batch.check_output(output, resume, overwrite)  # again under the lock: another run may have just finished it
         _run_locked(input, output, resume, overwrite, force, limit, quiet, model_overrides(locals()),
                     decoding_overrides(locals()), ray_options, size)
+
+
+def _output_path(given: str) -> Path:
+    """-o as given: `-` is standard output, as INPUT's `-` is standard input; `./-` is the file named `-` there (the
+    shell's way to name it; pathlib drops the `./`, which made it standard output too)."""
+    if given == "-":
+        return batch.STDOUT
+    path = Path(given)
+    return Path.cwd() / path if path == batch.STDOUT else path
 
 
 def _batch_size(given: str | None, on_ray: bool) -> int | str:

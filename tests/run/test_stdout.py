@@ -40,6 +40,19 @@ def test_dash_writes_the_records_to_standard_output_in_input_order(tiny_pair, tm
     assert texts(piped.stdout) == texts(process.stdout)  # greedy: the same answers, stdin to stdout (stats' times differ)
 
 
+def test_dot_slash_dash_is_the_file_named_dash(tiny_pair, tmp_path):
+    """`./-` is the shell's way to name a file called "-"; pathlib drops the "./", so it wrote to standard output."""
+    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "a", "prompt": "Hello"}) + "\n")
+    process = specdec_run(tiny_pair, tmp_path, "in.jsonl", "-o", "./-")
+    assert process.returncode == 0, process.stderr
+    assert process.stdout == ""
+    assert [json.loads(line)["id"] for line in (tmp_path / "-").read_text().splitlines()] == ["a"]
+    assert (tmp_path / "-.settings.json").is_file()  # a file of records like any other: it can be resumed
+    again = specdec_run(tiny_pair, tmp_path, "in.jsonl", "-o", "./-", "--resume")
+    assert again.returncode == 0, again.stderr
+    assert len((tmp_path / "-").read_text().splitlines()) == 1
+
+
 @pytest.mark.parametrize("flag", ["--resume", "--overwrite"])
 def test_dash_with_resume_or_overwrite_is_a_usage_mistake(tmp_path, flag):
     (tmp_path / "in.jsonl").write_text(json.dumps({"prompt": "Hi"}) + "\n")
