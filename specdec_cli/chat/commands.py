@@ -96,6 +96,9 @@ COMMANDS: dict[str, Callable[[Conversation, str], Outcome]] = {
 }
 
 
+NO_ARGUMENT = (_help, _reset, _stats, _exit)
+
+
 def run_command(conversation: Conversation, line: str) -> Outcome:
     """Run one slash command line, e.g. `/k 4`. Bad input raises InputError (the chat goes on)."""
     name, _, argument = line[1:].strip().partition(" ")
@@ -103,4 +106,7 @@ def run_command(conversation: Conversation, line: str) -> Outcome:
     if command is None:
         raise InputError(f"unknown command /{name}", "type /help for the list, or start the line with // to send it "
                                                      "as a message")
+    if argument.strip() and command in NO_ARGUMENT:  # "/exit code 1 means what?" ended the chat, its history gone
+        raise InputError(f"/{name} takes no argument", f"type /{name.lower()} alone, or start the line with // to send it as "
+                                                       "a message")
     return command(conversation, argument.strip())

@@ -146,6 +146,11 @@ def test_exit_ends_the_chat_and_later_lines_are_not_read(chat):
         ("/save /proc/no/such/place.jsonl", "error: cannot write /proc/no/such/place.jsonl: No such file or directory — pick a folder you can write to"),
         ("/dance", "error: unknown command /dance — type /help for the list, or start the line with // to send it as "
                    "a message"),
+        # "/exit code 1 means what?" ended the chat, and the conversation with it
+        ("/exit code 1 means what?", "error: /exit takes no argument — type /exit alone, or start the line with // to "
+                                     "send it as a message"),
+        ("/Reset all", "error: /Reset takes no argument — type /reset alone, or start the line with // to send it as a "
+                       "message"),
     ],
 )
 def test_a_bad_command_is_one_line_and_the_chat_goes_on(chat, line, complaint):
