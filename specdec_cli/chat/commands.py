@@ -107,6 +107,6 @@ def run_command(conversation: Conversation, line: str) -> Outcome:
         raise InputError(f"unknown command /{name}", "type /help for the list, or start the line with // to send it "
                                                      "as a message")
     if argument.strip() and command in NO_ARGUMENT:  # "/exit code 1 means what?" ended the chat, its history gone
-        raise InputError(f"/{name} takes no argument", f"type /{name.lower()} alone, or start the line with // to send it as "
-                                                       "a message")
+        raise InputError(f"/{name} takes no argument",
+                         f"type /{name.lower()} alone, or start the line with // to send it as a message")
     return command(conversation, argument.strip())
