@@ -253,21 +253,25 @@ def _lookup_factory(drafter: str):
     return NgramDrafter if drafter == "ngram" else None
 
 
-def encode_chat(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of a conversation through the model's own chat template."""
+def encode_chat(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> list[int]:
+    """Token ids of a conversation through the model's own chat template; `continue_final_message`: the last message
+    left open, for the model to go on with it (vLLM's and HF's name)."""
     from jinja2 import TemplateError
 
     if not getattr(tokenizer, "chat_template", None):
         raise InputError("this model has no chat template", "give a raw prompt instead of messages")
-    messages = _roles_rendered(tokenizer, messages, add_generation_prompt)
+    template = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
+    messages = _roles_rendered(tokenizer, messages, template)
     try:
-        ids = tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
-        )
+        ids = tokenizer.apply_chat_template(list(messages), tokenize=True, return_dict=False, **template)
     except TemplateError as error:  # the template's own raise_exception: Gemma's has no system role, for one
         raise ChatTemplateError(f"the model's chat template refuses these messages: {error}",
                          "change the roles it names (a system prompt can go at the start of the first user message)"
                          ) from None
+    except ValueError as error:  # transformers' own checks, of continue_final_message for one
+        raise ChatTemplateError(f"the model's chat template cannot take these messages: {str(error).strip()[:200]}",
+                                "check the last message and the template options the line sets") from None
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return [int(i) for i in ids]
@@ -276,17 +280,16 @@ def encode_chat(tokenizer, messages: Sequence[dict], add_generation_prompt: bool
 COMMON_ROLES = ("system", "user", "assistant", "tool")
 
 
-def _render(tokenizer, messages: Sequence[dict], add_generation_prompt: bool) -> str | None:
+def _render(tokenizer, messages: Sequence[dict], template: dict) -> str | None:
     from jinja2 import TemplateError
 
     try:
-        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                             tokenize=False)
-    except TemplateError:
+        return tokenizer.apply_chat_template(list(messages), tokenize=False, **template)
+    except (TemplateError, ValueError):
         return None
 
 
-def _roles_rendered(tokenizer, messages: Sequence[dict], add_generation_prompt: bool) -> Sequence[dict]:
+def _roles_rendered(tokenizer, messages: Sequence[dict], template: dict) -> Sequence[dict]:
     """`messages`, with a role the chat template does not know refused rather than lost: a template skips a message
     whose role it does not name (Qwen's drops "developer", "System", "function" and keeps the rest), so its text never
     reached the model and nothing said so. A message is lost when the prompt is the same without it. OpenAI's
@@ -296,9 +299,8 @@ def _roles_rendered(tokenizer, messages: Sequence[dict], add_generation_prompt: 
         return messages
 
     def lost(candidate: Sequence[dict], index: int) -> bool:
-        whole = _render(tokenizer, candidate, add_generation_prompt)
-        return whole is not None and whole == _render(tokenizer, [*candidate[:index], *candidate[index + 1:]],
-                                                      add_generation_prompt)
+        whole = _render(tokenizer, candidate, template)
+        return whole is not None and whole == _render(tokenizer, [*candidate[:index], *candidate[index + 1:]], template)
 
     missing = [i for i in unusual if lost(messages, i)]
     if missing and all(messages[i]["role"] == "developer" for i in missing):
@@ -315,17 +317,17 @@ def _roles_rendered(tokenizer, messages: Sequence[dict], add_generation_prompt: 
                             "the prompt: its text would never reach the model", instead)
 
 
-def encode_folding_system(tokenizer, messages: Sequence[dict]) -> tuple[list[int], bool]:
+def encode_folding_system(tokenizer, messages: Sequence[dict], **template) -> tuple[list[int], bool]:
     """(ids, folded): `messages` through the chat template; where the template refuses their leading system message
     (no system role: Gemma's raises on one), its text opens the first user message instead, as llama.cpp does for
     such templates. For a system prompt specdec adds (--system, a profile's); one the user wrote stays as written."""
     try:
-        return encode_chat(tokenizer, messages), False
+        return encode_chat(tokenizer, messages, **template), False
     except ChatTemplateError:
         folded = fold_system(messages)
         if folded is None:
             raise
-        return encode_chat(tokenizer, folded), True
+        return encode_chat(tokenizer, folded, **template), True
 
 
 def fold_system(messages: Sequence[dict]) -> list[dict] | None:

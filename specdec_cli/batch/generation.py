@@ -176,9 +176,11 @@ def _encode(tokenizer, request: Request, settings: DecodingSettings) -> list[int
     if not request.chat:
         return encode_completion(tokenizer, request.prompt)
     messages = list(request.messages)
+    template = {"add_generation_prompt": request.generation_prompt, "continue_final_message": request.continue_final}
     if settings.system and messages[0]["role"] != "system":
-        return encode_folding_system(tokenizer, [{"role": "system", "content": settings.system}, *messages])[0]
-    return encode_chat(tokenizer, messages)
+        return encode_folding_system(tokenizer, [{"role": "system", "content": settings.system}, *messages],
+                                     **template)[0]
+    return encode_chat(tokenizer, messages, **template)
 
 
 def _why(note: str | None, batch_size: int | str, curve: dict | None) -> str:

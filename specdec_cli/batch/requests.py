@@ -33,6 +33,8 @@ class Request:
     chat: bool = False  # messages through the chat template, else a raw prompt
     prompt: str | None = None
     messages: tuple[dict, ...] = ()
+    generation_prompt: bool = True  # the template's header of a new assistant turn after the messages
+    continue_final: bool = False  # the last message left open, for the model to go on with it
     max_new_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -145,7 +147,7 @@ def _plain_fields(value: dict) -> dict:
     if prompt is not None and messages is not None:
         raise BadRecord('both "prompt" and "messages": give one')
     limit_key = _plain_limit_key(value)
-    return {**_input_fields(prompt, messages), **_sampling_fields(value, value.get(limit_key), limit_key)}
+    return {**_input_fields(prompt, messages, value), **_sampling_fields(value, value.get(limit_key), limit_key)}
 
 
 def _plain_limit_key(value: dict) -> str:
@@ -170,18 +172,42 @@ def _openai_fields(value: dict) -> dict:
     if body.get(wanted) is None:
         raise BadRecord(f'{url} needs "{wanted}" in "body"' + (f', not "{other}"' if other in body else ""))
     max_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    inputs = _input_fields(body.get("prompt"), None) if wanted == "prompt" else _input_fields(None, body["messages"])
+    inputs = _input_fields(*((body.get("prompt"), None) if wanted == "prompt" else (None, body["messages"])), body)
     return {**inputs, **_sampling_fields(body, body.get(max_key), max_key)}
 
 
-def _input_fields(prompt: object, messages: object) -> dict:
+def _input_fields(prompt: object, messages: object, value: dict) -> dict:
+    template = _template_fields(value)
     if messages is not None:
-        return {"chat": True, "messages": _messages(messages)}
+        return {"chat": True, "messages": _messages(messages), **template}
+    if template:
+        key = next(key for key in TEMPLATE_KEYS.values() if value.get(key) is not None)
+        raise BadRecord(f'"{key}" is for "messages" (the chat template): a "prompt" goes to the model as it is')
     if not isinstance(prompt, str):
         raise BadRecord(f'"prompt" must be a string, got {_json_type(prompt)}')
     if not prompt:
         raise BadRecord('"prompt" is empty')
     return {"chat": False, "prompt": prompt}
+
+
+TEMPLATE_KEYS = {"generation_prompt": "add_generation_prompt", "continue_final": "continue_final_message"}
+
+
+def _template_fields(value: dict) -> dict:
+    """vLLM's chat options for the template: `continue_final_message` leaves the last message open for the model to go
+    on with it (a reply begun for it), which needs `add_generation_prompt` false (its default then)."""
+    given = {}
+    for field, key in TEMPLATE_KEYS.items():
+        if value.get(key) is not None:
+            if not isinstance(value[key], bool):
+                raise BadRecord(f'"{key}" must be true or false, got {_json_type(value[key])}')
+            given[field] = value[key]
+    if given.get("continue_final"):
+        if given.get("generation_prompt"):
+            raise BadRecord('"continue_final_message" and "add_generation_prompt" cannot both be true: the last message '
+                            "is continued, or a new assistant turn begins")
+        given["generation_prompt"] = False
+    return given
 
 
 def _messages(messages: object) -> tuple[dict, ...]:
@@ -241,7 +267,7 @@ def _refuse_unsupported(value: dict) -> None:
 
 
 SETTINGS = ("max_new_tokens", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-            "n", "do_sample", "prompt", "messages", *NEUTRAL)
+            "n", "do_sample", "prompt", "messages", *TEMPLATE_KEYS.values(), *NEUTRAL)
 
 
 def _refuse_near_misses(value: dict) -> None:

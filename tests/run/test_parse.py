@@ -27,6 +27,18 @@ def test_a_messages_record_and_unset_options():
     assert request == Request(1, 7, openai=False, chat=True, messages=({"role": "user", "content": "Hi"},), stop=("x",))
 
 
+def test_vllms_template_options_are_read():
+    """`continue_final_message` (vLLM's, HF's) was kept as metadata: the line got a new assistant turn, not the one it
+    had begun."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well,"}]
+    request = parse({"messages": messages, "continue_final_message": True})
+    assert (request.continue_final, request.generation_prompt, request.error) == (True, False, None)
+    assert parse(openai_line(messages=messages, continue_final_message=True, add_generation_prompt=False)).continue_final
+    plain = parse({"messages": messages, "add_generation_prompt": False})
+    assert (plain.continue_final, plain.generation_prompt) == (False, False)
+    assert (parse({"messages": messages}).continue_final, parse({"messages": messages}).generation_prompt) == (False, True)
+
+
 def test_a_prompt_records_limit_may_be_named_max_tokens_as_vllm_names_it():
     assert parse({"id": "a", "prompt": "x", "max_tokens": 9}).max_new_tokens == 9
     assert parse({"prompt": "x", "max_tokens": 0}).error == 'line 1: "max_tokens" must be at least 1, got 0'
@@ -104,6 +116,11 @@ def test_a_record_without_an_id_gets_its_line_number():
         ({"id": "a", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 'line 1: messages[0].content holds a part of type "image_url": specdec runs text models, so a message\'s parts must all be {"type": "text", "text": ...}'),
         ({"id": "a", "messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}, "line 1: messages[0].content must be a string or a list of text parts, got a list"),
         ({"id": "a", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]}, 'line 1: messages[1] holds "tool_calls": specdec does not run tools, so a conversation cannot hold tool calls or their results'),
+        ({"messages": [{"role": "user", "content": "x"}], "continue_final_message": True, "add_generation_prompt": True}, 'line 1: "continue_final_message" and "add_generation_prompt" cannot both be true: the last message is continued, or a new assistant turn begins'),
+        ({"messages": [{"role": "user", "content": "x"}], "continue_final_message": "yes"}, 'line 1: "continue_final_message" must be true or false, got a string'),
+        ({"prompt": "x", "continue_final_message": True}, 'line 1: "continue_final_message" is for "messages" (the chat template): a "prompt" goes to the model as it is'),
+        (openai_line("/v1/completions", prompt="x", add_generation_prompt=False), 'line 1: "add_generation_prompt" is for "messages" (the chat template): a "prompt" goes to the model as it is'),
+        ({"messages": [{"role": "user", "content": "x"}], "continue_final_mesage": True}, 'line 1: unknown "continue_final_mesage": did you mean "continue_final_message"? (a line\'s other keys are kept as metadata: rename it if it is one)'),
         ({"id": ["a"], "prompt": "x"}, 'line 1: "id" must be a string or an integer, got a list'),
         ({"id": True, "prompt": "x"}, 'line 1: "id" must be a string or an integer, got a boolean'),
         ({"prompt": "x", "max_new_tokens": "5"}, 'line 1: "max_new_tokens" must be an integer, got a string'),

@@ -233,6 +233,30 @@ def test_a_role_the_chat_template_leaves_out_is_an_error_record_and_developer_is
     assert without_timings(developer) == without_timings(system) | {"id": "d"}
 
 
+def test_continue_final_message_goes_on_with_the_last_message(run, tiny_pair, tmp_path):
+    """A line that begins the reply for the model (vLLM's `continue_final_message`) is answered from the end of that
+    message: the record's tokens are what the target decodes after the open message, not after a new turn."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specdec_cli.session import encode_chat
+
+    messages = [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "hello"}]
+    lines = [{"id": "open", "messages": messages, "continue_final_message": True, "max_new_tokens": 6},
+             {"id": "new", "messages": messages, "max_new_tokens": 6}]
+    (tmp_path / "in.jsonl").write_text(jsonl(lines))
+    assert_exited(run(tmp_path / "in.jsonl", "-o", tmp_path / "out.jsonl"), 0)
+    opened, new = read(tmp_path / "out.jsonl")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair.target)
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair.target, dtype=torch.float32)
+    for record, continued in ((opened, True), (new, False)):
+        ids = encode_chat(tokenizer, messages, add_generation_prompt=not continued, continue_final_message=continued)
+        assert record["prompt_tokens"] == len(ids)
+        output = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=None)
+        assert record["text"] == tokenizer.decode(output[0, len(ids):], skip_special_tokens=True)
+    assert opened["prompt_tokens"] < new["prompt_tokens"]  # no end of the message, no new turn's header
+
+
 def test_an_existing_output_is_refused_and_left_alone(run, tmp_path):
     (tmp_path / "in.jsonl").write_text(jsonl(MIXED[:1]))
     (tmp_path / "out.jsonl").write_text('{"id": "precious"}\n')
