@@ -25,7 +25,7 @@ from specdec_cli.cli.options import (
     LoadIn8bitOption, MaxNewTokensOption, ProfileOption, Target4bitOption, TargetOption, TemperatureOption,
     TrustRemoteCodeOption, PrefillOption, model_overrides,
 )
-from specdec_cli.errors import InputError, MissingExtraError
+from specdec_cli.errors import InputError, MissingExtraError, SpecdecError
 from specdec_cli.profiles import DRAFTERS
 from specdec_cli.prompts import builtin_prompts, read_prompt_file, select_prompts
 
@@ -141,12 +141,25 @@ def compare_command(
         console.print(table)
     if quality_line:
         console.print(quality_line, markup=False)
-    if json_path:
-        bench.write_json(json_path, benchmark.report(by_category))
-        error_console().print(f"wrote {json_path}")
-    if plot:
-        bench.write_plot(plot, benchmark.summary())
-        error_console().print(f"wrote {plot}")
+    _write_results(((json_path, lambda path: bench.write_json(path, benchmark.report(by_category))),
+                    (plot, lambda path: bench.write_plot(path, benchmark.summary()))))
+
+
+def _write_results(writes) -> None:
+    """Each result file asked for, whichever fails: a --json that cannot be written (a full disk) left no --plot
+    either, though the plot is a few kilobytes. Every failure is said, in order; the last one ends the command."""
+    failures = []
+    for path, write in writes:
+        if path:
+            try:
+                write(path)
+                error_console().print(f"wrote {path}", markup=False)
+            except SpecdecError as error:
+                failures.append(error)
+    for error in failures[:-1]:
+        error_console().print(f"error: {error.one_line()}", markup=False)
+    if failures:
+        raise failures[-1]
 
 
 def _split(values: str | None) -> list[str]:

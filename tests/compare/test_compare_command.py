@@ -323,3 +323,25 @@ def test_a_json_that_cannot_be_written_midway_does_not_stop_the_measuring(tiny_p
         assert_exited(result, 0)
         report = json.loads(out.read_text())
         assert "partial" not in report and len(report["runs"]) == 8  # 4 prompts x 2 configurations
+
+
+def test_a_json_that_cannot_be_written_at_the_end_still_leaves_the_plot(tiny_pair, tmp_path, monkeypatch):
+    """The plot was written after the JSON, so a full disk at the JSON's final write (an error, exit 2) left no plot
+    either, though a plot is a few kilobytes and often fits where the JSON did not."""
+    from specdec_cli import bench
+    from specdec_cli.errors import InputError
+
+    def write_json(path, report):
+        raise InputError(f"cannot write {path}: No space left on device", "choose a writable path for --json")
+
+    monkeypatch.setattr(bench, "write_json", write_json)
+    out, plot = tmp_path / "out.json", tmp_path / "speed.png"
+    result = invoke("--target", tiny_pair.target, "--draft", tiny_pair.same, "--dtype", "float32", "--device", "cpu",
+                    "--prompts", spec_bench_file(tmp_path / "q.jsonl"), "--n-prompts", "1", "--category", "coding",
+                    "--drafter", "model", "--k", "2", "--max-new-tokens", "4", "--json", out, "--plot", plot,
+                    env={"SPECDEC_HOME": str(tmp_path / "home")})
+    assert_exited(result, 2)
+    assert plot.read_bytes().startswith(b"\x89PNG") and not out.exists()
+    assert f"wrote {plot}" in result.stderr
+    assert result.stderr.splitlines()[-1] == (f"error: cannot write {out}: No space left on device — choose a "
+                                              "writable path for --json")
