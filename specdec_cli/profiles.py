@@ -172,7 +172,21 @@ def _parse(name: str, path: Path) -> Profile:
     data = {key: None if key.endswith("_quantization") and value == "none" else value for key, value in data.items()}
     if "target_auto_formats" in data:
         data["target_auto_formats"] = tuple(data["target_auto_formats"])
+    for key in ("target", "draft"):
+        if data.get(key):
+            data[key] = _beside(path, data[key])
     return Profile(name=name, path=path, **{**data, "drafter": drafter})
+
+
+def _beside(path: Path, model: str) -> str:
+    """A relative model path is the profile file's neighbour where one is there, as a config file's paths are in
+    most tools: it named a path from wherever the command ran, so a profile worked in one folder and not in the
+    next. Anything else (a hub id, a path from the current folder, demo:) is left as written."""
+    given = Path(model)
+    if given.is_absolute() or model.startswith("~") or ":" in model:
+        return model
+    beside = path.parent / given
+    return str(beside.resolve()) if beside.exists() else model
 
 
 # ---- public -----------------------------------------------------------------------------------

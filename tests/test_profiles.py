@@ -43,6 +43,34 @@ def test_a_user_profile_is_added(specdec_home):
     assert "mine" in {profile.name for profile in list_profiles()}
 
 
+def test_a_relative_model_path_is_the_profile_files_neighbour(specdec_home, tmp_path, monkeypatch, tiny_pair):
+    """`target = "models/big"` named a path from wherever the command ran: the profile worked in one folder and said
+    "no such file" in the next. It is the path beside the profile file where that exists; a hub id, a path from the
+    current folder and demo: stay as written. The run loads the model from there, from another folder."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from specdec_cli.cli import app
+    from tests.cli_result import assert_exited
+
+    models = specdec_home / "profiles" / "models"
+    shutil.copytree(tiny_pair.target, models / "big")
+    shutil.copytree(tiny_pair.draft, models / "small")
+    _user_profile(specdec_home, "mine", 'target = "models/big"\ndraft = "./models/small"\ntemperature = 0.0\n')
+    profile = load_profile("mine")
+    assert (profile.target, profile.draft) == (str((models / "big").resolve()), str((models / "small").resolve()))
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    (tmp_path / "elsewhere" / "in.jsonl").write_text('{"prompt": "Hi"}\n')
+    result = CliRunner().invoke(app, ["run", "in.jsonl", "-o", "out.jsonl", "--profile", "mine", "--dtype", "float32",
+                                      "-n", "3", "-q"])
+    assert_exited(result, 0)
+    assert (tmp_path / "elsewhere" / "out.jsonl").is_file()
+    _user_profile(specdec_home, "hub", 'target = "org/big"\ndraft = "small"\n')  # nothing of those names beside it
+    assert (load_profile("hub").target, load_profile("hub").draft) == ("org/big", "small")
+
+
 def test_a_user_profile_overrides_a_shipped_one(specdec_home):
     path = _user_profile(specdec_home, "demo", 'target = "demo:qwen2.5-coder-1.5b"\ndrafter = "ngram"\n')
     profile = load_profile("demo")
