@@ -4,6 +4,7 @@ HF_HOME, HF_HUB_CACHE, HF_TOKEN and HF_HUB_OFFLINE are honoured by huggingface-h
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
@@ -114,8 +115,13 @@ def download(spec: str, patterns: list[str]) -> Path:
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     repo_id, revision = split_revision(spec)
+    quiet = logging.getLogger("huggingface_hub._snapshot_download")  # its "No files matched allow_patterns=[...]"
+    level = quiet.level  # came before specdec's own line on what the repository lacks
+    quiet.setLevel(logging.ERROR)
     try:
         folder = snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as error:
         raise _hub_error(spec, error) from None
+    finally:
+        quiet.setLevel(level)
     return Path(folder)

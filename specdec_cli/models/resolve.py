@@ -13,6 +13,7 @@ import torch
 
 from specdec_cli.errors import ModelLoadError, ModelNotFoundError
 from specdec_cli.models import demo, gguf, hub
+from specdec_cli.models.progress import library_bars
 
 
 @dataclass(frozen=True)
@@ -83,9 +84,11 @@ def resolve(spec: str, progress: bool = True) -> ModelSource:
     if spec.lower().endswith(".gguf") or spec.startswith((".", "/", "~")):
         raise ModelNotFoundError(f"{spec}: no such file or folder", "check the path")
     if hub.is_hub_id(spec):
-        return _hub_source(spec)
+        with library_bars(progress):  # huggingface_hub's "Fetching N files", not with -q
+            return _hub_source(spec)
     if hub.gguf_tag(spec) is not None:
-        path = hub.download_gguf(spec)
+        with library_bars(progress):
+            path = hub.download_gguf(spec)
         return ModelSource(spec, "gguf", str(path), None, gguf_path=path)
     raise ModelNotFoundError(
         f"{spec!r} is not a file, folder, demo model or hub id",
@@ -123,8 +126,10 @@ def weights_folder(source: ModelSource, dtype: torch.dtype, allow_pickle: bool, 
     if source.kind == "gguf":
         return gguf.ensure_converted(source.gguf_path, dtype, source.gguf_identity, progress)
     if source.kind == "hub":
-        patterns = hub.METADATA_PATTERNS + hub.SAFETENSORS_PATTERNS + (hub.PICKLE_PATTERNS if allow_pickle else [])
-        return hub.download(source.spec, patterns)
+        folder = hub.download(source.spec, hub.METADATA_PATTERNS + hub.SAFETENSORS_PATTERNS)
+        if allow_pickle and not _has(folder, hub.SAFETENSORS_PATTERNS):  # pickle weights only where they are the only
+            folder = hub.download(source.spec, hub.METADATA_PATTERNS + hub.PICKLE_PATTERNS)  # ones: not both formats
+        return folder
     return source.metadata_folder
 
 
