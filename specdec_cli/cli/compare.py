@@ -221,8 +221,6 @@ def _check_outputs(json_path: Path | None, plot: Path | None, prompts: Path | No
     for path, flag in ((json_path, "--json"), (plot, "--plot")):
         if path is None:
             continue
-        if path.is_dir():
-            raise InputError(f"{path} is a folder", f"give {flag} a file name")
         if path.resolve() in taken:
             raise InputError(f"{flag} {path} is {taken[path.resolve()]}", f"give {flag} another file name")
         taken[path.resolve()] = f"the {flag} file too"
