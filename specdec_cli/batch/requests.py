@@ -250,24 +250,34 @@ NEUTRAL = {
     "min_p": (0,), "typical_p": (1,), "num_beams": (1,), "best_of": (1,), "num_return_sequences": (1,),
     "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "suffix": ("",), "tools": ([],),
     "tool_choice": ("none",), "functions": ([],), "response_format": ({"type": "text"},), "guided_json": (),
-    "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
+    "use_beam_search": (False,), "no_repeat_ngram_size": (0,), "bad_words": ([],), "bad_words_ids": ([],),
+    "prompt_logprobs": (), "logits_processors": ([],),
 }
+# The same for how a request ends and what its text holds (vLLM's and HF's names): `ignore_eos`, which benchmark
+# scripts set to get fixed lengths, decoded past the end of text where specdec stops there, and said nothing.
+ENDING = {
+    "ignore_eos": (False,), "min_tokens": (0,), "min_new_tokens": (0,), "stop_token_ids": ([],),
+    "skip_special_tokens": (True,), "include_stop_str_in_output": (False,),
+}
+WHY = ("specdec samples the model's own distribution: temperature, top_p, top_k, seed, stop",
+       "specdec ends a request at the model's end of text, a stop string or the token limit, and its text leaves out "
+       "special tokens and the stop string")
 
 
 def _refuse_unsupported(value: dict) -> None:
-    for key, neutral in NEUTRAL.items():
+    for key, neutral, why in [(k, n, WHY[0]) for k, n in NEUTRAL.items()] + [(k, n, WHY[1]) for k, n in ENDING.items()]:
         given = value.get(key)
         if given is not None and not any(given == same and isinstance(given, bool) == isinstance(same, bool)
                                          for same in neutral):  # true is not 1 here, nor false 0
             instead = f" or set it to {json.dumps(neutral[0])}" if neutral else ""
-            raise BadRecord(f'unsupported "{key}": {json.dumps(given)[:40]} (specdec samples the model\'s own '
-                            f"distribution: temperature, top_p, top_k, seed, stop); leave it out{instead}")
+            raise BadRecord(f'unsupported "{key}": {json.dumps(given)[:40]} ({why}); leave it out{instead}')
     if value.get("do_sample") is not None and not isinstance(value["do_sample"], bool):
         raise BadRecord(f'"do_sample" must be true or false, got {_json_type(value["do_sample"])}')
 
 
 SETTINGS = ("max_new_tokens", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-            "n", "do_sample", "prompt", "messages", *TEMPLATE_KEYS.values(), *NEUTRAL)
+            "n", "do_sample", "prompt", "messages", *TEMPLATE_KEYS.values(), *NEUTRAL, *ENDING)
 
 
 def _refuse_near_misses(value: dict) -> None:

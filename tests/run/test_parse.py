@@ -60,7 +60,8 @@ def test_an_openai_chat_line_maps_its_body():
     ("logit_bias", {"50256": -100}, "{}"), ("min_p", 0.05, "0"), ("num_beams", 4, "1"), ("best_of", 2, "1"),
     ("logprobs", True, "false"), ("logprobs", 5, "false"), ("top_logprobs", 3, "0"), ("echo", True, "false"),
     ("response_format", {"type": "json_object"}, '{"type": "text"}'), ("tools", [{"type": "function"}], "[]"),
-    ("tool_choice", "auto", '"none"'), ("num_beams", True, "1"),
+    ("tool_choice", "auto", '"none"'), ("num_beams", True, "1"), ("use_beam_search", True, "false"),
+    ("no_repeat_ngram_size", 3, "0"), ("bad_words", ["x"], "[]"),
 ])
 @pytest.mark.parametrize("shape", ["plain", "openai"])
 def test_a_setting_specdec_does_not_do_is_that_lines_error_unless_it_changes_nothing(field, value, neutral, shape):
@@ -74,6 +75,22 @@ def test_a_setting_specdec_does_not_do_is_that_lines_error_unless_it_changes_not
     neutral_line = ({**line, "body": {**line["body"], field: json.loads(neutral)}} if shape == "openai"
                     else {**line, field: json.loads(neutral)})
     assert parse(neutral_line).error is None
+
+
+@pytest.mark.parametrize(("field", "value", "neutral"), [
+    ("ignore_eos", True, "false"), ("min_tokens", 16, "0"), ("min_new_tokens", 4, "0"), ("stop_token_ids", [2], "[]"),
+    ("skip_special_tokens", False, "true"), ("include_stop_str_in_output", True, "false"),
+])
+def test_a_setting_of_how_a_request_ends_is_that_lines_error_unless_it_changes_nothing(field, value, neutral):
+    """vLLM's `ignore_eos` (benchmark scripts set it for fixed lengths), `min_tokens`, `stop_token_ids` ... were kept
+    as metadata: the line ended at the end of text it asked to decode past, or past the token it asked to stop at."""
+    line = {"prompt": "x", field: value}
+    assert parse(line).error == (f'line 1: unsupported "{field}": {json.dumps(value)} (specdec ends a request at the '
+                                 "model's end of text, a stop string or the token limit, and its text leaves out "
+                                 f"special tokens and the stop string); leave it out or set it to {neutral}")
+    assert parse({**line, field: json.loads(neutral)}).error is None
+    body = openai_line(messages=[{"role": "user", "content": "hi"}], **{field: value})
+    assert parse(body).error.startswith(f'line 1: unsupported "{field}"')
 
 
 def test_top_k_minus_one_keeps_every_token_as_in_vllm():
