@@ -28,12 +28,16 @@ def _screen(no_color: bool) -> Screen:
 
 
 def _check_stdin() -> None:
-    """Python sets sys.stdin to None when the process starts with file descriptor 0 closed (`<&-`)."""
+    """Python sets sys.stdin to None when the process starts with file descriptor 0 closed (`<&-`). A byte that is
+    not UTF-8 is kept as Python's escape for it, for the chat to refuse that message (chat.loop): under a UTF-8
+    locale stdin decodes strictly, and a Latin-1 "é" ended the chat in a UnicodeDecodeError traceback."""
     if sys.stdin is None or sys.stdin.closed:
         raise InputError(
             "standard input is closed, so chat has nothing to read",
             "run it in a terminal, or pipe the messages in (echo hi | specdec chat)",
         )
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="surrogateescape")
 
 
 def _enable_line_editing() -> None:

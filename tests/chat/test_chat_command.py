@@ -171,6 +171,32 @@ def test_a_line_starting_with_two_slashes_is_a_message_with_one(chat, tmp_path):
     assert records[1]["role"] == "assistant" and records[1]["content"] in result.stdout
 
 
+@pytest.mark.parametrize("errors", ["strict", "surrogateescape"])
+def test_a_message_that_is_not_utf8_is_one_line_and_crlf_lines_lose_their_cr(tiny_pair, tmp_path, errors):
+    """A Latin-1 "é" (a terminal in another encoding, a file piped in) ended the chat in a traceback: a
+    UnicodeDecodeError where the locale is UTF-8 (stdin decodes strictly), a TypeError from the tokenizer where it
+    is C (stdin keeps the byte as an escape). A file written on Windows sent every message with its "\r"."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "PYTHONIOENCODING": f"utf-8:{errors}",
+           "NO_COLOR": "1"}
+    process = subprocess.run([sys.executable, "-m", "specdec_cli", "chat", "--target", tiny_pair.target, "--dtype",
+                              "float32", "-t", "0", "-n", "3"], cwd=tmp_path, env=env,
+                             input=b"caf\xe9 au lait\r\nHello\r\n/save chat.jsonl\r\n", capture_output=True,
+                             timeout=300)
+    assert process.returncode == 0, process.stderr.decode()
+    stderr = process.stderr.decode()
+    assert "Traceback" not in stderr
+    assert ("error: this message is not UTF-8 text (it holds the byte 0xe9) — set the terminal to UTF-8 (a UTF-8 "
+            "locale), or convert piped text with iconv -t UTF-8") in stderr.splitlines()
+    records = [json.loads(line) for line in (tmp_path / "chat.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [(record["role"], record["content"]) for record in records][0] == ("user", "Hello")  # the one sent
+
+
 def test_a_bad_model_is_one_line_and_exit_2(tiny_pair, tmp_path):
     result = CliRunner().invoke(app, ["chat", "--target", str(tmp_path / "missing"), "--dtype", "float32"], input="Hello\n")
     assert result.exit_code == 2
