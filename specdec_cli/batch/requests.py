@@ -100,6 +100,7 @@ def parse_line(number: int, raw: bytes) -> Request:
         return Request(number, number, openai, error=f"line {number}: {error}", id_given=False)
     given = value.get("custom_id" if openai else "id") is not None
     try:
+        _refuse_lone_surrogates(value)
         fields = _openai_fields(value) if openai else _plain_fields(value)
     except BadRecord as error:
         return Request(number, record_id, openai, error=f"line {number}: {error}", id_given=given)
@@ -136,7 +137,17 @@ def _record_id(value: dict, key: str, number: int) -> str | int:
         return number
     if isinstance(record_id, bool) or not isinstance(record_id, (str, int)):
         raise BadRecord(f'"{key}" must be a string or an integer, got {_json_type(record_id)}')
+    if isinstance(record_id, str) and jsonl.lone_surrogate(record_id, key) is not None:
+        raise BadRecord(jsonl.lone_surrogate_problem(*jsonl.lone_surrogate(record_id, key)))
     return record_id
+
+
+def _refuse_lone_surrogates(value: dict) -> None:
+    """A lone surrogate anywhere in the line is that line's error record: in a prompt it stopped the whole batch with
+    the tokenizer's TypeError traceback, and in metadata the record could not be written as UTF-8."""
+    found = jsonl.lone_surrogate(value)
+    if found is not None:
+        raise BadRecord(jsonl.lone_surrogate_problem(*found))
 
 
 def _plain_fields(value: dict) -> dict:

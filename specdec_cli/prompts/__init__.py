@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec_cli.errors import InputError
+from specdec_cli.prompts import jsonl
 from specdec_cli.prompts.jsonl import refuse_one_document, refuse_wide_encoding
 from specdec_cli.prompts.builtin import BUILTIN_PROMPTS
 
@@ -67,6 +68,10 @@ def _parse_line(line: str, number: int, path: Path) -> Prompt:
     if not isinstance(record, dict):
         raise InputError(f"{where} is not a JSON object", LINE_KINDS)
     _refuse_near_miss(record, where)
+    half = jsonl.lone_surrogate(record)
+    if half is not None:  # the tokenizer's TypeError traceback, minutes into the benchmark
+        problem, mend = jsonl.lone_surrogate_problem(*half).split("; ")
+        raise InputError(f"{where}: {problem}", mend)
     prompt_id = str(record.get("question_id", record.get("id", number)))
     category = str(record.get("category", DEFAULT_CATEGORY))
     if isinstance(record.get("prompt"), str) and record["prompt"]:

@@ -1,5 +1,5 @@
 """What `run` (batch/requests.py) and `compare` (prompt files) say when a file of JSON lines is one JSON document
-instead, or UTF-16 or UTF-32 text. No torch, no Rich."""
+instead, or UTF-16 or UTF-32 text, or a line holds half a character. No torch, no Rich."""
 
 from __future__ import annotations
 
@@ -53,3 +53,27 @@ def _shown(source: str, fixed: Callable[[Path], Path], fixed_from_stdin: str) ->
     if source == "-":
         return "standard input", "FILE", fixed_from_stdin
     return source, shlex.quote(source), shlex.quote(str(fixed(Path(source))))
+
+
+def lone_surrogate(value: object, where: str = "") -> tuple[str, str] | None:
+    """(where, the character) of the first lone UTF-16 surrogate in a parsed JSON value: JSON's "\\ud83d" alone, which
+    json.loads keeps as a character that is none (a pair becomes the character it encodes). `where` is its path,
+    messages[0].content; None where there is none."""
+    if isinstance(value, str):
+        odd = next((character for character in value if "\ud800" <= character <= "\udfff"), None)
+        return (where, odd) if odd is not None else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = (lone_surrogate(key, "a key") if isinstance(key, str) else None) or lone_surrogate(
+            item, f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else key)
+        if found is not None:
+            return found
+    return None
+
+
+def lone_surrogate_problem(where: str, character: str) -> str:
+    """The line's problem, for a lone surrogate `lone_surrogate` found: in a prompt it stopped the whole batch with the
+    tokenizer's TypeError traceback; in metadata the record could not be written as UTF-8."""
+    named = f'"{where}"' if where.isidentifier() else where  # a top-level key, as the other problems name it
+    return (f"{named} holds \\u{ord(character):04x} alone, half of a UTF-16 character (as text cut inside an emoji by "
+            "a UTF-16 substring leaves it), which no tokenizer or UTF-8 file takes; mend the text where it was cut")

@@ -86,6 +86,16 @@ def test_a_near_miss_of_a_key_is_refused_with_the_key_it_resembles(tmp_path):
     assert [(p.text, p.category) for p in read_prompt_file(path)] == [("a", "c")]
 
 
+def test_half_a_character_is_named_with_its_line(tmp_path):
+    """A lone surrogate escape in a prompt ended compare in the tokenizer's TypeError, after the models loaded."""
+    path = write_lines(tmp_path / "p.jsonl", ['{"prompt": "fine"}', '{"turns": ["cut \\ud83d"], "category": "c"}'])
+    with pytest.raises(InputError) as caught:
+        read_prompt_file(path)
+    assert caught.value.one_line() == (
+        f"line 2 of {path}: turns[0] holds \\ud83d alone, half of a UTF-16 character (as text cut inside an emoji by a "
+        "UTF-16 substring leaves it), which no tokenizer or UTF-8 file takes — mend the text where it was cut")
+
+
 def test_a_missing_or_empty_file_is_an_input_error(tmp_path):
     with pytest.raises(InputError, match="no prompt file"):
         read_prompt_file(tmp_path / "nope.jsonl")

@@ -93,6 +93,31 @@ def test_a_setting_of_how_a_request_ends_is_that_lines_error_unless_it_changes_n
     assert parse(body).error.startswith(f'line 1: unsupported "{field}"')
 
 
+HALF = ("holds \\ud83d alone, half of a UTF-16 character (as text cut inside an emoji by a UTF-16 substring leaves it), "
+        "which no tokenizer or UTF-8 file takes; mend the text where it was cut")
+
+
+@pytest.mark.parametrize(("line", "where"), [
+    ('{"prompt": "smile \\ud83d"}', '"prompt"'),
+    ('{"messages": [{"role": "user", "content": "hi \\ud83d"}]}', "messages[0].content"),
+    ('{"prompt": "x", "stop": ["ok", "\\ud83d"]}', "stop[1]"),
+    ('{"prompt": "x", "source": {"title": "\\ud83d"}}', "source.title"),  # metadata, written back in the record
+    ('{"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "\\ud83d"}}', "body.prompt"),
+])
+def test_half_a_character_is_that_lines_error_record(line, where):
+    """JSON may hold a lone surrogate escape, which json.loads keeps: in a prompt it stopped the whole batch with the
+    tokenizer's TypeError traceback (every record after it lost); in metadata the record could not be written."""
+    request = parse_line(1, line.encode())
+    assert request.error == f"line 1: {where} {HALF}"
+    assert request.id == ("c" if "custom_id" in line else 1)
+
+
+def test_half_a_character_in_the_id_gives_the_line_its_number():
+    request = parse_line(1, b'{"id": "q\\ud83d", "prompt": "x"}')
+    assert (request.id, request.id_given, request.error) == (1, False, f'line 1: "id" {HALF}')
+    assert parse_line(1, b'{"prompt": "a pair \\ud83d\\ude00 is one character"}').error is None
+
+
 def test_top_k_minus_one_keeps_every_token_as_in_vllm():
     """vLLM's default top_k is -1 (every token), so lines written for it carry -1: each got an error record."""
     assert parse({"prompt": "x", "top_k": -1}).top_k == 0

@@ -257,6 +257,30 @@ def test_continue_final_message_goes_on_with_the_last_message(run, tiny_pair, tm
     assert opened["prompt_tokens"] < new["prompt_tokens"]  # no end of the message, no new turn's header
 
 
+def test_half_a_character_fails_its_line_and_the_batch_goes_on(run, tmp_path):
+    """A prompt with a lone surrogate escape stopped the whole batch with a traceback: no record was written."""
+    (tmp_path / "in.jsonl").write_text('{"id": "cut", "prompt": "smile \\ud83d"}\n{"id": "q\\ud83d", "prompt": "x"}\n'
+                                       '{"id": "fine", "prompt": "Hello"}\n')
+    result = run(tmp_path / "in.jsonl", "-o", tmp_path / "out.jsonl")
+    assert_exited(result, 1)  # two records failed, no crash
+    cut, bad_id, fine = read(tmp_path / "out.jsonl")
+    assert cut["id"] == "cut" and cut["error"].startswith('line 1: "prompt" holds \\ud83d alone')
+    assert bad_id["id"] == 2 and bad_id["error"].startswith('line 2: "id" holds \\ud83d alone')
+    assert fine["finish_reason"] == "length" and fine["text"]
+
+
+def test_a_system_prompt_that_is_not_utf8_is_refused_before_the_load(run, tmp_path):
+    """A shell argument with a byte that is not UTF-8 reaches Python as a lone surrogate: --system ended run (and
+    chat) in a traceback after the models had loaded."""
+    (tmp_path / "in.jsonl").write_text(jsonl(MIXED[:1]))
+    result = run(tmp_path / "in.jsonl", "-o", tmp_path / "out.jsonl", "--system", "caf\udce9",
+                 "--target", tmp_path / "not-loaded")
+    assert_exited(result, 2)
+    assert result.stderr == ("error: --system is not UTF-8 text (it holds the byte 0xe9) — pass UTF-8 text (a shell in "
+                             "a UTF-8 locale)\n")
+    assert not (tmp_path / "out.jsonl").exists()
+
+
 def test_an_existing_output_is_refused_and_left_alone(run, tmp_path):
     (tmp_path / "in.jsonl").write_text(jsonl(MIXED[:1]))
     (tmp_path / "out.jsonl").write_text('{"id": "precious"}\n')
