@@ -91,7 +91,7 @@ def parse_line(number: int, raw: bytes) -> Request:
         value = json.loads(_decode(number, raw))
         if not isinstance(value, dict):
             raise BadRecord(f"expected a JSON object, got {_json_type(value)}")
-    except (BadRecord, json.JSONDecodeError) as error:
+    except (BadRecord, json.JSONDecodeError, RecursionError) as error:  # RecursionError: nested past the limit
         return Request(number, number, openai=False, error=f"line {number}: {_problem(error)}", id_given=False)
     openai = any(key in value for key in OPENAI_KEYS)
     try:
@@ -116,6 +116,8 @@ def _decode(number: int, raw: bytes) -> str:
 
 
 def _problem(error: Exception) -> str:
+    if isinstance(error, RecursionError):
+        return f"the line {jsonl.TOO_DEEP}"
     if isinstance(error, json.JSONDecodeError):
         return f"not valid JSON ({error.msg} at column {error.colno})"
     return str(error)

@@ -59,7 +59,7 @@ def read_finished(output: Path) -> list[dict]:
 def _finished_record(output: Path, number: int, line: bytes) -> dict:
     try:
         record = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # RecursionError: nested past the limit
         record = None
     if not isinstance(record, dict) or not ("id" in record or "custom_id" in record):
         raise InputError(

@@ -35,6 +35,6 @@ def json_object(path: Path) -> dict | None:
     """The JSON object `path` holds; None where it holds something else or cannot be read (for the `is_result`s)."""
     try:
         found = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     return found if isinstance(found, dict) else None

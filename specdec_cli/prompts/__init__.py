@@ -65,6 +65,8 @@ def _parse_line(line: str, number: int, path: Path) -> Prompt:
         record = json.loads(line)
     except json.JSONDecodeError as error:
         raise InputError(f"{where} is not valid JSON ({error.msg})", "write one JSON object per line") from None
+    except RecursionError:
+        raise InputError(f"{where} {jsonl.TOO_DEEP}", "write one flat JSON object per line") from None
     if not isinstance(record, dict):
         raise InputError(f"{where} is not a JSON object", LINE_KINDS)
     _refuse_near_miss(record, where)

@@ -16,7 +16,7 @@ def refuse_one_document(text: str, source: str) -> None:
     object over several lines (json.dump, with or without indent): each of its lines would be a bad line otherwise."""
     try:
         document = json.loads(text.removeprefix("\ufeff"))
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return
     name, file, lines_file = _shown(source, lambda path: path.with_suffix(".jsonl") if path.suffix != ".jsonl"
                                     else path.with_name(f"{path.stem}-lines.jsonl"), "lines.jsonl")
@@ -58,16 +58,20 @@ def _shown(source: str, fixed: Callable[[Path], Path], fixed_from_stdin: str) ->
 def lone_surrogate(value: object, where: str = "") -> tuple[str, str] | None:
     """(where, the character) of the first lone UTF-16 surrogate in a parsed JSON value: JSON's "\\ud83d" alone, which
     json.loads keeps as a character that is none (a pair becomes the character it encodes). `where` is its path,
-    messages[0].content; None where there is none."""
-    if isinstance(value, str):
-        odd = next((character for character in value if "\ud800" <= character <= "\udfff"), None)
-        return (where, odd) if odd is not None else None
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, item in items:
-        found = (lone_surrogate(key, "a key") if isinstance(key, str) else None) or lone_surrogate(
-            item, f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else key)
-        if found is not None:
-            return found
+    messages[0].content; None where there is none. A walk without recursion: the value may nest as deep as json.loads
+    took, at a deeper place in the stack."""
+    waiting = [(where, value)]
+    while waiting:
+        where, value = waiting.pop()
+        if isinstance(value, str):
+            odd = next((character for character in value if "\ud800" <= character <= "\udfff"), None)
+            if odd is not None:
+                return where, odd
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for key, item in reversed(list(items)):  # in the order the line has them
+            waiting.append((f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else key, item))
+            if isinstance(key, str):
+                waiting.append(("a key", key))
     return None
 
 
@@ -77,3 +81,6 @@ def lone_surrogate_problem(where: str, character: str) -> str:
     named = f'"{where}"' if where.isidentifier() else where  # a top-level key, as the other problems name it
     return (f"{named} holds \\u{ord(character):04x} alone, half of a UTF-16 character (as text cut inside an emoji by "
             "a UTF-16 substring leaves it), which no tokenizer or UTF-8 file takes; mend the text where it was cut")
+
+
+TOO_DEEP = "is nested too deeply to read (lists or objects inside each other past Python's recursion limit)"

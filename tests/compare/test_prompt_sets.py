@@ -96,6 +96,14 @@ def test_half_a_character_is_named_with_its_line(tmp_path):
         "UTF-16 substring leaves it), which no tokenizer or UTF-8 file takes — mend the text where it was cut")
 
 
+def test_a_line_nested_past_the_recursion_limit_is_named(tmp_path):
+    path = write_lines(tmp_path / "p.jsonl", ['{"prompt": "fine"}', '{"prompt": "x", "m": ' + "[" * 100_000 + "]" * 100_000 + "}"])
+    with pytest.raises(InputError) as caught:
+        read_prompt_file(path)
+    assert caught.value.one_line() == (f"line 2 of {path} is nested too deeply to read (lists or objects inside each "
+                                       "other past Python's recursion limit) — write one flat JSON object per line")
+
+
 def test_a_missing_or_empty_file_is_an_input_error(tmp_path):
     with pytest.raises(InputError, match="no prompt file"):
         read_prompt_file(tmp_path / "nope.jsonl")

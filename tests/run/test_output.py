@@ -101,13 +101,14 @@ def test_resume_cuts_a_torn_last_line(tmp_path):
     assert output.read_bytes() == b'{"id": "a"}\n{"id": "b"}\n'
 
 
-def test_resume_refuses_a_file_that_is_not_run_output(tmp_path):
+@pytest.mark.parametrize("second", ["some notes", "[" * 100_000 + "]" * 100_000])  # the second: a RecursionError
+def test_resume_refuses_a_file_that_is_not_run_output(tmp_path, second):
     output = tmp_path / "notes.jsonl"
-    output.write_text('{"id": "a"}\nsome notes\n')
+    output.write_text(f'{{"id": "a"}}\n{second}\n')
     with pytest.raises(InputError) as refused:
         read_finished(output)
     assert refused.value.one_line() == f"{output} line 2 is not a specdec run record, so it cannot be resumed — pass --overwrite to replace the file, or choose another -o"
-    assert output.read_text() == '{"id": "a"}\nsome notes\n'
+    assert output.read_text() == f'{{"id": "a"}}\n{second}\n'
 
 
 def test_pending_skips_answered_ids_counting_duplicates():

@@ -112,6 +112,16 @@ def test_half_a_character_is_that_lines_error_record(line, where):
     assert request.id == ("c" if "custom_id" in line else 1)
 
 
+def test_a_line_nested_past_the_recursion_limit_is_its_error_record_and_shallower_nesting_runs():
+    """json.loads raises RecursionError (no ValueError) on lists nested past Python's limit: the batch stopped with a
+    traceback before any record was written. Nesting it can read is walked without recursion by the other checks."""
+    deep = b'{"prompt": "x", "meta": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert parse_line(1, deep).error == ("line 1: the line is nested too deeply to read (lists or objects inside each "
+                                         "other past Python's recursion limit)")
+    readable = b'{"prompt": "x", "meta": ' + b"[" * 900 + b'"\\ud83d"' + b"]" * 900 + b"}"
+    assert parse_line(1, readable).error.startswith("line 1: meta" + "[0]" * 900 + " holds \\ud83d alone")
+
+
 def test_half_a_character_in_the_id_gives_the_line_its_number():
     request = parse_line(1, b'{"id": "q\\ud83d", "prompt": "x"}')
     assert (request.id, request.id_given, request.error) == (1, False, f'line 1: "id" {HALF}')
