@@ -126,7 +126,7 @@ class Conversation:
 
     def set_temperature(self, value: str) -> float:
         try:
-            temperature = float(value)
+            temperature = float(value) + 0.0  # -0 is 0 (it read "temperature -0")
         except ValueError:
             raise InputError(f"invalid temperature {value!r}", "use a number, e.g. /temp 0.7 (0 = greedy)") from None
         settings = self.settings

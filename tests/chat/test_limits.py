@@ -12,6 +12,7 @@ import pytest
 
 from specdec_cli.errors import PromptTooLongError
 from tests.chat.test_chat_command import chat  # noqa: F401  (the fixture)
+from tests.cli_result import assert_exited
 
 SENTENCE = "The quick brown fox jumps over the lazy dog. "
 NEAR_FULL = SENTENCE * 7 + "for i in range(10):"  # 248 tokens through the template: 8 positions left
@@ -59,6 +60,12 @@ def test_a_non_finite_temperature_is_refused_and_the_chat_goes_on(chat, value): 
     assert result.stderr.splitlines()[-1].startswith("error: temperature must be a finite number >= 0, got ")
     assert "Traceback" not in result.output
     assert re.search(r"\d+ tokens? · ", result.stdout)  # greedy as before, not a crash
+
+
+def test_minus_zero_is_a_temperature_of_zero(chat):  # noqa: F811
+    result = chat("/temp -0\n")
+    assert_exited(result, 0)
+    assert "temperature 0 (greedy)" in result.stdout and "-0" not in result.stdout
 
 
 def test_save_to_a_folder_says_it_is_a_folder(chat, tmp_path):  # noqa: F811
