@@ -329,9 +329,15 @@ def decoding_settings(
     )
     if settings.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be at least 1, got {settings.max_new_tokens}", "pass a positive number")
-    odd = next((character for character in system or "" if "\udc80" <= character <= "\udcff"), None)
-    if odd is not None:  # a byte that is not UTF-8 in the shell's argument: the tokenizer's traceback, after the load
-        raise InputError(f"--system is not UTF-8 text (it holds the byte 0x{ord(odd) - 0xDC00:02x})",
-                         "pass UTF-8 text (a shell in a UTF-8 locale)")
+    # a byte that is not UTF-8 in the shell's argument: the tokenizer's traceback, after the load
+    refuse_undecodable(system or "", "--system", "pass UTF-8 text (a shell in a UTF-8 locale)")
     settings.sampling()  # validates
     return settings
+
+
+def refuse_undecodable(text: str, what: str, hint: str) -> None:
+    """InputError naming the first byte of `text` that was not UTF-8: stdin and the shell's arguments keep such a
+    byte as Python's surrogate escape, which the tokenizer cannot take (a TypeError traceback)."""
+    odd = next((character for character in text if "\udc80" <= character <= "\udcff"), None)
+    if odd is not None:
+        raise InputError(f"{what} is not UTF-8 text (it holds the byte 0x{ord(odd) - 0xDC00:02x})", hint)

@@ -139,8 +139,9 @@ def _record_id(value: dict, key: str, number: int) -> str | int:
         return number
     if isinstance(record_id, bool) or not isinstance(record_id, (str, int)):
         raise BadRecord(f'"{key}" must be a string or an integer, got {_json_type(record_id)}')
-    if isinstance(record_id, str) and jsonl.lone_surrogate(record_id, key) is not None:
-        raise BadRecord(jsonl.lone_surrogate_problem(*jsonl.lone_surrogate(record_id, key)))
+    half = jsonl.lone_surrogate(record_id, key) if isinstance(record_id, str) else None
+    if half is not None:
+        raise BadRecord("; ".join(jsonl.lone_surrogate_problem(*half)))
     return record_id
 
 
@@ -149,7 +150,7 @@ def _refuse_lone_surrogates(value: dict) -> None:
     the tokenizer's TypeError traceback, and in metadata the record could not be written as UTF-8."""
     found = jsonl.lone_surrogate(value)
     if found is not None:
-        raise BadRecord(jsonl.lone_surrogate_problem(*found))
+        raise BadRecord("; ".join(jsonl.lone_surrogate_problem(*found)))
 
 
 def _plain_fields(value: dict) -> dict:
@@ -276,10 +277,12 @@ ENDING = {
 WHY = ("specdec samples the model's own distribution: temperature, top_p, top_k, seed, stop",
        "specdec ends a request at the model's end of text, a stop string or the token limit, and its text leaves out "
        "special tokens and the stop string")
+UNSUPPORTED = tuple((key, neutral, WHY[0]) for key, neutral in NEUTRAL.items()) + tuple(
+    (key, neutral, WHY[1]) for key, neutral in ENDING.items())
 
 
 def _refuse_unsupported(value: dict) -> None:
-    for key, neutral, why in [(k, n, WHY[0]) for k, n in NEUTRAL.items()] + [(k, n, WHY[1]) for k, n in ENDING.items()]:
+    for key, neutral, why in UNSUPPORTED:
         given = value.get(key)
         if given is not None and not any(given == same and isinstance(given, bool) == isinstance(same, bool)
                                          for same in neutral):  # true is not 1 here, nor false 0

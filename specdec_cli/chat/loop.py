@@ -13,7 +13,8 @@ from specdec_cli.chat.conversation import Conversation
 from specdec_cli.chat.history import Message
 from specdec_cli.chat.text import Piece
 from specdec_cli.engine import Budget
-from specdec_cli.errors import InputError, SpecdecError
+from specdec_cli.errors import SpecdecError
+from specdec_cli.settings import refuse_undecodable
 
 ReadLine = Callable[[str], str]  # like `input`: shows the prompt, returns a line; EOFError at the end
 
@@ -100,7 +101,8 @@ def handle(conversation: Conversation, screen: Screen, message: str) -> bool:
     if not message.strip():
         return True
     try:
-        _check_text(message)
+        refuse_undecodable(message, "this message",  # a Latin-1 terminal's "é", another encoding piped in
+                           "set the terminal to UTF-8 (a UTF-8 locale), or convert piped text with iconv -t UTF-8")
         if not is_command(message):
             stream_reply(conversation, screen, as_message(message))
             return True
@@ -113,15 +115,6 @@ def handle(conversation: Conversation, screen: Screen, message: str) -> bool:
     if outcome.totals:
         screen.totals(conversation)
     return not outcome.exit
-
-
-def _check_text(message: str) -> None:
-    """Bytes that are not UTF-8 (a Latin-1 terminal's "é", a file in another encoding piped in) reach Python as lone
-    surrogates, which the tokenizer cannot take: the chat ended in a TypeError traceback."""
-    odd = next((character for character in message if "\udc80" <= character <= "\udcff"), None)
-    if odd is not None:
-        raise InputError(f"this message is not UTF-8 text (it holds the byte 0x{ord(odd) - 0xDC00:02x})",
-                         "set the terminal to UTF-8 (a UTF-8 locale), or convert piped text with iconv -t UTF-8")
 
 
 def run_chat(conversation: Conversation, screen: Screen, read_line: ReadLine = input) -> None:

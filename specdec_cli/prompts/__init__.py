@@ -72,7 +72,7 @@ def _parse_line(line: str, number: int, path: Path) -> Prompt:
     _refuse_near_miss(record, where)
     half = jsonl.lone_surrogate(record)
     if half is not None:  # the tokenizer's TypeError traceback, minutes into the benchmark
-        problem, mend = jsonl.lone_surrogate_problem(*half).split("; ")
+        problem, mend = jsonl.lone_surrogate_problem(*half)
         raise InputError(f"{where}: {problem}", mend)
     prompt_id = str(record.get("question_id", record.get("id", number)))
     category = str(record.get("category", DEFAULT_CATEGORY))

@@ -75,12 +75,12 @@ def lone_surrogate(value: object, where: str = "") -> tuple[str, str] | None:
     return None
 
 
-def lone_surrogate_problem(where: str, character: str) -> str:
-    """The line's problem, for a lone surrogate `lone_surrogate` found: in a prompt it stopped the whole batch with the
-    tokenizer's TypeError traceback; in metadata the record could not be written as UTF-8."""
+def lone_surrogate_problem(where: str, character: str) -> tuple[str, str]:
+    """(the line's problem, what to do) for a lone surrogate `lone_surrogate` found: in a prompt it stopped the whole
+    batch with the tokenizer's TypeError traceback; in metadata the record could not be written as UTF-8."""
     named = f'"{where}"' if where.isidentifier() else where  # a top-level key, as the other problems name it
     return (f"{named} holds \\u{ord(character):04x} alone, half of a UTF-16 character (as text cut inside an emoji by "
-            "a UTF-16 substring leaves it), which no tokenizer or UTF-8 file takes; mend the text where it was cut")
+            "a UTF-16 substring leaves it), which no tokenizer or UTF-8 file takes", "mend the text where it was cut")
 
 
 TOO_DEEP = "is nested too deeply to read (lists or objects inside each other past Python's recursion limit)"
