@@ -298,14 +298,16 @@ def _roles_rendered(tokenizer, messages: Sequence[dict], template: dict) -> Sequ
     if not unusual:
         return messages
 
-    def lost(candidate: Sequence[dict], index: int) -> bool:
+    def lost(candidate: Sequence[dict], indices: list[int]) -> list[int]:
+        """Those of `indices` whose message the prompt is the same without (the whole prompt rendered once)."""
         whole = _render(tokenizer, candidate, template)
-        return whole is not None and whole == _render(tokenizer, [*candidate[:index], *candidate[index + 1:]], template)
+        return [] if whole is None else [
+            i for i in indices if whole == _render(tokenizer, [*candidate[:i], *candidate[i + 1:]], template)]
 
-    missing = [i for i in unusual if lost(messages, i)]
+    missing = lost(messages, unusual)
     if missing and all(messages[i]["role"] == "developer" for i in missing):
         as_system = [{**m, "role": "system"} if i in missing else m for i, m in enumerate(messages)]
-        if not any(lost(as_system, i) for i in missing):
+        if not lost(as_system, missing):
             return as_system
     if not missing:
         return messages

@@ -128,7 +128,7 @@ def weights_folder(source: ModelSource, dtype: torch.dtype, allow_pickle: bool, 
     if source.kind == "hub":
         folder = hub.download(source.spec, hub.METADATA_PATTERNS + hub.SAFETENSORS_PATTERNS)
         if allow_pickle and not _has(folder, hub.SAFETENSORS_PATTERNS):  # pickle weights only where they are the only
-            folder = hub.download(source.spec, hub.METADATA_PATTERNS + hub.PICKLE_PATTERNS)  # ones: not both formats
+            folder = hub.download(source.spec, hub.PICKLE_PATTERNS)  # ones (not both formats), into the same snapshot
         return folder
     return source.metadata_folder
 
