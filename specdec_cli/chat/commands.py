@@ -73,10 +73,19 @@ def _stats(conversation: Conversation, argument: str) -> Outcome:
 
 
 def _save(conversation: Conversation, argument: str) -> Outcome:
+    argument = _unquoted(argument.strip())
     if not argument:
         raise InputError("/save needs a file name", "use /save FILE, e.g. /save chat.jsonl")
     lines = conversation.save(Path(argument))
     return Outcome(f"saved {lines} messages to {argument}")
+
+
+def _unquoted(argument: str) -> str:
+    """A file name as a shell reads it when the whole of it is quoted: `/save "my chat.jsonl"` made a file whose
+    name began and ended with a quote mark. The rest of the line is the name either way (spaces included)."""
+    if len(argument) >= 2 and argument[0] == argument[-1] and argument[0] in "'\"":
+        return argument[1:-1]
+    return argument
 
 
 def _exit(conversation: Conversation, argument: str) -> Outcome:

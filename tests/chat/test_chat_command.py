@@ -133,6 +133,16 @@ def test_save_writes_json_lines(chat, tmp_path):
     assert records[2]["content"] in result.stdout
 
 
+@pytest.mark.parametrize("quote", ['"', "'", ""])
+def test_save_reads_a_quoted_file_name_as_a_shell_does(chat, tmp_path, quote):
+    """`/save "my chat.jsonl"` wrote a file named with the quote marks; the whole line after /save is the name."""
+    path = tmp_path / "my chat.jsonl"
+    result = chat(f"Hello\n/save {quote}{path}{quote}\n")
+    assert_exited(result, 0)
+    assert list(tmp_path.iterdir()) == [path]
+    assert f"saved 2 messages to {path}" in result.stdout
+
+
 def test_exit_ends_the_chat_and_later_lines_are_not_read(chat):
     result = chat("/exit\nHello\n")
     assert result.exit_code == 0 and result.stdout == ""
