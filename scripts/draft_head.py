@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from levers import QUESTIONS  # scripts/levers.py: the Spec-Bench questions
 from policy_replay import drafted_over  # the draft as the model drafter runs it, teacher-forced
-from specdec_cli.drafters.subset_head import _subset_layer, frequent_token_ids
+from specdec_cli.drafters.subset_head import SubsetHeadLM, frequent_token_ids
 from specdec_cli.models import load_model
 from specdec_cli.models.calibrate import forward_costs_together, machine
 from specdec_cli.session import DRAFT_WINDOW, encode_chat
@@ -218,8 +218,7 @@ def time_costs(args) -> None:
     draft = load_model("demo:qwen2.5-coder-0.5b", quantization="q4", role="draft", progress=False)
     forwards = forward_costs_together({"target": target, "draft": draft}, (1,), repeats=15)
     width = target.model.config.hidden_size
-    layer, _ = _subset_layer(target.model.get_output_embeddings(), frequent_token_ids(target.tokenizer, args.vocab,
-                                                                                      target.vocab_size))
+    _, layer = output_layer(target, args.vocab)
     head = Head(width, args.hidden)
     state, embedded = torch.randn(1, 1, width), torch.randn(1, 1, width)
     parts = {"mlp_float32": median_ms(lambda: head(state, embedded)),
@@ -231,6 +230,12 @@ def time_costs(args) -> None:
     print(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+def output_layer(target, vocab: int) -> tuple[torch.Tensor, torch.nn.Module]:
+    """The ids a head scores (the draft's FR-Spec subset of `vocab`) and the target's q4 output layer cut to them."""
+    ids = frequent_token_ids(target.tokenizer, vocab, target.vocab_size)
+    return ids, SubsetHeadLM(target.model, ids).head
 
 
 def median_ms(call, repeats: int = 60) -> float:
@@ -257,9 +262,8 @@ def run_probe(args) -> None:
         feature_seconds = time.perf_counter() - started
         if kept:
             torch.save((train_read, val_read, feature_seconds), kept)
-    ids = frequent_token_ids(target.tokenizer, args.vocab, target.vocab_size)
+    ids, layer = output_layer(target, args.vocab)
     with torch.inference_mode():
-        layer, _ = _subset_layer(target.model.get_output_embeddings(), ids)
         rows = layer(torch.eye(target.model.config.hidden_size)).t().contiguous()  # the q4 rows, as floats
         embedding = target.model.get_input_embeddings().weight.detach().to(torch.bfloat16)
     to_row = torch.full((target.vocab_size,), -100, dtype=torch.long)
