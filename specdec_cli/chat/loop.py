@@ -13,13 +13,16 @@ from specdec_cli.chat.conversation import Conversation
 from specdec_cli.chat.history import Message
 from specdec_cli.chat.text import Piece
 from specdec_cli.engine import Budget
-from specdec_cli.errors import SpecdecError
+from specdec_cli.errors import InputError, SpecdecError
 from specdec_cli.settings import refuse_undecodable
 
 ReadLine = Callable[[str], str]  # like `input`: shows the prompt, returns a line; EOFError at the end
 
 PROMPT = "> "
 MORE = "... "
+BYTE_ORDER_MARK = "\ufeff"  # what a Windows editor puts before UTF-8 text
+UTF16_MARKS = ("\udcff\udcfe", "\udcfe\udcff")  # UTF-16's byte-order marks, as stdin keeps bytes that are not UTF-8
+TO_UTF8 = "convert piped text with iconv -f UTF-16 -t UTF-8"
 
 
 class Screen:
@@ -74,11 +77,23 @@ def read_message(read_line: ReadLine, interactive: bool) -> str | None:
         prompt = (MORE if lines else PROMPT) if interactive else ""
         try:
             line = read_line(prompt).removesuffix("\r")  # a file written on Windows, piped in: no "\r" in the message
+            if not lines:
+                line = line.removeprefix(BYTE_ORDER_MARK)  # nor its byte-order mark, which would hide a /command
         except EOFError:
             return "\n".join(lines) if lines else None
         if not line.endswith(CONTINUATION):
             return "\n".join([*lines, line])
         lines.append(line[: -len(CONTINUATION)])
+
+
+def refuse_utf16(message: str) -> None:
+    """InputError for text piped in UTF-16: its first line starts with a byte-order mark that is not UTF-8, and
+    every line after it holds NUL characters, which are UTF-8 and went to the model as a garbled message."""
+    if message.startswith(UTF16_MARKS):
+        raise InputError("this message starts with a UTF-16 byte-order mark: the text is UTF-16, not UTF-8", TO_UTF8)
+    if "\x00" in message:
+        raise InputError("this message holds NUL characters: the text is UTF-16 (or another wide encoding), not UTF-8",
+                         TO_UTF8)
 
 
 def stream_reply(conversation: Conversation, screen: Screen, user_text: str) -> None:
@@ -101,6 +116,7 @@ def handle(conversation: Conversation, screen: Screen, message: str) -> bool:
     if not message.strip():
         return True
     try:
+        refuse_utf16(message)
         refuse_undecodable(message, "this message",  # a Latin-1 terminal's "é", another encoding piped in
                            "set the terminal to UTF-8 (a UTF-8 locale), or convert piped text with iconv -t UTF-8")
         if not is_command(message):

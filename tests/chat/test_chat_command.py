@@ -207,6 +207,45 @@ def test_a_message_that_is_not_utf8_is_one_line_and_crlf_lines_lose_their_cr(tin
     assert [(record["role"], record["content"]) for record in records][0] == ("user", "Hello")  # the one sent
 
 
+def _piped_chat(tiny_pair, folder, data: bytes):
+    """`specdec chat` in a process of its own, `data` on its stdin as bytes; the records `/save chat.jsonl` wrote."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "NO_COLOR": "1"}
+    process = subprocess.run([sys.executable, "-m", "specdec_cli", "chat", "--target", tiny_pair.target, "--dtype",
+                              "float32", "-t", "0", "-n", "3"], cwd=folder, env=env, input=data,
+                             capture_output=True, timeout=300)
+    assert process.returncode == 0, process.stderr.decode()
+    assert "Traceback" not in process.stderr.decode()
+    records = [json.loads(line) for line in (folder / "chat.jsonl").read_text(encoding="utf-8").splitlines()]
+    return process, [(record["role"], record["content"]) for record in records]
+
+
+def test_text_piped_in_utf16_is_refused_line_by_line_and_never_reaches_the_model(tiny_pair, tmp_path):
+    """UTF-16's first line starts with a byte-order mark (refused as not UTF-8), but each line after it holds NUL
+    characters, which are UTF-8: they went to the model as garbled messages and got replies."""
+    process, records = _piped_chat(tiny_pair, tmp_path,
+                                   "Hello\nWorld\n".encode("utf-16") + b"\nHi\n/save chat.jsonl\n")
+    hint = "convert piped text with iconv -f UTF-16 -t UTF-8"
+    errors = [line for line in process.stderr.decode().splitlines() if line.startswith("error:")]
+    assert errors == [
+        f"error: this message starts with a UTF-16 byte-order mark: the text is UTF-16, not UTF-8 — {hint}",
+        *2 * [f"error: this message holds NUL characters: the text is UTF-16 (or another wide encoding), not UTF-8 — "
+              f"{hint}"]]
+    assert [role for role, _ in records] == ["user", "assistant"] and records[0] == ("user", "Hi")
+
+
+def test_a_utf8_byte_order_mark_before_the_first_line_is_not_part_of_it(tiny_pair, tmp_path):
+    """A file saved by a Windows editor starts with one: it went to the model as the first message's first
+    character, and before a /command it made the command a message."""
+    _process, records = _piped_chat(tiny_pair, tmp_path, b"\xef\xbb\xbf/k 2\nHello\n/save chat.jsonl\n")
+    assert [role for role, _ in records] == ["user", "assistant"] and records[0] == ("user", "Hello")
+
+
 def test_a_bad_model_is_one_line_and_exit_2(tiny_pair, tmp_path):
     result = CliRunner().invoke(app, ["chat", "--target", str(tmp_path / "missing"), "--dtype", "float32"], input="Hello\n")
     assert result.exit_code == 2
