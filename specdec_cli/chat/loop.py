@@ -34,6 +34,7 @@ class Screen:
         self.errors = errors
         self.styled = styled
         self.interactive = interactive  # a person types: show prompts and the greeting
+        self.refused = 0  # lines answered with an error instead of a reply or a command's effect
 
     def greet(self) -> None:
         if self.styled:
@@ -57,6 +58,7 @@ class Screen:
         self.console.print(render.notice(message))
 
     def error(self, error: SpecdecError) -> None:
+        self.refused += 1
         self.errors.print(Text.assemble(("error:", "bold red"), " ", error.one_line()))
 
 

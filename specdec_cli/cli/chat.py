@@ -76,7 +76,8 @@ def chat(
 ) -> None:
     """Chat with a model. Tokens are coloured by where they came from: accepted draft tokens, the
     target's corrections, bonus tokens. Type /help in the chat for commands; a line ending in \\
-    continues on the next line. Input may be piped: `echo hi | specdec chat`."""
+    continues on the next line. Input may be piped: `echo hi | specdec chat` (a line refused there is skipped, and the
+    chat exits with code 2 when its input ends)."""
     from specdec_cli.chat import Conversation, run_chat  # torch and the models: not for --help
     from specdec_cli.models.prefill import load_meanwhile, settle
     from specdec_cli.settings import choose_models, decoding_settings, load_choice
@@ -94,3 +95,5 @@ def chat(
         run_chat(conversation, screen)
     finally:
         settle(loaded_target.model)
+    if screen.refused and not screen.interactive:  # piped: the script's other lines went on; its caller learns of it
+        raise typer.Exit(2)

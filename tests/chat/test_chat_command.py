@@ -165,7 +165,7 @@ def test_exit_ends_the_chat_and_later_lines_are_not_read(chat):
 )
 def test_a_bad_command_is_one_line_and_the_chat_goes_on(chat, line, complaint):
     result = chat(f"{line}\nHello\n")
-    assert_exited(result, 0)
+    assert_exited(result, 2)  # piped: once the input ends, the exit code says a line was refused
     assert result.stderr.splitlines()[-1] == complaint
     assert re.search(r"\d+ tokens? · ", result.stdout)  # the next message still got its reply
 
@@ -198,7 +198,7 @@ def test_a_message_that_is_not_utf8_is_one_line_and_crlf_lines_lose_their_cr(tin
                               "float32", "-t", "0", "-n", "3"], cwd=tmp_path, env=env,
                              input=b"caf\xe9 au lait\r\nHello\r\n/save chat.jsonl\r\n", capture_output=True,
                              timeout=300)
-    assert process.returncode == 0, process.stderr.decode()
+    assert process.returncode == 2, process.stderr.decode()
     stderr = process.stderr.decode()
     assert "Traceback" not in stderr
     assert ("error: this message is not UTF-8 text (it holds the byte 0xe9) — set the terminal to UTF-8 (a UTF-8 "
@@ -207,8 +207,9 @@ def test_a_message_that_is_not_utf8_is_one_line_and_crlf_lines_lose_their_cr(tin
     assert [(record["role"], record["content"]) for record in records][0] == ("user", "Hello")  # the one sent
 
 
-def _piped_chat(tiny_pair, folder, data: bytes):
-    """`specdec chat` in a process of its own, `data` on its stdin as bytes; the records `/save chat.jsonl` wrote."""
+def _piped_chat(tiny_pair, folder, data: bytes, exit_code: int):
+    """`specdec chat` in a process of its own, `data` on its stdin as bytes, ending with `exit_code`; the records
+    `/save chat.jsonl` wrote."""
     import os
     import subprocess
     import sys
@@ -219,7 +220,7 @@ def _piped_chat(tiny_pair, folder, data: bytes):
     process = subprocess.run([sys.executable, "-m", "specdec_cli", "chat", "--target", tiny_pair.target, "--dtype",
                               "float32", "-t", "0", "-n", "3"], cwd=folder, env=env, input=data,
                              capture_output=True, timeout=300)
-    assert process.returncode == 0, process.stderr.decode()
+    assert process.returncode == exit_code, process.stderr.decode()
     assert "Traceback" not in process.stderr.decode()
     records = [json.loads(line) for line in (folder / "chat.jsonl").read_text(encoding="utf-8").splitlines()]
     return process, [(record["role"], record["content"]) for record in records]
@@ -229,7 +230,7 @@ def test_text_piped_in_utf16_is_refused_line_by_line_and_never_reaches_the_model
     """UTF-16's first line starts with a byte-order mark (refused as not UTF-8), but each line after it holds NUL
     characters, which are UTF-8: they went to the model as garbled messages and got replies."""
     process, records = _piped_chat(tiny_pair, tmp_path,
-                                   "Hello\nWorld\n".encode("utf-16") + b"\nHi\n/save chat.jsonl\n")
+                                   "Hello\nWorld\n".encode("utf-16") + b"\nHi\n/save chat.jsonl\n", 2)
     hint = "convert piped text with iconv -f UTF-16 -t UTF-8"
     errors = [line for line in process.stderr.decode().splitlines() if line.startswith("error:")]
     assert errors == [
@@ -242,8 +243,30 @@ def test_text_piped_in_utf16_is_refused_line_by_line_and_never_reaches_the_model
 def test_a_utf8_byte_order_mark_before_the_first_line_is_not_part_of_it(tiny_pair, tmp_path):
     """A file saved by a Windows editor starts with one: it went to the model as the first message's first
     character, and before a /command it made the command a message."""
-    _process, records = _piped_chat(tiny_pair, tmp_path, b"\xef\xbb\xbf/k 2\nHello\n/save chat.jsonl\n")
+    _process, records = _piped_chat(tiny_pair, tmp_path, b"\xef\xbb\xbf/k 2\nHello\n/save chat.jsonl\n", 0)
     assert [role for role, _ in records] == ["user", "assistant"] and records[0] == ("user", "Hello")
+
+
+def test_a_refused_line_typed_at_a_terminal_leaves_the_exit_code_0(tiny_pair, tmp_path):
+    """A person saw the error and went on; only a piped chat ends with 2 for it (the tests above)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "NO_COLOR": "1"}
+    primary, secondary = os.openpty()
+    try:
+        os.write(primary, b"/k 99\n/exit\n")  # the terminal holds the lines until chat reads them
+        process = subprocess.run([sys.executable, "-m", "specdec_cli", "chat", "--target", tiny_pair.target, "--dtype",
+                                  "float32", "-t", "0", "-n", "3"], cwd=tmp_path, env=env, stdin=secondary,
+                                 capture_output=True, timeout=300)
+    finally:
+        os.close(primary)
+        os.close(secondary)
+    assert "error: invalid draft length '99'" in process.stderr.decode()
+    assert process.returncode == 0, process.stderr.decode()
 
 
 def test_a_bad_model_is_one_line_and_exit_2(tiny_pair, tmp_path):
