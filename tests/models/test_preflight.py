@@ -1,3 +1,5 @@
+import json
+
 import psutil
 import pytest
 import torch
@@ -136,3 +138,53 @@ def test_weight_estimate_of_a_7b_config():
     assert 15.0e9 < estimate_weight_bytes(config, torch.bfloat16, None) < 15.5e9
     # embeddings and output layer stay bf16 (2.2 GB); 6.5 B linear weights at ~4.25 bits (3.5 GB)
     assert 5.3e9 < estimate_weight_bytes(config, torch.bfloat16, "4bit") < 6.0e9
+
+
+def test_a_local_config_s_estimate_is_kept_and_read_back_without_building_the_model(llama_folder, specdec_home,
+                                                                                   monkeypatch):
+    """`profiles list` built every local model on the meta device each time (~4 s of its ~6 on the demo pair)."""
+    from specdec_cli.models import preflight
+
+    made = preflight.estimate_local_weight_bytes(str(llama_folder), torch.bfloat16, "q4")
+    assert made == estimate_weight_bytes(AutoConfig.from_pretrained(llama_folder), torch.bfloat16, "q4")
+    assert (specdec_home / preflight.ESTIMATES).is_file()
+
+    def must_not_build(*args):
+        raise AssertionError("the kept estimate was not used")
+
+    monkeypatch.setattr(preflight, "estimate_weight_bytes", must_not_build)
+    assert preflight.estimate_local_weight_bytes(str(llama_folder), torch.bfloat16, "q4") == made
+
+
+def test_a_changed_config_is_estimated_anew(llama_folder, tmp_path):
+    """The estimate is kept by the config's bytes, not its folder: a model replaced in place gets its own figure."""
+    import shutil
+
+    from specdec_cli.models import preflight
+
+    folder = tmp_path / "model"
+    shutil.copytree(llama_folder, folder)
+    before = preflight.estimate_local_weight_bytes(str(folder), torch.bfloat16, None)
+    config = json.loads((folder / "config.json").read_text())
+    config["num_hidden_layers"] += 2
+    (folder / "config.json").write_text(json.dumps(config))
+    after = preflight.estimate_local_weight_bytes(str(folder), torch.bfloat16, None)
+    assert after == estimate_weight_bytes(AutoConfig.from_pretrained(folder), torch.bfloat16, None) > before
+
+
+@pytest.mark.parametrize("damage", ["garbage", "a list", "a home that is a file"])
+def test_a_damaged_or_unwritable_store_still_gives_the_estimate(llama_folder, specdec_home, monkeypatch, damage):
+    from specdec_cli.models import preflight
+
+    expected = estimate_weight_bytes(AutoConfig.from_pretrained(llama_folder), torch.bfloat16, "int8")
+    specdec_home.mkdir(parents=True, exist_ok=True)
+    store = specdec_home / preflight.ESTIMATES
+    if damage == "a home that is a file":
+        monkeypatch.setenv("SPECDEC_HOME", str(store))
+        store.write_text("not a folder")
+    else:
+        store.write_text("{not json" if damage == "garbage" else "[1, 2]")
+    assert preflight.estimate_local_weight_bytes(str(llama_folder), torch.bfloat16, "int8") == expected
+    if damage != "a home that is a file":  # made whole again
+        assert list(json.loads(store.read_text()).values()) == [expected]
+    assert not [path for path in specdec_home.iterdir() if path.name.startswith(f".{preflight.ESTIMATES}")]
