@@ -11,6 +11,7 @@ import tempfile
 import torch
 
 from specdec_cli.errors import IncompatibleModelsError, InsufficientMemoryError
+from specdec_cli.models.paths import specdec_home
 from specdec_cli.models.quant import canonical, compute_dtype, linear_bytes
 
 _SPECIAL_TOKENS = ("bos", "eos", "pad", "unk")
@@ -171,7 +172,7 @@ def estimate_local_weight_bytes(spec: str, dtype: torch.dtype, quantization: str
         return None
     key = f"{ESTIMATE_FORMULA}:{hashlib.sha256(config).hexdigest()}:{dtype}:{quantization}"
     stored = _stored_estimates()
-    if isinstance(stored.get(key), int):
+    if type(stored.get(key)) is int:  # not a bool, nor anything else a damaged file holds
         return stored[key]
     from transformers import AutoConfig
 
@@ -184,8 +185,6 @@ def estimate_local_weight_bytes(spec: str, dtype: torch.dtype, quantization: str
 
 
 def _stored_estimates() -> dict:
-    from specdec_cli.models.paths import specdec_home
-
     try:
         stored = json.loads((specdec_home() / ESTIMATES).read_text(encoding="utf-8"))
     except (OSError, ValueError):  # none yet, or not readable: the estimates are made again
@@ -195,8 +194,6 @@ def _stored_estimates() -> dict:
 
 def _store_estimates(estimates: dict) -> None:
     """Replace the stored estimates in one rename; where the home cannot be written (full, read-only), keep none."""
-    from specdec_cli.models.paths import specdec_home
-
     home = specdec_home()
     try:
         home.mkdir(parents=True, exist_ok=True)
