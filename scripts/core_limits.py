@@ -5,8 +5,9 @@
 - **The int8 dot-product peak.** A loop of independent 512-bit `vpdpbusd` (AVX512-VNNI), compiled with the system C
   compiler, timed by its thread's CPU time so that another process's load does not count: instructions a CPU-second
   on one core. Against it, what one token of the demo target's verify needs: its decoder's linear layers' weights
-  / 64 (one `vpdpbusd` multiplies 64 byte pairs), on both cores. A verify past its first token cannot cost less per
-  token in q4 or int8 on this CPU, whatever the kernel.
+  / 64 (one `vpdpbusd` multiplies 64 byte pairs), on both cores: the multiply-adds alone, the least any int8 or q4
+  kernel spends a token on this CPU once the arithmetic no longer hides under the weights' read (the target's
+  forwards of 1, 4 and 8 tokens below show where that is).
 - **The draft beside the target, one core each** (drafting the next tokens while the target verifies, as PEARL
   does on GPUs). The q4 demo target's and draft's decoders alone (no output layer) over a 200-token cache, in
   processes of their own: each alone on 2 threads and on 1, then both at once on 1 thread each (--runs times),
@@ -69,7 +70,7 @@ def main() -> None:
               "vnni_peak": _vnni_peak(), "alone": [], "side_by_side": []}
     print(json.dumps(result["vnni_peak"]), flush=True)
     for role, threads, tokens in (("target", 2, 1), ("target", 1, 1), ("target", 2, 4), ("target", 1, 4),
-                                  ("draft", 2, 1), ("draft", 1, 1)):
+                                  ("target", 2, 8), ("draft", 2, 1), ("draft", 1, 1)):
         row = _together([(role, threads, tokens)], args.seconds)[0]
         result["alone"].append(row)
         print(json.dumps(row), flush=True)
