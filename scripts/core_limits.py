@@ -7,7 +7,10 @@
   on one core. Against it, what one token of the demo target's verify needs: its decoder's linear layers' weights
   / 64 (one `vpdpbusd` multiplies 64 byte pairs), on both cores: the multiply-adds alone, the least any int8 or q4
   kernel spends a token on this CPU once the arithmetic no longer hides under the weights' read (the target's
-  forwards of 1, 4 and 8 tokens below show where that is).
+  forwards of 1, 4 and 8 tokens below show where that is). Beside it, q4's matmul alone on layers of the target's
+  MLP shape (8960 × 1536, synthetic weights) for 1 / 2 / 4 / 8 tokens: two layers that stay in L3 (17 MB), called in
+  turn, against forty streamed from memory (344 MB), nanoseconds a weight. Where the two agree, the matmul is bound
+  by its own arithmetic, not by the weights' read.
 - **The draft beside the target, one core each** (drafting the next tokens while the target verifies, as PEARL
   does on GPUs). The q4 demo target's and draft's decoders alone (no output layer) over a 200-token cache, in
   processes of their own: each alone on 2 threads and on 1, then both at once on 1 thread each (--runs times),
@@ -67,8 +70,10 @@ def main() -> None:
     from specdec_cli.models.calibrate import machine
 
     result = {"machine": machine(), "context_tokens": CONTEXT, "seconds_per_measure": args.seconds,
-              "vnni_peak": _vnni_peak(), "alone": [], "side_by_side": []}
+              "vnni_peak": _vnni_peak(), "q4_matmul_ns_per_weight": _resident_vs_streamed(), "alone": [],
+              "side_by_side": []}
     print(json.dumps(result["vnni_peak"]), flush=True)
+    print(json.dumps(result["q4_matmul_ns_per_weight"]), flush=True)
     for role, threads, tokens in (("target", 2, 1), ("target", 1, 1), ("target", 2, 4), ("target", 1, 4),
                                   ("target", 2, 8), ("draft", 2, 1), ("draft", 1, 1)):
         row = _together([(role, threads, tokens)], args.seconds)[0]
@@ -106,6 +111,35 @@ def _vnni_peak() -> dict:
     rate = max(rates)
     return {"vpdpbusd_per_cpu_second": rates, "target_linear_weights": weights,
             "target_verify_ms_per_token_at_peak_2_cores": 1000 * weights / 64 / (2 * rate)}
+
+
+def _resident_vs_streamed() -> dict:
+    """q4's matmul, ns a weight, for 1 / 2 / 4 / 8 tokens: weights in L3 against weights streamed from memory."""
+    import torch
+
+    from specdec_cli.models.q4 import Q4Linear
+
+    torch.manual_seed(0)
+
+    def layers(count: int) -> list:
+        return [Q4Linear.from_linear(torch.nn.Linear(1536, 8960, bias=False)) for _ in range(count)]
+
+    def ns_per_weight(chosen: list, tokens: int, calls: int) -> float:
+        x = torch.randn(1, tokens, 1536)
+        for layer in chosen:  # one call each first: the kernels built, the caches as they will be
+            layer(x)
+        rounds = []
+        for _ in range(5):
+            began = time.perf_counter()
+            for call in range(calls):
+                chosen[call % len(chosen)](x)
+            rounds.append((time.perf_counter() - began) / calls)
+        return 1e9 * statistics.median(rounds) / (1536 * 8960)
+
+    resident, streamed = layers(2), layers(40)
+    with torch.inference_mode():
+        return {tokens: {"in_l3": ns_per_weight(resident, tokens, 400), "streamed": ns_per_weight(streamed, tokens, 80)}
+                for tokens in (1, 2, 4, 8)}
 
 
 def _together(jobs: list[tuple[str, int, int]], seconds: float) -> list[dict]:
