@@ -5,13 +5,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
-import tempfile
 
 import torch
 
-from specdec_cli.errors import IncompatibleModelsError, InsufficientMemoryError
-from specdec_cli.models.paths import specdec_home
+from specdec_cli.errors import CacheWriteError, IncompatibleModelsError, InsufficientMemoryError
+from specdec_cli.models.paths import atomic_file, specdec_home
 from specdec_cli.models.quant import canonical, compute_dtype, linear_bytes
 
 _SPECIAL_TOKENS = ("bos", "eos", "pad", "unk")
@@ -193,17 +191,7 @@ def _stored_estimates() -> dict:
 
 
 def _store_estimates(estimates: dict) -> None:
-    """Replace the stored estimates in one rename; where the home cannot be written (full, read-only), keep none."""
-    home = specdec_home()
-    try:
-        home.mkdir(parents=True, exist_ok=True)
-        descriptor, temporary = tempfile.mkstemp(dir=home, prefix=f".{ESTIMATES}.")
-    except OSError:
-        return
-    try:
-        with os.fdopen(descriptor, "w", encoding="utf-8") as file:
-            json.dump(estimates, file)
-        os.replace(temporary, home / ESTIMATES)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
+    """Replace the stored estimates whole (paths.atomic_file); where the home cannot be written (full, read-only, a
+    file), keep none."""
+    with contextlib.suppress(OSError, CacheWriteError), atomic_file(specdec_home() / ESTIMATES) as staging:
+        staging.write_text(json.dumps(estimates), encoding="utf-8")
