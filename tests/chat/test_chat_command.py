@@ -181,49 +181,40 @@ def test_a_line_starting_with_two_slashes_is_a_message_with_one(chat, tmp_path):
     assert records[1]["role"] == "assistant" and records[1]["content"] in result.stdout
 
 
+def _chat_process(tiny_pair, folder, env: dict | None = None, **run):
+    """`specdec chat` on the tiny target in a process of its own (greedy, 3 new tokens), run in `folder`; `run` gives
+    subprocess.run its stdin or input."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "NO_COLOR": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "specdec_cli", "chat", "--target", tiny_pair.target, "--dtype",
+                           "float32", "-t", "0", "-n", "3"], cwd=folder, env=env, capture_output=True, timeout=300,
+                          **run)
+
+
+def _piped_chat(tiny_pair, folder, data: bytes, exit_code: int, env: dict | None = None):
+    """`data` piped into _chat_process, ending with `exit_code`; the records `/save chat.jsonl` wrote."""
+    process = _chat_process(tiny_pair, folder, env, input=data)
+    assert process.returncode == exit_code, process.stderr.decode()
+    assert "Traceback" not in process.stderr.decode()
+    records = [json.loads(line) for line in (folder / "chat.jsonl").read_text(encoding="utf-8").splitlines()]
+    return process, [(record["role"], record["content"]) for record in records]
+
+
 @pytest.mark.parametrize("errors", ["strict", "surrogateescape"])
 def test_a_message_that_is_not_utf8_is_one_line_and_crlf_lines_lose_their_cr(tiny_pair, tmp_path, errors):
     """A Latin-1 "é" (a terminal in another encoding, a file piped in) ended the chat in a traceback: a
     UnicodeDecodeError where the locale is UTF-8 (stdin decodes strictly), a TypeError from the tokenizer where it
     is C (stdin keeps the byte as an escape). A file written on Windows sent every message with its "\r"."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "PYTHONIOENCODING": f"utf-8:{errors}",
-           "NO_COLOR": "1"}
-    process = subprocess.run([sys.executable, "-m", "specdec_cli", "chat", "--target", tiny_pair.target, "--dtype",
-                              "float32", "-t", "0", "-n", "3"], cwd=tmp_path, env=env,
-                             input=b"caf\xe9 au lait\r\nHello\r\n/save chat.jsonl\r\n", capture_output=True,
-                             timeout=300)
-    assert process.returncode == 2, process.stderr.decode()
-    stderr = process.stderr.decode()
-    assert "Traceback" not in stderr
+    process, records = _piped_chat(tiny_pair, tmp_path, b"caf\xe9 au lait\r\nHello\r\n/save chat.jsonl\r\n", 2,
+                                   env={"PYTHONIOENCODING": f"utf-8:{errors}"})
     assert ("error: this message is not UTF-8 text (it holds the byte 0xe9) — set the terminal to UTF-8 (a UTF-8 "
-            "locale), or convert piped text with iconv -t UTF-8") in stderr.splitlines()
-    records = [json.loads(line) for line in (tmp_path / "chat.jsonl").read_text(encoding="utf-8").splitlines()]
-    assert [(record["role"], record["content"]) for record in records][0] == ("user", "Hello")  # the one sent
-
-
-def _piped_chat(tiny_pair, folder, data: bytes, exit_code: int):
-    """`specdec chat` in a process of its own, `data` on its stdin as bytes, ending with `exit_code`; the records
-    `/save chat.jsonl` wrote."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "NO_COLOR": "1"}
-    process = subprocess.run([sys.executable, "-m", "specdec_cli", "chat", "--target", tiny_pair.target, "--dtype",
-                              "float32", "-t", "0", "-n", "3"], cwd=folder, env=env, input=data,
-                             capture_output=True, timeout=300)
-    assert process.returncode == exit_code, process.stderr.decode()
-    assert "Traceback" not in process.stderr.decode()
-    records = [json.loads(line) for line in (folder / "chat.jsonl").read_text(encoding="utf-8").splitlines()]
-    return process, [(record["role"], record["content"]) for record in records]
+            "locale), or convert piped text with iconv -t UTF-8") in process.stderr.decode().splitlines()
+    assert records[0] == ("user", "Hello")  # the one sent
 
 
 def test_text_piped_in_utf16_is_refused_line_by_line_and_never_reaches_the_model(tiny_pair, tmp_path):
@@ -250,18 +241,11 @@ def test_a_utf8_byte_order_mark_before_the_first_line_is_not_part_of_it(tiny_pai
 def test_a_refused_line_typed_at_a_terminal_leaves_the_exit_code_0(tiny_pair, tmp_path):
     """A person saw the error and went on; only a piped chat ends with 2 for it (the tests above)."""
     import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "NO_COLOR": "1"}
     primary, secondary = os.openpty()
     try:
         os.write(primary, b"/k 99\n/exit\n")  # the terminal holds the lines until chat reads them
-        process = subprocess.run([sys.executable, "-m", "specdec_cli", "chat", "--target", tiny_pair.target, "--dtype",
-                                  "float32", "-t", "0", "-n", "3"], cwd=tmp_path, env=env, stdin=secondary,
-                                 capture_output=True, timeout=300)
+        process = _chat_process(tiny_pair, tmp_path, stdin=secondary)
     finally:
         os.close(primary)
         os.close(secondary)
