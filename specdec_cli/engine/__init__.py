@@ -1,14 +1,15 @@
 """The speculative decoding engine: pure token ids in and out (no text, no Rich, no files).
 
-Names load on first use (PEP 562), so that `specdec_cli.engine.stats` and `specdec_cli.engine.draft`,
-which need no torch, can be imported without loading torch."""
+Names load on first use (PEP 562), so that `specdec_cli.engine.stats`, `.events` and `.draft`, which need
+no torch, can be imported without loading torch."""
 
 from importlib import import_module
 
 _HOMES = {
     "context": ("Budget", "context_length", "fit_budget"),
-    "decode": ("GenerationResult", "Provenance", "SpeculativeDecoder", "StepEvent", "cut_at_eos"),
+    "decode": ("GenerationResult", "SpeculativeDecoder", "cut_at_eos"),
     "draft": ("EMPTY_DRAFT", "Draft", "DraftRule", "Drafter"),
+    "events": ("Provenance", "StepEvent"),
     "kv": ("CachedModel",),
     "policy": ("AdaptiveK", "CalibratedDraftOrNot", "CostModelK", "DraftLengthPolicy", "DraftOrNot", "FixedK",
                "expected_tokens"),

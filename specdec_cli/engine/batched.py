@@ -32,10 +32,9 @@ import torch
 from specdec_cli.engine.acceptance import Verdict, greedy_verdict, sampling_verdict
 from specdec_cli.engine.batch_policy import LOOKUP, MODEL, CostBatchK, FixedBatchK, RowPlan
 from specdec_cli.engine.context import Budget, context_length, fit_budget, smallest_context
-from specdec_cli.engine.decode import (
-    GenerationResult, Provenance, StepEvent, StopCallback, provenance_of_next, trim_step,
-)
+from specdec_cli.engine.decode import GenerationResult, StopCallback, provenance_of_next, trim_step
 from specdec_cli.engine.draft import Draft
+from specdec_cli.engine.events import Provenance, StepEvent
 from specdec_cli.engine.packed import PackedCache
 from specdec_cli.engine.sampling import (SamplingParams, argmax_ids, draft_odds, logits_to_probs, make_generator,
                                          sample, spread)

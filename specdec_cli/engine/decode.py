@@ -25,13 +25,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from enum import Enum
 
 import torch
 
 from specdec_cli.engine.acceptance import Verdict, greedy_verdict, sampling_verdict
 from specdec_cli.engine.context import Budget, context_length, fit_budget, smallest_context
 from specdec_cli.engine.draft import EMPTY_DRAFT, Draft, DraftRule, Drafter
+from specdec_cli.engine.events import Provenance, StepEvent
 from specdec_cli.engine.kv import CachedModel, tree_capable
 from specdec_cli.engine.policy import DraftLengthPolicy, FixedK
 from specdec_cli.engine.sampling import SamplingParams, logits_to_probs, make_generator
@@ -39,29 +39,6 @@ from specdec_cli.engine.stats import GenerationStats
 from specdec_cli.engine.tree import (
     addresses, depth_first, depths, first_child_chain, greedy_tree_verdict, sampling_tree_verdict,
 )
-
-
-class Provenance(str, Enum):
-    ACCEPTED = "accepted"    # a draft token the target kept
-    RESAMPLED = "resampled"  # the target's replacement at the first rejection
-    BONUS = "bonus"          # the target's extra token after a fully accepted draft
-    TARGET = "target"        # plain decoding (nothing was drafted)
-
-
-@dataclass(frozen=True)
-class StepEvent:
-    tokens: list[int]
-    provenance: list[Provenance]
-    drafted: int
-    accepted: int
-    draft_seconds: float
-    verify_seconds: float
-    finish_reason: str | None  # "stop" (EOS or the stop callback), "length", or None to go on
-    free: bool = False  # the draft cost nothing (a lookup drafter's)
-    tree_nodes: int = 0  # a tree draft's size (`drafted` counts its nodes too); 0 for a chain
-    tree_depth: int = 0  # a tree draft's deepest path, in tokens (`accepted` is the accepted path's)
-    tree_addresses: tuple[tuple[int, ...], ...] = ()  # each node's place (tree.addresses); () for a chain
-    tree_accepted_address: tuple[int, ...] = ()  # the place of the accepted path's last node (its prefixes too)
 
 
 @dataclass

@@ -6,10 +6,8 @@ rates (acceptance, tokens per step, tokens per second) are derived here and nowh
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from specdec_cli.engine.decode import StepEvent
+from specdec_cli.engine.events import StepEvent
 
 _SUMMED = ("new_tokens", "steps", "drafted", "accepted", "seconds", "draft_seconds", "verify_seconds",
            "lookup_steps", "lookup_drafted", "lookup_accepted", "tree_steps", "tree_nodes", "tree_accepted")
