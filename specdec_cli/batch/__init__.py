@@ -24,7 +24,8 @@ from specdec_cli.batch.requests import (
     refuse_one_document,
 )
 from specdec_cli.batch.sidecar import (
-    check_resumed_requests, check_resumed_settings, record_settings, remember_requests, settings_path, write_settings,
+    check_resumed_requests, check_resumed_settings, record_settings, remember_requests, request_digests, settings_path,
+    write_settings,
 )
 from specdec_cli.batch.writer import STDOUT, DurableWriter, check_output, output_name, read_finished
 
@@ -33,6 +34,6 @@ __all__ = [
     "Generate", "GenerateOne", "ModelGeneration", "Outcome", "OutputLock", "RayOptions", "RayWorkers", "Request", "Stream",
     "WorkerReport", "check_output", "check_resumed_requests", "check_resumed_settings", "each", "error_record", "import_ray", "in_groups",
     "lock_path", "one_at_a_time", "output_name", "parse_line", "pending_requests", "read_finished", "read_input", "read_requests",
-    "record_failed", "record_key", "record_settings", "record_stats", "refuse_one_document", "remember_requests", "run_batch", "run_grouped", "run_streamed",
+    "record_failed", "record_key", "record_settings", "record_stats", "refuse_one_document", "remember_requests", "request_digests", "run_batch", "run_grouped", "run_streamed",
     "settings_path", "success_record", "write_settings",
 ]

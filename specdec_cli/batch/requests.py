@@ -125,7 +125,7 @@ def _problem(error: Exception) -> str:
 
 def _failed(request: Request, problem: str) -> Request:
     return Request(request.line, request.id, request.openai, error=f"line {request.line}: {problem}",
-                   id_given=request.id_given)
+                   id_given=request.id_given, digest=request.digest)
 
 
 def _json_type(value: object) -> str:

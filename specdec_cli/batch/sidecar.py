@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -58,6 +59,21 @@ def remember_requests(output: Path, requests: dict[str, str]) -> None:
     stored = _read(output)
     if stored is not None and requests:
         _write(output, {**stored, "requests": {**_digests(stored), **requests}})
+
+
+def request_digests(requests: Sequence[Request], pending: Sequence[Request]) -> dict[str, str]:
+    """{Request.key: Request.digest} of the `pending` requests that are the first under their key in `requests` (the
+    whole input): a later line with that key (a repeated id) is an error record whatever it says, so its digest must
+    not stand for the first line's answer."""
+    first = _first_under_each_key(requests)
+    return {request.key: request.digest for request in pending if first[request.key] is request}
+
+
+def _first_under_each_key(requests: Sequence[Request]) -> dict[str, Request]:
+    first: dict[str, Request] = {}
+    for request in requests:
+        first.setdefault(request.key, request)
+    return first
 
 
 def _write(output: Path, content: dict) -> None:
@@ -133,7 +149,9 @@ def check_resumed_requests(output: Path, source: str, answered: list[Request], f
     which keeps those answers); the returned line, if any, is a note to print."""
     stored = _read(output)
     digests = {} if stored is None else _digests(stored)
-    changed = [request for request in answered if digests.get(request.key, request.digest) != request.digest]
+    # The first under each key: a later line with it (a repeated id) is an error record, not that answer.
+    firsts = _first_under_each_key(answered).values()
+    changed = [request for request in firsts if digests.get(request.key, request.digest) != request.digest]
     if not changed:
         return None
     first = changed[0]

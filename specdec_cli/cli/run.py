@@ -163,7 +163,8 @@ def _run_locked(input: str, output: Path, resume: bool, overwrite: bool, force: 
     job = sum(request.error is None for request in requests)  # the whole input's, so a resume batches alike
     with _engine(choice, settings, ray_options, batch_size, console, runnable, job) as (stream, reports, together):
         _run_with_progress(pending, stream, output, overwrite, summary, choice.target, console, parallel=together,
-                           settings=None if finished else current, resumed=bool(finished))
+                           settings=None if finished else current, resumed=bool(finished),
+                           digests=batch.request_digests(requests, pending))
     _print_summary(summary, console, reports, together)
     _exit_on_failures(summary, output)
 
@@ -231,12 +232,11 @@ def _never(request: batch.Request) -> batch.Completion:  # pragma: no cover - on
 
 def _run_with_progress(pending, stream: batch.Stream, output: Path, replace: bool, summary: batch.BatchSummary,
                        model: str, console: Console, parallel: bool = False, settings: dict | None = None,
-                       resumed: bool = False) -> None:
-    """settings: a file begun (or replaced) here stores them beside it, with the digests of the requests it answers
+                       resumed: bool = False, digests: dict[str, str] | None = None) -> None:
+    """settings: a file begun (or replaced) here stores them beside it, with `digests`, those of the requests it answers
     (a resumed one, `resumed`, only those), once the models loaded and the file is open (emptied by --overwrite): a
     run that fails before then leaves an earlier file's records and settings as they were."""
     with batch.DurableWriter(output, replace) as writer, _progress_bar(console) as progress:
-        digests = {request.key: request.digest for request in pending}
         if settings is not None and output != batch.STDOUT and output.is_file():  # /dev/null, stdout: no settings file
             batch.write_settings(output, settings, digests)
         elif resumed and output != batch.STDOUT and output.is_file():

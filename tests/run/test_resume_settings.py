@@ -219,3 +219,65 @@ def test_a_settings_file_the_disk_had_no_room_for_leaves_no_partial_file(tmp_pat
     with pytest.raises(sidecar.InputError, match="No space left on device"):
         sidecar.write_settings(tmp_path / "out.jsonl", {"k": 3}, {"1": "0" * 16})
     assert list(tmp_path.iterdir()) == []
+
+
+# A repeated id: the later line is an error record ("duplicate id"), and the id's digest stays the first line's.
+
+DUPLICATED = [{"id": f"g{number}", "prompt": f"Hello {number}"} for number in range(1, 15)]
+DUPLICATED[3] = "not json"
+DUPLICATED[6] = {"id": "g7"}  # no prompt
+DUPLICATED += [{"id": "g1", "prompt": "Something else"}, {"id": "g16", "prompt": "Hello 16"}]  # line 15 repeats g1
+
+
+@pytest.fixture
+def run_duplicated(tiny_pair, tmp_path):
+    (tmp_path / "mixed.jsonl").write_text("".join(
+        (line if isinstance(line, str) else json.dumps(line)) + "\n" for line in DUPLICATED))
+
+    def invoke(output, *args):
+        arguments = ["run", str(tmp_path / "mixed.jsonl"), "-o", str(tmp_path / output), "--target", tiny_pair.target,
+                     "--draft", tiny_pair.draft, "--dtype", "float32", "-t", "0", "-n", "8", "--batch-size", "4",
+                     *args]
+        return CliRunner().invoke(app, arguments)
+    return invoke
+
+
+def _records(path) -> list[dict]:
+    """Each record without its timings (its stats)."""
+    return [{key: value for key, value in json.loads(line).items() if key != "stats"}
+            for line in path.read_text().splitlines()]
+
+
+def test_a_finished_output_of_an_input_with_a_repeated_id_resumes(run_duplicated, tmp_path, monkeypatch):
+    assert run_duplicated("out.jsonl").exit_code == 1  # error records for the bad lines and the duplicate
+    before = {name: (tmp_path / name).read_bytes() for name in ("out.jsonl", "out.jsonl.settings.json")}
+    monkeypatch.setattr(batch.BatchedGeneration, "load", lambda *a, **k: pytest.fail("loaded the models"))
+    result = run_duplicated("out.jsonl", "--resume")
+    assert result.exit_code == 1, result.output  # nothing left to do; the error records still count as failed
+    assert "error:" not in result.stderr and "note:" not in result.stderr
+    assert "records    │ 16 of 16 (16 already done)" in result.stderr
+    assert {name: (tmp_path / name).read_bytes() for name in before} == before
+
+
+@pytest.mark.parametrize("force", [[], ["--force"]])
+@pytest.mark.parametrize("stopped_after", [2, 14, 15])  # before the repeat is answered, just before it, after it
+def test_an_interrupted_run_over_a_repeated_id_resumes_to_the_uninterrupted_records(
+        run_duplicated, tmp_path, monkeypatch, stopped_after, force):
+    assert run_duplicated("full.jsonl").exit_code == 1
+    original = batch.DurableWriter.write
+
+    def interrupted(self, record):
+        if len(self.output.read_text().splitlines()) == stopped_after:
+            raise KeyboardInterrupt
+        original(self, record)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(batch.DurableWriter, "write", interrupted)
+        assert run_duplicated("out.jsonl").exit_code == 130
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == stopped_after
+    result = run_duplicated("out.jsonl", "--resume", *force)
+    assert result.exit_code == 1, result.output
+    assert "error:" not in result.stderr and "note:" not in result.stderr
+    assert _records(tmp_path / "out.jsonl") == _records(tmp_path / "full.jsonl")  # one per line, the same texts
+    again = run_duplicated("out.jsonl", "--resume")  # and the file stays resumable
+    assert again.exit_code == 1 and "error:" not in again.stderr, again.output
