@@ -61,11 +61,25 @@ def user_profiles_dir() -> Path:
 
 def _profile_files() -> dict[str, Path]:
     """name → file; a user file overrides a shipped one of the same name."""
+    _check_user_folder()
     found: dict[str, Path] = {}
     for folder in (shipped_profiles_dir(), user_profiles_dir()):
         if folder.is_dir():
             found.update({path.stem: path for path in sorted(folder.glob("*.toml"))})
     return found
+
+
+def _check_user_folder() -> None:
+    """ProfileError where the specdec home, or its profiles folder, is a file: no user profile can be read from it,
+    so a name asked for would be called unknown, or a shipped profile taken for the user's own of that name."""
+    folder = user_profiles_dir()
+    home = folder.parent
+    if home.exists() and not home.is_dir():
+        raise ProfileError(f"the specdec home {home} is not a folder, so no profile of yours can be read from it",
+                           "set SPECDEC_HOME to a folder")
+    if folder.exists() and not folder.is_dir():
+        raise ProfileError(f"{folder} is not a folder, so no profile of yours can be read from it",
+                           "move that file away: your profiles go in a folder of that name")
 
 
 def _read_toml(path: Path) -> dict:

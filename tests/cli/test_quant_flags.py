@@ -184,6 +184,21 @@ def test_calibrate_skips_a_default_format_it_cannot_run_but_refuses_one_asked_fo
     assert "int4 needs torchao" in asked.output
 
 
+@pytest.mark.parametrize("file", ["home", "home/profiles"])
+def test_calibrate_with_a_home_or_profiles_folder_that_is_a_file_says_so(tmp_path, monkeypatch, file):
+    """A SPECDEC_HOME set to a file said "unknown profile 'tiny'" (its profiles folder cannot be read)."""
+    (tmp_path / file).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / file).write_text("not a folder\n")
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    result = CliRunner().invoke(app, ["calibrate", "--profile", "tiny", "--target-formats", "none"], env=WIDE)
+    assert_exited(result, 2)
+    said = {"home": f"the specdec home {tmp_path / 'home'} is not a folder, so no profile of yours can be read from "
+                    "it — set SPECDEC_HOME to a folder",
+            "home/profiles": f"{tmp_path / 'home' / 'profiles'} is not a folder, so no profile of yours can be read "
+                             "from it — move that file away: your profiles go in a folder of that name"}
+    assert result.stderr == f"error: {said[file]}\n"
+
+
 def test_calibrate_refuses_to_time_while_other_processes_use_the_cpu(tiny_pair, tmp_path, monkeypatch):
     """A calibration taken beside a `specdec run` in another terminal was stored as this machine's costs: `auto` and
     the draft policy read it until the next calibration. Refused before any model loads; --allow-busy times anyway."""
