@@ -13,7 +13,7 @@ from typing import Protocol
 from specdec_cli.engine.sampling import SamplingParams
 from specdec_cli.errors import InputError
 from specdec_cli.models import LoadedModel, load_model, load_pair
-from specdec_cli.models.device import resolve_device, resolve_dtype
+from specdec_cli.models.device import dtype_name, resolve_device, resolve_dtype
 from specdec_cli.models.quant import canonical, resolve_auto
 from specdec_cli.profiles import DEFAULT_PROFILE, DRAFTERS, Profile, load_profile
 
@@ -183,10 +183,26 @@ def load_choice(choice: ModelChoice, console: Printer | None = None,
     console.print(draft.describe("draft") if draft else "draft: n-gram lookup", markup=False)
     if choice.drafter == "tree" and draft is not None:
         say_tree_note(target, draft, console)
-    note = kernels_note(target, draft)
-    if note:
-        console.print(note, markup=False)
+    for note in (*dtype_notes(choice, target, draft), kernels_note(target, draft)):
+        if note:
+            console.print(note, markup=False)
     return target, draft
+
+
+def dtype_notes(choice: ModelChoice, target: LoadedModel, draft: LoadedModel | None) -> list[str]:
+    """A line for each model whose format computes in another dtype than the one asked for (--dtype, or the
+    profile's): int4 always computes in bfloat16, int8 and q4 in float32, and only the model's own line said so."""
+    if choice.dtype.strip().lower() == "auto":
+        return []
+    notes = []
+    for role, model in (("target", target), ("draft", draft)):
+        if model is None or model.quantization is None:
+            continue
+        asked, computed = dtype_name(resolve_dtype(choice.dtype, model.device)), dtype_name(model.dtype)
+        if computed != asked:
+            notes.append(f"note: the {role} computes in {computed}, not the {asked} asked for: {model.quantization} "
+                         f"always computes in {computed}")
+    return notes
 
 
 def kernels_note(target: LoadedModel, draft: LoadedModel | None) -> str | None:

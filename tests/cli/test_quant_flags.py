@@ -65,6 +65,26 @@ def test_run_with_an_int8_target_writes_records_naming_nothing_new(tiny_pair, tm
     assert record["finish_reason"] in ("stop", "length") and record["completion_tokens"] >= 1
 
 
+@pytest.mark.parametrize(("flags", "notes"), [
+    (["--target-quant", "int4", "--dtype", "float32"],
+     ["note: the target computes in bfloat16, not the float32 asked for: int4 always computes in bfloat16"]),
+    (["--draft-quant", "int8", "--dtype", "bfloat16"],
+     ["note: the draft computes in float32, not the bfloat16 asked for: int8 always computes in float32"]),
+    (["--target-quant", "int8", "--dtype", "float32"], []),  # honoured: nothing to say
+])
+def test_run_notes_a_dtype_a_format_does_not_honour(tiny_pair, tmp_path, flags, notes):
+    """--target-quant int4 --dtype float32 ran in bfloat16, and only the target's line said so."""
+    pytest.importorskip("torchao")
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"id": "a", "prompt": "def add(a, b):"}) + "\n")
+    result = CliRunner().invoke(app, [
+        "run", str(source), "-o", str(tmp_path / "out.jsonl"), "--target", tiny_pair.target, "--draft", tiny_pair.draft,
+        "-n", "4", "-t", "0", *flags,
+    ], env=WIDE)
+    assert_exited(result, 0)
+    assert [line for line in result.stderr.splitlines() if line.startswith("note:")] == notes
+
+
 def test_run_with_an_unknown_format_is_one_line_and_exit_2(tiny_pair, tmp_path):
     source = tmp_path / "in.jsonl"
     source.write_text(json.dumps({"prompt": "x"}) + "\n")
