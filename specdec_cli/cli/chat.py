@@ -80,11 +80,17 @@ def chat(
     chat exits with code 2 when its input ends)."""
     from specdec_cli.chat import Conversation, run_chat  # torch and the models: not for --help
     from specdec_cli.models.prefill import load_meanwhile, settle
-    from specdec_cli.settings import choose_models, decoding_settings, load_choice
+    from specdec_cli.settings import ModelOverrides, choose_models, decoding_settings, load_choice
 
     _check_stdin()  # before minutes of model loading
-    choice = choose_models(options.model_overrides(locals()))
-    settings = decoding_settings(choice.profile, **options.decoding_overrides(locals()))
+    choice = choose_models(ModelOverrides(
+        profile=profile, target=target, draft=draft, drafter=drafter, device=device, dtype=dtype,
+        target_quant=target_quant, draft_quant=draft_quant, prefill=prefill,
+        target_4bit=target_4bit, draft_4bit=draft_4bit, load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit,
+        draft_int8=draft_int8, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
+    ))
+    settings = decoding_settings(choice.profile, k=k, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                 max_new_tokens=max_new_tokens, system=system)
     loaded_target, loaded_draft = load_choice(choice, error_console(), background_prefill=True)
     conversation = Conversation(loaded_target, loaded_draft, choice.drafter, settings)
     screen = _screen(no_color)

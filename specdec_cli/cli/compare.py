@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -23,7 +22,7 @@ from specdec_cli.cli.paths import check_result_path, json_object
 from specdec_cli.cli.options import (
     AllowPickleOption, DeviceOption, Draft4bitOption, DraftInt8Option, DraftQuantOption, TargetQuantOption, DraftOption, DtypeOption, LoadIn4bitOption,
     LoadIn8bitOption, MaxNewTokensOption, ProfileOption, Target4bitOption, TargetOption, TemperatureOption,
-    TrustRemoteCodeOption, PrefillOption, model_overrides,
+    TrustRemoteCodeOption, PrefillOption,
 )
 from specdec_cli.errors import InputError, MissingExtraError, SpecdecError
 from specdec_cli.profiles import DRAFTERS
@@ -92,14 +91,20 @@ def compare_command(
     from specdec_cli.engine.sampling import GREEDY_BELOW
     from specdec_cli.session import tree_nodes  # torch and the models: imported here, not for --help
     from specdec_cli.settings import (
-        choose_models, decoding_settings, load_choice, load_plain_draft, parse_k, sampling_params, say_tree_note,
+        ModelOverrides, choose_models, decoding_settings, load_choice, load_plain_draft, parse_k, sampling_params,
+        say_tree_note,
     )
 
     drafters = _drafter_names(drafter)
     _check_batch_size(batch_size, with_hf=with_hf, by_category=by_category, plot=plot)
     if batch_size is not None:
         bench.check_batched_drafters(drafters)  # before choose_models, which may ask for a draft the tree needs
-    choice = choose_models(replace(model_overrides(locals()), drafter=_drafter_for_choice(drafters)))
+    choice = choose_models(ModelOverrides(
+        profile=profile, target=target, draft=draft, drafter=_drafter_for_choice(drafters), device=device, dtype=dtype,
+        target_quant=target_quant, draft_quant=draft_quant, prefill=prefill,
+        target_4bit=target_4bit, draft_4bit=draft_4bit, load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit,
+        draft_int8=draft_int8, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
+    ))
     settings = decoding_settings(
         choice.profile, temperature=temperature if temperature is not None else 0.0,
         max_new_tokens=max_new_tokens if max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS,

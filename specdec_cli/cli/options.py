@@ -1,17 +1,14 @@
-"""The options shared by chat, run and compare, declared once as Typer aliases, and the two helpers
-that hand what a command was given to `settings` (which merges it with the profile)."""
+"""The options shared by chat, run and compare, declared once as Typer aliases. Each command hands what it
+was given to `settings` by name: the model options as a `settings.ModelOverrides`, the decoding ones as
+`settings.decoding_settings`' keywords (both merged there with the profile)."""
 
 from __future__ import annotations
 
-from dataclasses import fields
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
 from specdec_cli.profiles import DEFAULT_PROFILE
-
-if TYPE_CHECKING:
-    from specdec_cli.settings import ModelOverrides
 
 _MODELS = "Models"
 
@@ -49,13 +46,6 @@ TrustRemoteCodeOption = _flag("--trust-remote-code", help="Allow model code from
 AllowPickleOption = _flag("--allow-pickle", help="Allow .bin/.pt pickle weights, which can run code when loaded.")
 
 
-def model_overrides(command_locals: dict) -> ModelOverrides:
-    """The model flags of a command declared with the options above, by name: `model_overrides(locals())`."""
-    from specdec_cli.settings import ModelOverrides  # here: settings imports torch, which --help does without
-
-    return ModelOverrides(**{field.name: command_locals[field.name] for field in fields(ModelOverrides)})
-
-
 _DECODING = "Decoding"
 
 
@@ -73,7 +63,3 @@ SeedOption = _decoding(int, "--seed", help="Seed for sampling: same seed and inp
 MaxNewTokensOption = _decoding(int, "--max-new-tokens", "-n", help="Stop after this many new tokens.")
 SystemOption = _decoding(str, "--system", help="System prompt for chat-template models.")
 
-
-def decoding_overrides(command_locals: dict) -> dict:
-    """The decoding flags of a command declared with the options above, for `settings.decoding_settings`."""
-    return {name: command_locals[name] for name in ("k", "temperature", "top_p", "top_k", "seed", "max_new_tokens", "system")}

@@ -25,7 +25,7 @@ from specdec_cli.cli.options import (
     AllowPickleOption, DeviceOption, Draft4bitOption, DraftInt8Option, DraftQuantOption, TargetQuantOption, DraftOption, DrafterOption, DtypeOption, KOption,
     LoadIn4bitOption, LoadIn8bitOption, MaxNewTokensOption, ProfileOption, SeedOption, SystemOption,
     Target4bitOption, TargetOption, TemperatureOption, TopKOption, TopPOption, TrustRemoteCodeOption,
-    PrefillOption, decoding_overrides, model_overrides,
+    PrefillOption,
 )
 from specdec_cli.errors import InputError, OutputClosed, OutputWriteError
 
@@ -87,8 +87,17 @@ def run_command(
     _check_paths(input, output, resume, overwrite)
     with sigterm_as_interrupt(), _output_lock(output):
         batch.check_output(output, resume, overwrite)  # again under the lock: another run may have just finished it
-        _run_locked(input, output, resume, overwrite, force, limit, quiet, model_overrides(locals()),
-                    decoding_overrides(locals()), ray_options, size)
+        from specdec_cli.settings import ModelOverrides  # torch: once the checks above passed, and never for --help
+
+        models = ModelOverrides(
+            profile=profile, target=target, draft=draft, drafter=drafter, device=device, dtype=dtype,
+            target_quant=target_quant, draft_quant=draft_quant, prefill=prefill,
+            target_4bit=target_4bit, draft_4bit=draft_4bit, load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit,
+            draft_int8=draft_int8, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
+        )
+        decoding = dict(k=k, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                        max_new_tokens=max_new_tokens, system=system)  # for decoding_settings, once a profile is chosen
+        _run_locked(input, output, resume, overwrite, force, limit, quiet, models, decoding, ray_options, size)
 
 
 def _output_path(given: str) -> Path:
@@ -138,7 +147,7 @@ def _ray_options(engine: str, address: str | None, workers: int | None, cpus: fl
 
 
 def _run_locked(input: str, output: Path, resume: bool, overwrite: bool, force: bool, limit: int | None, quiet: bool,
-                models: ModelOverrides, decoding: dict, ray_options: batch.RayOptions | None,
+                models: ModelOverrides, decoding: dict[str, object], ray_options: batch.RayOptions | None,
                 batch_size: int | str) -> None:
     from specdec_cli.settings import choose_models, decoding_settings, resolve_formats
 
