@@ -110,6 +110,7 @@ def compare_command(
         max_new_tokens=max_new_tokens if max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS,
     )
     ks = [parse_k(value) for value in _split(k)] or [settings.k]
+    _say_k_0_alone(ks, drafters or [choice.drafter])
     tree_budgets = _tree_sizes(tree_size, drafters)
     chosen_prompts = select_prompts(read_prompt_file(prompts) if prompts else builtin_prompts(), category or (), n_prompts)
     _check_outputs(json_path, plot, prompts)
@@ -178,6 +179,15 @@ def _drafter_names(drafter: str | None) -> list[str]:
     if unknown:
         raise InputError(f"unknown drafter {unknown[0]!r}", f"use one or more of {', '.join(DRAFTERS)}, comma-separated")
     return names
+
+
+def _say_k_0_alone(ks: list[int | str], drafters: list[str]) -> None:
+    """k 0 is the target alone, which the table has anyway: a drafter asked for with no other k has no row, and
+    without this note the table (the target alone) did not say why."""
+    if all(k == 0 for k in ks):
+        names = " or ".join(dict.fromkeys(drafters))
+        error_console().print(f"note: no {names} configuration: k 0 drafts nothing (it is the target alone) — give "
+                              "--k 1 or more, or auto", markup=False)
 
 
 def _drafter_for_choice(drafters: list[str]) -> str | None:

@@ -173,6 +173,28 @@ def test_k_0_alone_prints_no_empty_theory_table(tiny_pair, tmp_path):
     assert "configuration" in result.stdout and "theory" not in result.stdout
 
 
+@pytest.mark.parametrize(("drafter", "configuration"), [("tree", "tree"), ("model,tree", "model or tree")])
+def test_a_drafter_left_without_a_configuration_by_k_0_is_said(tiny_pair, tmp_path, drafter, configuration):
+    """--drafter tree --k 0 printed the target alone and no word that the tree configuration was dropped."""
+    result = invoke("--target", tiny_pair.target, "--draft", tiny_pair.same, "--dtype", "float32", "--device", "cpu",
+                    "--prompts", spec_bench_file(tmp_path / "q.jsonl"), "--n-prompts", "1", "--category", "coding",
+                    "--drafter", drafter, "--k", "0,", "--max-new-tokens", "4")
+    assert_exited(result, 0)
+    assert [row[0] for row in table_rows(result.stdout)] == ["target alone"]
+    notes = [line for line in result.stderr.splitlines() if line.startswith("note: no ")]  # not a busy machine's
+    assert notes == [f"note: no {configuration} configuration: k 0 drafts nothing (it is the target alone) — give --k "
+                     "1 or more, or auto"]
+
+
+def test_k_0_beside_another_k_drops_no_drafter_and_says_nothing(tiny_pair, tmp_path):
+    result = invoke("--target", tiny_pair.target, "--draft", tiny_pair.same, "--dtype", "float32", "--device", "cpu",
+                    "--prompts", spec_bench_file(tmp_path / "q.jsonl"), "--n-prompts", "1", "--category", "coding",
+                    "--drafter", "tree", "--tree-size", "4", "--k", "0,2", "--max-new-tokens", "4")
+    assert_exited(result, 0)
+    assert [row[0] for row in table_rows(result.stdout)][:2] == ["target alone", "tree4 k=2"]
+    assert "note: no" not in result.stderr
+
+
 def test_an_int8_target_is_compared_with_itself_unquantised(tiny_pair, tmp_path):
     result = invoke("--target", tiny_pair.target, "--draft", tiny_pair.same, "--target-quant", "int8", "--dtype",
                     "float32", "--device", "cpu", "--prompts", spec_bench_file(tmp_path / "q.jsonl"), "--drafter",
