@@ -33,14 +33,14 @@ class ModelOverrides:
     drafter: str | None = None
     device: str | None = None
     dtype: str | None = None
-    target_4bit: bool = False
+    target_4bit: bool = False  # these four and draft_int8: the older quantisation flags (_older_quantization_flags)
     draft_4bit: bool = False
     load_in_4bit: bool = False
     load_in_8bit: bool = False
     trust_remote_code: bool = False
     allow_pickle: bool = False
     draft_int8: bool | None = None  # --draft-int8 / --no-draft-int8; None: the profile decides
-    target_quant: str | None = None  # --target-quant: none, int8, int4, q4, nf4, bnb8, auto (wins over the aliases)
+    target_quant: str | None = None  # --target-quant: none, int8, int4, q4, nf4, bnb8, auto (not with an older flag)
     draft_quant: str | None = None   # --draft-quant, likewise for the draft
     prefill: str | None = None  # --prefill: auto, bf16, none (models/prefill.py)
 
@@ -71,8 +71,8 @@ def choose_models(flags: ModelOverrides) -> ModelChoice:
     - `--profile P --target X`: P's settings with X as target (P's draft kept; the tokenizer pre-flight
       refuses it if it does not fit X).
     - `--draft Y` always means the draft-model drafter; `--drafter ngram` drops the profile's draft.
-    - `--load-in-4bit`/`--load-in-8bit` set both models; `--target-4bit`/`--draft-4bit`/`--draft-int8`
-      set one (and win over the first two); `--no-draft-int8` drops a profile's int8 draft.
+    - `--target-quant`/`--draft-quant` set one model's format; the older quantisation flags are shorthands read
+      in one place (`_older_quantization_flags`), and may not stand beside them.
     """
     base = _base_profile(flags.profile, flags.target, flags.draft)
     chosen_drafter, chosen_draft = _drafter_and_draft(base, flags.draft, flags.drafter)
@@ -121,26 +121,42 @@ def _drafter_and_draft(base: Profile, draft: str | None, drafter: str | None) ->
 
 
 def _quantizations(base: Profile, flags: ModelOverrides) -> tuple[str | None, str | None]:
+    """Each model's format: its --target-quant / --draft-quant, else what the older flags ask, else the profile's."""
+    older_target, older_draft = _older_quantization_flags(flags)
+    target = (_explicit("target", flags.target_quant, older_target is not None) or older_target
+              or base.target_quantization)
+    draft = (_explicit("draft", flags.draft_quant, older_draft is not None) or older_draft
+             or _profile_draft(base, flags))
+    return target, draft
+
+
+# The flags from before --target-quant / --draft-quant, kept as shorthands, are read in the two functions below
+# and nowhere else. "4bit" and "8bit" are the names nf4 and bnb8 had; `canonical` reads them.
+
+
+def _older_quantization_flags(flags: ModelOverrides) -> tuple[str | None, str | None]:
+    """What the older flags ask of (target, draft), None where they ask nothing: --load-in-4bit / --load-in-8bit set
+    both models; --target-4bit, --draft-4bit and --draft-int8 set one and win over those two."""
     if flags.load_in_4bit and flags.load_in_8bit:
         raise InputError("--load-in-4bit and --load-in-8bit contradict each other", "pick one")
     if flags.draft_4bit and flags.draft_int8:
         raise InputError("--draft-4bit and --draft-int8 contradict each other", "pick one")
     both = "4bit" if flags.load_in_4bit else "8bit" if flags.load_in_8bit else None
-    profile_draft = None if flags.draft_int8 is False and base.draft_quantization == "int8" else base.draft_quantization
-    target_quantization = "4bit" if flags.target_4bit else both or base.target_quantization
-    draft_quantization = "4bit" if flags.draft_4bit else "int8" if flags.draft_int8 else both or profile_draft
-    target_quantization = _explicit("target", flags.target_quant, flags.target_4bit or flags.load_in_4bit
-                                    or flags.load_in_8bit) or target_quantization
-    draft_quantization = _explicit("draft", flags.draft_quant, flags.draft_4bit or flags.draft_int8
-                                   or flags.load_in_4bit or flags.load_in_8bit) or draft_quantization
-    return target_quantization, draft_quantization
+    target = "4bit" if flags.target_4bit else both
+    draft = "4bit" if flags.draft_4bit else "int8" if flags.draft_int8 else both
+    return target, draft
 
 
-def _explicit(role: str, name: str | None, alias_given: bool) -> str | None:
+def _profile_draft(base: Profile, flags: ModelOverrides) -> str | None:
+    """The profile's draft format, but for an int8 one that --no-draft-int8 drops."""
+    return None if flags.draft_int8 is False and base.draft_quantization == "int8" else base.draft_quantization
+
+
+def _explicit(role: str, name: str | None, older_given: bool) -> str | None:
     """--target-quant / --draft-quant, checked by name; "none" stays "none" so it overrides a profile."""
     if name is None:
         return None
-    if alias_given:
+    if older_given:
         raise InputError(f"--{role}-quant and an older quantisation flag (--{role}-4bit, --load-in-4bit/8bit"
                          f"{', --draft-int8' if role == 'draft' else ''}) contradict each other", f"keep --{role}-quant alone")
     canonical(name)  # an unknown name: one line listing the formats
