@@ -85,8 +85,20 @@ class Conversation:
         try:
             return self.decoder.fit(prompt_tokens, self.settings.max_new_tokens)
         except PromptTooLongError as error:
-            hint = "send a shorter message, or /reset to start a new conversation"
-            raise PromptTooLongError(error.prompt_tokens, error.context, hint) from None
+            raise PromptTooLongError(error.prompt_tokens, error.context, self._what_to_shorten()) from None
+
+    def _what_to_shorten(self) -> str:
+        """The hint for a prompt past the context: the system prompt where it leaves no room by itself (a long
+        /system was taken, and the next message blamed), else the message or the conversation."""
+        if self.history.system:
+            alone = History(system=self.history.system, messages=[Message("user", "")])
+            system_tokens = len(encode_folding_system(self.target.tokenizer, alone.template_messages())[0])
+            try:
+                self.decoder.fit(system_tokens, self.settings.max_new_tokens)
+            except PromptTooLongError:
+                return (f"the system prompt takes {system_tokens} of them: set a shorter one with /system TEXT, or "
+                        "remove it with /system")
+        return "send a shorter message, or /reset to start a new conversation"
 
     def _record(self, content: str, finish_reason: str, stats: GenerationStats) -> None:
         self.history.messages.append(Message("assistant", content, finish_reason, stats.as_dict()))

@@ -27,6 +27,16 @@ def test_a_message_past_the_context_is_one_line_and_the_chat_goes_on(chat):  # n
     assert re.fullmatch(r"[^\n]*\n\d+ tokens? · [^\n]*\n", result.stdout)  # Hello got its reply
 
 
+def test_a_system_prompt_past_the_context_is_named_as_what_to_shorten(chat):  # noqa: F811
+    """A 50k-character /system was taken, and the next message refused with "send a shorter message"."""
+    result = chat(f"/system {SENTENCE * 20}\nHello\n/system\nHello\n")
+    assert_exited(result, 2)  # piped, a line refused: the exit code says so once the input ends
+    assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
+        "error: the prompt has 650 tokens but the model takes at most 256 (prompt and reply together) — the system "
+        "prompt takes 646 of them: set a shorter one with /system TEXT, or remove it with /system"]
+    assert re.search(r"\n\d+ tokens? · [^\n]*\n$", result.stdout)  # without it, Hello got its reply
+
+
 def test_a_refused_message_leaves_no_trace_and_runs_no_forward(make_conversation):
     conversation = make_conversation("draft", k=3)
     "".join(piece.text for piece in conversation.reply("Hello"))
