@@ -29,7 +29,7 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_tex
 
 # k = auto: draft up to AUTO_MAX_K tokens, stopping once the draft's own odds that its whole draft survives
 # (the product of its probabilities) fall below AUTO_SURVIVAL; the cost model decides whether to draft at all.
-# What these values measured lives in README / benchmarks, not here.
+# What these values measured lives in docs/draft-length-and-policy.md, not here.
 AUTO_MAX_K = 20
 AUTO_SURVIVAL = 0.3
 # k = auto: a tree grows by value (drafters/tree.py), a further child going in where its path's odds reach this until
@@ -73,16 +73,9 @@ def make_policy(k: int | str, clock_free: bool = False, verify_curve: dict[int, 
     return DraftOrNot(max_k=AUTO_MAX_K, rule=rule, verify_curve=verify_curve, draft_curve=draft_curve)
 
 
-# Prompt tokens the draft model reads (DraftModelDrafter's window; lossless): on the demo pair a 662- or
-# 700-token prompt's draft prefill was ~15% of a cascade run. Measured (q4 pair, 13 Spec-Bench prompts, one
-# interleaved run, benchmarks/2026-12-02-draft-levers-avx512-q4-window.json): cascade x1.06 over the target
-# alone with the whole prompt, x1.15 with 256, x1.16 with 128 (rag x0.96 -> 1.18, summarization x0.72 -> 0.85).
-# 64 since 3 December: a shorter window costs the draft little agreement with the target (0.734 at 64, 0.742 at
-# 256, 39 Spec-Bench outputs teacher-forced) and saves its prefill, so end to end it was ahead in the noise-free
-# replay (scripts/policy_replay.py --windows: x1.257 at 64, x1.247 at 128, x1.229 at 256,
-# benchmarks/2026-12-03-policy-replay-windows-avx512-q4.json) and in both timed runs (x1.18 / x1.19 / x1.14 for
-# 64 / 128 / 256 on 26 prompts, benchmarks/2026-12-03-draft-levers-avx512-q4-window-26-prompts.json; x1.30 /
-# x1.26 / x1.26 the day before), with the worst category up (extraction x0.84 -> 0.94 in the 26-prompt run).
+# Prompt tokens the draft model reads (DraftModelDrafter's window; lossless): a long prompt's draft prefill is a
+# large part of a run, and a short window costs the draft little agreement with the target while saving that
+# prefill, so a short one is ahead end to end (docs/draft-length-and-policy.md, "The draft's window").
 DRAFT_WINDOW = 64
 
 
@@ -140,7 +133,8 @@ def tree_note(target: LoadedModel | None, draft: LoadedModel) -> str | None:
 def eos_token_ids(model: LoadedModel) -> tuple[int, ...]:
     """The model's EOS ids and the ids of the END_OF_TURN_TOKENS its vocabulary has. Each token is looked up on
     its own (an id counts only where it maps back to the same token: an unknown token may come back as the unknown
-    token's id): `get_vocab` built the whole 151,936-entry dict, ~125 ms of every decoder `build_decoder` made."""
+    token's id): `get_vocab` builds the dict of the whole vocabulary, a cost every
+    `build_decoder` would pay."""
     tokenizer, extra = model.tokenizer, set()
     for token in END_OF_TURN_TOKENS:
         token_id = tokenizer.convert_tokens_to_ids(token)
@@ -179,7 +173,7 @@ BATCH_SIZES = (1, 2, 4, 8, 16)
 BATCH_GAIN = 1.1  # doubling the batch must bring at least 10% more tokens per forward-second
 
 
-DEFAULT_BATCH_SIZE = 8  # without a calibration: a forward of 8 costs 1.1-1.4x one where verify is flat, 2.7x on AVX2 float32
+DEFAULT_BATCH_SIZE = 8  # without a calibration: a forward of 8 rows costs well under 8 of one row, flat verify or not
 
 
 def forward_curve(model: LoadedModel) -> dict[int, float] | None:

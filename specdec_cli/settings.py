@@ -223,8 +223,8 @@ def dtype_notes(choice: ModelChoice, target: LoadedModel, draft: LoadedModel | N
 
 def kernels_note(target: LoadedModel, draft: LoadedModel | None) -> str | None:
     """The line saying why an int8 model runs on torch's oneDNN: specdec's kernels did not build (no C compiler).
-    Without it `auto` ran the demo pair in int8 at ~7 tok/s where q4 on the kernels runs at ~30 (AMD EPYC
-    AVX512), and nothing said why; a compiler fixes it."""
+    Without it `auto` runs the pair in int8 on oneDNN, several times slower than q4 on the kernels, and nothing says
+    why; a compiler fixes it."""
     from specdec_cli.models import int8_kernel
 
     slow = [model for model in (target, draft) if model is not None and model.device.type == "cpu"

@@ -166,7 +166,7 @@ def _plain_fields(value: dict) -> dict:
 
 def _plain_limit_key(value: dict) -> str:
     """Which key holds a plain line's token limit: transformers' max_new_tokens or vLLM's and OpenAI's max_tokens
-    (ignored as an unknown key until 5 December: such a line ran to the command's limit), not both."""
+    (both are read: a line whose limit were ignored would run to the command's limit), not both."""
     given = [key for key in ("max_new_tokens", "max_tokens") if value.get(key) is not None]
     if len(given) == 2:
         raise BadRecord('both "max_new_tokens" and "max_tokens": give one')
@@ -256,9 +256,9 @@ def _is_text_part(part: object) -> bool:
 
 
 # Settings of HF's generate, vLLM and OpenAI that change what a request gets and that specdec does not do, each with
-# the values that change nothing. A line asking for one otherwise is that line's error record: ignoring it (as
-# until 6 December) answered another request than the one asked (a penalty not applied, free text where JSON was
-# asked for, no logprobs where they were).
+# the values that change nothing. A line asking for one otherwise is that line's error record: ignoring it would
+# answer another request than the one asked (a penalty not applied, free text where JSON was asked for, no logprobs
+# where they were).
 NEUTRAL = {
     "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
     "min_p": (0,), "typical_p": (1,), "num_beams": (1,), "best_of": (1,), "num_return_sequences": (1,),

@@ -90,7 +90,7 @@ class Run:
     draft_seconds: float | None = None
     verify_seconds: float | None = None
     prefill: dict | None = None  # the first step (the prompt's prefill): drafted, draft_seconds, verify_seconds, free,
-    # and (since 2026-12-05) seconds (wall time from the start until its tokens came) and tokens (how many it gave)
+    # seconds (wall time from the start until its tokens came) and tokens (how many it gave; older JSON lacks both)
     lookup_steps: int = 0  # steps whose draft was free (prompt lookup); included in steps/drafted/accepted
     lookup_drafted: int = 0
     lookup_accepted: int = 0

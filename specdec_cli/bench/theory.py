@@ -67,7 +67,7 @@ def _first_step_fields(paired: list[tuple[Run, Run]]) -> dict:
     """The first step apart from the rest: its mean wall time (the prompt's prefill and the first tokens: the time
     to the first token of a plain decoder), and the decoding after it, tokens after the first step over the time after
     it (what llama.cpp's tg and a per-token latency measure), also over the baseline's on the same runs. None for runs
-    that do not report their first step (HF's peers, a JSON from before 2026-12-05)."""
+    that do not report their first step (HF's peers, an older JSON without the first step's seconds)."""
     if not paired or any(_first_step(run) is None or _first_step(b) is None for run, b in paired):
         return {"first_step_seconds": None, "decode_tokens_per_second": None, "decode_speedup": None}
 

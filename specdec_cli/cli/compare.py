@@ -173,7 +173,7 @@ def _split(values: str | None) -> list[str]:
 
 
 def _drafter_names(drafter: str | None) -> list[str]:
-    """--drafter as a list of known drafters, refused before any model loads (a typo cost the load, ~10 s)."""
+    """--drafter as a list of known drafters, refused before any model loads (a typo would cost the load)."""
     names = _split(drafter)
     unknown = [name for name in names if name not in DRAFTERS]
     if unknown:

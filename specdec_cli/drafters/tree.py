@@ -13,11 +13,10 @@ children from the draft's distribution (shaped like the target's), each from tha
 siblings drawn before it, and reports for each the distribution it was drawn from, as multi-candidate
 rejection needs (see engine/tree.py: a sibling is accepted with min(1, r/q) against the residual r its
 elder siblings' rejections left, q being its own distribution; that stays exact whatever each q is, since a
-rejection leaves a residual that does not depend on the rejected id). Drawn i.i.d. instead, as until 5
-December, a second child repeated the first about half the time at the chat defaults (scripts/sibling_repeats.py:
-48 of 95 branching nodes on 8 Spec-Bench prompts), and a repeat can never be accepted: its id's residual is 0 once its twin was
-rejected. Should two siblings still name the same id, the second is never expanded: its subtree would repeat
-its twin's.
+rejection leaves a residual that does not depend on the rejected id). Drawn i.i.d. instead, a second child
+would often repeat the first at the chat defaults, and a repeat can never be accepted: its id's residual is 0 once
+its twin was rejected. Should two siblings still name the same id, the second is never expanded: its subtree would
+repeat its twin's.
 
 After the step, `update` keeps the accepted branch's entries in the draft's cache (`keep_path`). With a
 `window` the draft reads only the window's tokens of the sequence (window.py), as the model drafter does.
@@ -64,8 +63,8 @@ VALUE_BUDGET = 32  # the most nodes a tree grown by value holds (its verify forw
 MIN_BUDGET = 2  # the smallest tree there is (two siblings, or a chain of two)
 DEFAULT_BRANCHING = 2
 VALUE_BRANCHING = 4  # grown by value: up to this many children a node, as many as the branch cut lets in
-# "About as much as one token": the issue's flat formats measured x1.13 at 8 tokens (bf16, AVX512-BF16)
-# and x1.06 at 4 (int8, AVX2); a forward past x1.2 no longer hides the extra nodes.
+# "About as much as one token": a verify forward that costs more than this times a one-token forward no longer
+# hides the extra nodes.
 FLAT_RATIO = 1.2
 
 
@@ -74,9 +73,8 @@ def budget_from_costs(seconds: Mapping[int, float], flat_ratio: float = FLAT_RAT
     calibrate` measured it): the most tokens a verify forward takes while it costs at most `flat_ratio` x a
     one-token forward (the largest measured count within it, linear towards the next, never past the largest
     measured), less the one sequence token the verify feeds too, and never below MIN_BUDGET (a curve that is
-    not flat even for that: on a q4 target with 2 tokens at x1.19 and 4 at x1.27, falling back to the default
-    16 nodes made the tree x0.72 of the target alone). None when the curve says nothing (no n = 1, nothing
-    past it)."""
+    not flat even for that says every extra node costs: falling back to DEFAULT_BUDGET there would make the
+    tree slower than the target alone). None when the curve says nothing (no n = 1, nothing past it)."""
     curve = sorted((int(n), float(cost)) for n, cost in seconds.items() if cost > 0)
     one = dict(curve).get(1)
     if one is None or len(curve) < 2:
@@ -147,7 +145,7 @@ class TreeDrafter(Drafter):
         self._proposed = (len(sequence), tree_ids, parents)
         probs = None if params.greedy else torch.stack(rows)  # (T, V_draft)
         # A tree without branches is a chain: verified as one (the target's plain forward, no tree mask to build or
-        # paths to keep: ~2 ms of a 40 ms q4 verify); the draft's cache keeps its nodes until `update` as for a tree.
+        # paths to keep); the draft's cache keeps its nodes until `update` as for a tree.
         chain = parents == list(range(-1, len(parents) - 1))
         return Draft(tree_ids, probs, None if chain else parents)
 
@@ -242,7 +240,8 @@ class TreeDrafter(Drafter):
 def _draw_distinct(probs: torch.Tensor, count: int, generator: torch.Generator) -> tuple[list[int], list[torch.Tensor]]:
     """Up to `count` distinct ids drawn one after the other, each from `probs` less the ids drawn before it
     (renormalised), and that distribution for each: what multi-candidate rejection must divide by (module
-    docstring). Drawn among the ids with mass only (over a 65,536-id row torch.multinomial took ~1 ms a call)."""
+    docstring). Drawn among the ids with mass only (torch.multinomial over a whole vocabulary row is
+    slow)."""
     with_mass = nonzero_ids(probs)
     count = min(count, len(with_mass))
     children = with_mass[torch.multinomial(probs[with_mass], count, replacement=False, generator=generator)].tolist()

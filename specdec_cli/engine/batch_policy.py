@@ -67,7 +67,7 @@ class CostBatchK:
     module's docstring). probe_every: every so many of a row's steps it drafts at least `probe_k` although
     nothing pays, if drafting could pay at all (at OPTIMISTIC acceptance), so its acceptance stays measured —
     but not with the draft model where it has yet to see the row (more than PROBE_CATCH_UP tokens): feeding it
-    the prompt to test two tokens cost more than the whole rest of a batch-4 run's drafting gained (measured).
+    the prompt to test two tokens can cost more than the whole rest of a run's drafting gains.
     A lookup probe feeds the draft model nothing, so it probes whatever the draft model has seen."""
 
     def __init__(self, batch_size: int, verify_curve: dict[int, float] | None = None,

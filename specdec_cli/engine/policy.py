@@ -99,9 +99,8 @@ class CostModelK:
 
     A draft token's cost is what it costs while the draft model drafts step after step: a model draft
     right after a step without one (a probe, or a draft after a lookup) also feeds the draft model every
-    token it skipped in one forward, and counting that catch-up as drafting made each probe look 2-3 times
-    dearer than drafting is, which kept the gate shut (a Spec-Bench coding answer: a draft token priced at
-    21-28 ms against 9.3, model drafts on 11 of 90 steps while its acceptance rose to 0.62). Such a step's
+    token it skipped in one forward, and counting that catch-up as drafting made each probe look several times
+    dearer than drafting is, which kept the gate shut while the draft's acceptance rose. Such a step's
     seconds count only while no step of steady drafting has been seen, and the step after it drafts too, so
     that one is.
 
@@ -291,8 +290,8 @@ class CalibratedDraftOrNot(DraftOrNot):
     calibrated curve says, a draft token what the draft's calibrated one-token forward costs (`draft_seconds`);
     the acceptance by position is the sequence's own. So the decisions follow the tokens and this machine's
     calibration file only (a sampled request's drafts decide its draws, so batch/generation.py keeps those on the
-    odds alone: its record must not depend on the machine). Greedy, demo pair, q4, against drafting up to max_k
-    on the odds alone: x1.10 -> x1.30 over the target alone (README, "One request at a time")."""
+    odds alone: its record must not depend on the machine). Drafting only where the calibrated costs say it pays
+    beats drafting up to max_k on the odds alone (docs/draft-length-and-policy.md)."""
 
     def __init__(self, draft_seconds: float, verify_curve: dict[int, float], **kwargs) -> None:
         self.draft_seconds = draft_seconds

@@ -67,19 +67,16 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 def draft_odds(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """(..., V) the draft's own odds of each token being accepted, as the survival cut reads them: its softmax at
-    the sampling temperature, before top-k and top-p (greedy: at temperature 1); drafters/model.py says why. Measured,
-    demo pair, 13 Spec-Bench prompts x 128 tokens at 0.7 / 0.8 / 20, interleaved: cascade x1.14 -> x1.22 over the
-    target alone with these odds instead of the nucleus's renormalised probabilities (831/1450 -> 817/1196 drafted
-    tokens accepted; benchmarks/2026-12-05-drafters-ab-sampled-odds-avx512-q4.json). The batched engine reads the same
-    odds (engine/batched.py); at batch size 2 its rows drafted the same either way, as its cost model kept their drafts
-    too short for the cut to decide (benchmarks/2026-12-05-batched-ab-draft-odds-b2-avx512-q4-sampled.json)."""
+    the sampling temperature, before top-k and top-p (greedy: at temperature 1); drafters/model.py says why. The
+    nucleus's renormalised probabilities overstate a token's odds where the draft is unsure, so the cut would draft
+    on where drafts are then mostly rejected. The batched engine reads the same odds (engine/batched.py)."""
     scores = logits.float() if params.greedy else logits.float() / params.temperature
     return torch.softmax(scores, dim=-1)
 
 
 def _top_k_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Top-k, then top-p among those k, computed over the k candidates only (sorting a 150k vocabulary for
-    top-p cost ~5 ms a row on a CPU core; k candidates cost nothing) and scattered back to (..., V). The
+    """Top-k, then top-p among those k, computed over the k candidates only (sorting a whole vocabulary for
+    top-p is costly on a CPU core; k candidates cost next to nothing) and scattered back to (..., V). The
     candidates are found on the float32 logits and only their values divided by the temperature: dividing by
     a positive number keeps the order, so those are the k + 1 best scores, the same floats. A tie at the k-th
     score (after the division) keeps every tied id, as a mask does: that rare case takes the
@@ -124,8 +121,8 @@ TOP_K_BLOCK = 64  # top_k reads a row's maximum per block of this many ids first
 
 
 def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch.topk(scores, k, dim=-1) for a few rows of a large vocabulary, ~3x faster on a CPU (0.08 against 0.25 ms
-    for a 152k row): the k best ids lie in the blocks whose maximum is at least the k-th best block maximum (k
+    """torch.topk(scores, k, dim=-1) for a few rows of a large vocabulary, faster on a CPU than torch.topk's pass
+    over every id: the k best ids lie in the blocks whose maximum is at least the k-th best block maximum (k
     distinct ids score that much), so a pass of block maxima, then topk over those blocks' ids. The same values,
     best first; among equal values the order may differ from torch.topk's (which does not promise one either).
     With row kernels installed, one pass of C over each row instead."""
@@ -177,8 +174,8 @@ def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     """Draw one token id from a (V,) distribution. Draws on the CPU so seeds are device-independent. Only
-    the ids with mass take part (top-k leaves a handful): multinomial over a 150k vocabulary cost ~3 ms a
-    draw on a CPU core, over its support next to nothing; the distribution is the same."""
+    the ids with mass take part (top-k leaves a handful): multinomial over a whole vocabulary is costly on a CPU
+    core, over its support next to nothing; the distribution is the same."""
     probs = probs.float().cpu()
     support = nonzero_ids(probs)  # (n,) ids with mass
     if len(support) == probs.numel():
@@ -188,8 +185,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
 
 def argmax_ids(logits: torch.Tensor) -> list[int]:
     """The argmax of each row of (..., V) logits, flattened to a list (the first of equal maxima, as torch.argmax
-    gives): one C pass a row with row kernels installed (a greedy verify's 3 target rows, cold after the forward,
-    took 0.3 ms through torch.argmax)."""
+    gives): one C pass a row with row kernels installed (a greedy verify's rows are cold in the caches after the
+    forward, where torch.argmax is slow)."""
     width = logits.shape[-1]
     if _row_kernels is not None:
         found = _row_kernels.top_k(logits.reshape(-1, width), 1)
@@ -210,7 +207,7 @@ def spread(probs: torch.Tensor, ids: torch.Tensor, width: int) -> torch.Tensor:
 
 def nonzero_ids(probs: torch.Tensor) -> torch.Tensor:
     """(n,) the ids of a (V,) distribution's nonzero entries, in order: torch.nonzero, or one C pass with row
-    kernels installed (0.19 ms for a 152k row a forward had pushed out of the caches)."""
+    kernels installed (quicker on a row a forward has pushed out of the caches)."""
     if _row_kernels is not None:
         found = _row_kernels.support(probs)
         if found is not None:
