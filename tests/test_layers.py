@@ -118,7 +118,7 @@ def test_no_module_is_over_the_size_limit():
 def test_reading_and_writing_run_records_loads_no_torch_and_no_rich():
     probe = "import sys, specdec_cli.batch; print(sorted({'torch', 'rich'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
-                            cwd=PACKAGE.parent)
+                            cwd=PACKAGE.parent, timeout=120)
     assert result.stdout.strip() == "[]"
 
 
@@ -134,5 +134,5 @@ def test_help_and_a_usage_mistake_load_no_torch():
              ["run", "in.jsonl"], ["run", "in.jsonl", "-o", "out.jsonl", "--batch-size", "0"]]
     for arguments in asked:
         result = subprocess.run([sys.executable, "-c", probe, *arguments], capture_output=True, text=True, check=True,
-                                cwd=PACKAGE.parent)
+                                cwd=PACKAGE.parent, timeout=120)
         assert result.stdout.split() == ["0" if "--help" in arguments else "2", "False", "False"], arguments

@@ -194,7 +194,7 @@ def test_a_benchmarks_background_load_counts_a_process_spinning_while_it_measure
         assert background.cores() >= 0.5
     finally:
         spinner.kill()
-        spinner.wait()
+        spinner.wait(timeout=30)
 
 
 def test_a_prompts_system_prompt_opens_the_user_turn_where_the_template_has_no_system_role():

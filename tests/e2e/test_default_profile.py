@@ -21,7 +21,7 @@ from specdec_cli.models.quant import precision
 from tests.models.test_demo_real import requires_demo
 from tests.run.test_run_command import without_timings
 
-pytestmark = [pytest.mark.real, requires_demo]
+pytestmark = [pytest.mark.real, requires_demo, pytest.mark.timeout(1800)]  # up to two `specdec` calls of 900 s each
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECDEC = Path(sys.executable).with_name("specdec")  # the console script installed beside this Python

@@ -20,7 +20,7 @@ import specdec_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the first test builds the wheel and a venv (600 s a step)
 
 
 def _run(*command, **kwargs) -> subprocess.CompletedProcess:

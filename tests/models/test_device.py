@@ -92,7 +92,7 @@ def test_others_cpu_use_sees_a_process_spinning_beside_it():
         assert others_cpu_use(0.5) >= 0.6
     finally:
         spinner.kill()
-        spinner.wait()
+        spinner.wait(timeout=30)
 
 
 def test_this_processs_own_cpu_time_is_not_counted_as_others():

@@ -50,7 +50,7 @@ def resume_finishes(tiny_pair, source: Path, output: Path, *args: str) -> None:
 def test_sigkill_then_resume_gives_exactly_one_record_per_line(tiny_pair, tmp_path, batch_size):
     source, output, first = running_with_three_records(tiny_pair, tmp_path, "--batch-size", batch_size)
     first.send_signal(signal.SIGKILL)
-    first.wait()
+    first.wait(timeout=30)
     killed_at = lines_in(output)
     assert 3 <= killed_at < RECORDS
     with open(output, "ab") as torn:  # what a kill in the middle of a write would leave
