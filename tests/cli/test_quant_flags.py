@@ -285,9 +285,15 @@ def test_a_kernel_choice_that_is_none_of_the_known_ones_is_one_line_and_exit_2(t
     assert result.stderr == ("error: SPECDEC_INT8_KERNEL='avx-2' is not one of onednn, avx2, vnni — unset it to run "
                              "the code this CPU is best at\n")
     assert not (tmp_path / "out.jsonl").exists()
-    for value in ("onednn", "AVX2", " vnni ", ""):  # the known ones, in any case and spacing, and unset
+    monkeypatch.delenv("SPECDEC_KERNELS", raising=False)  # the newer name wins over SPECDEC_INT8_KERNEL
+    _, best, problem = int8_kernel.load_library()  # unset: the CPU's best ISA (3 AMX, 2 AVX512-VNNI, 1 AVX2)
+    honoured = {"onednn": (0, "SPECDEC_INT8_KERNEL=onednn")}  # the known ones, in any case and spacing, and unset
+    honoured.update({"AVX2": (1, None), " vnni ": (min(best, 2), None), "": (best, None)} if problem is None else
+                    {value: (0, problem) for value in ("AVX2", " vnni ", "")})  # no kernels here: none, and why
+    for value, (isa, why) in honoured.items():
         monkeypatch.setenv("SPECDEC_INT8_KERNEL", value)
-        assert int8_kernel.load_library()[2] in (None, "SPECDEC_INT8_KERNEL=onednn")
+        loaded, chosen_isa, chosen_problem = int8_kernel.load_library()
+        assert (chosen_isa, chosen_problem, loaded is None) == (isa, why, why is not None), value
 
 
 @pytest.mark.parametrize(("json_path", "says"), [
@@ -318,6 +324,13 @@ def test_calibrate_json_may_replace_its_own_earlier_result(tiny_pair, tmp_path, 
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
     common = ["calibrate", "--profile", "tiny", "--dtype", "float32", "--repeats", "1", "--context", "8",
               "--target-formats", "none", "--draft-formats", "none", "--json", str(tmp_path / "costs.json")]
-    for _ in range(2):
-        result = CliRunner().invoke(app, common, env=WIDE)
-        assert_exited(result, 0)
+    result = CliRunner().invoke(app, common, env=WIDE)
+    assert_exited(result, 0)
+    first = json.loads((tmp_path / "costs.json").read_text())
+    assert {"machine", "entries"} <= first.keys() and first["entries"]
+    (tmp_path / "costs.json").write_text(json.dumps({**first, "entries": [], "earlier": True}))  # marked as the old one
+    result = CliRunner().invoke(app, common, env=WIDE)
+    assert_exited(result, 0)
+    second = json.loads((tmp_path / "costs.json").read_text())
+    assert "earlier" not in second and second["entries"]  # replaced by the new result, not refused or merged
+    assert second.keys() == first.keys()

@@ -241,11 +241,19 @@ def test_an_output_that_would_replace_another_file_or_cannot_be_written_is_refus
 
 
 def test_json_replaces_an_earlier_result_of_its_own(tmp_path):
+    """An earlier compare result may be replaced (the check passes and leaves it as it was until the run writes);
+    a JSON file of another kind beside it is refused."""
     from specdec_cli.cli.compare import _check_outputs
+    from specdec_cli.errors import InputError
 
     for schema in ("specdec.compare/1", "specdec.compare-throughput/1"):
-        (tmp_path / "old.json").write_text(json.dumps({"schema": schema, "partial": True, "runs": []}))
-        _check_outputs(tmp_path / "old.json", tmp_path / "plot.svg", tmp_path / "q.jsonl")  # no error
+        earlier = json.dumps({"schema": schema, "partial": True, "runs": []})
+        (tmp_path / "old.json").write_text(earlier)
+        assert _check_outputs(tmp_path / "old.json", tmp_path / "plot.svg", tmp_path / "q.jsonl") is None
+        assert (tmp_path / "old.json").read_text() == earlier
+    (tmp_path / "other.json").write_text(json.dumps({"schema": "specdec.calibrate/1", "runs": []}))
+    with pytest.raises(InputError, match="other.json exists and is not a specdec compare result"):
+        _check_outputs(tmp_path / "other.json", None, tmp_path / "q.jsonl")
 
 
 def test_the_json_says_how_much_cpu_other_processes_took_and_a_busy_run_gets_a_note(tiny_pair, tmp_path, monkeypatch):

@@ -273,9 +273,15 @@ def test_run_one_at_a_time_prices_drafts_with_the_calibration_and_never_the_cloc
 
 
 def test_draft_or_not_with_the_survival_cut_is_lossless(llama_target, llama_near_draft, reference):
+    """On calibrated costs (not the clock) that make drafting pay, DraftOrNot lets the draft model go up to
+    AUTO_MAX_K: the survival cut stops every draft short of it, and the tokens are the target's own."""
+    from specdec_cli.session import AUTO_MAX_K
+
     drafter = CascadeDrafter(DraftModelDrafter(llama_near_draft, min_survival=0.3))
-    result = generate(llama_target, drafter, DraftOrNot())
+    result = generate(llama_target, drafter, CalibratedDraftOrNot(0.006, CURVE, max_k=AUTO_MAX_K))
     assert result.tokens == reference
+    assert result.stats.drafted > result.stats.lookup_drafted  # the draft model drafted, not only lookups
+    assert 0 < len(result.stats.drafted_at) < AUTO_MAX_K  # the cut stopped every draft before max_k
 
 
 def test_cascade_looks_up_even_when_the_policy_says_no_draft(llama_target, llama_near_draft, reference):
