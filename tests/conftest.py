@@ -5,6 +5,7 @@ Builders for tokenizers and saved model folders live in tests/tiny.py."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -15,16 +16,55 @@ from tests.isolation import module_specdec_home, specdec_home  # noqa: F401  (au
 VOCAB = 96
 
 
+# A kernel test may skip in CI only where the CPU lacks the instructions it tests, and its reason names them:
+# "this CPU has no AMX", "this CPU has neither AVX512-VNNI nor AVX2".
+MISSING_ISA = re.compile(r"\bthis CPU has (?:no|neither) (?:AVX2|AVX512-VNNI|VNNI|AMX)")
+# Modules the test extra installs: in CI an importorskip of one (at module level too) fails.
+TEST_EXTRA_IMPORTS = re.compile(r"could not import '(bitsandbytes|gguf)'")
+
+
+def _skip_reason(report) -> str:
+    return report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+
+
+def ci_failure(skip_reason: str, real: bool, kernels: bool) -> str | None:
+    """Why a skip with this reason fails in CI (None: it may skip there)."""
+    if real:
+        return f"a real-pair test skipped in CI ({skip_reason}): CI must run every real test"
+    if kernels and not MISSING_ISA.search(skip_reason):
+        return (f"a kernel test skipped in CI ({skip_reason}): CI must run specdec's kernels wherever the CPU has "
+                f"their instructions")
+    if TEST_EXTRA_IMPORTS.search(skip_reason):
+        return f"skipped in CI ({skip_reason}): the test extra installs it"
+    return None
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """In CI (the CI environment variable set), a `real` test that skips fails instead: a machine
-    without the demo pair must not pass for one that ran it."""
+    """In CI (the CI environment variable set), a skip that hides a missing part fails instead: a `real` test's (a
+    machine without the demo pair must not pass for one that ran it), a `kernels` test's unless the CPU lacks the
+    instructions, and an importorskip of a module the test extra installs."""
     outcome = yield
     report = outcome.get_result()
-    if os.environ.get("CI") and report.skipped and item.get_closest_marker("real") is not None:
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-        report.outcome = "failed"
-        report.longrepr = f"a real-pair test skipped in CI ({reason}): CI must run every real test"
+    if os.environ.get("CI") and report.skipped:
+        why = ci_failure(_skip_reason(report), item.get_closest_marker("real") is not None,
+                         item.get_closest_marker("kernels") is not None)
+        if why is not None:
+            report.outcome = "failed"
+            report.longrepr = why
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """In CI, a module-level importorskip of a module the test extra installs fails its collection (which stops the
+    run: CI's environment lacks what the suite needs)."""
+    outcome = yield
+    report = outcome.get_result()
+    if os.environ.get("CI") and report.skipped:
+        why = ci_failure(_skip_reason(report), real=False, kernels=False)
+        if why is not None:
+            report.outcome = "failed"
+            report.longrepr = why
 
 
 @pytest.fixture(scope="module")

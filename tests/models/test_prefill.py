@@ -26,7 +26,8 @@ from specdec_cli.settings import ModelOverrides, choose_models
 
 from tests.conftest import tiny_causal_lm
 
-pytestmark = pytest.mark.skipif(kernel_problem() is not None, reason="q4 needs specdec's C kernels")
+pytestmark = [pytest.mark.kernels, pytest.mark.skipif(kernel_problem() is not None,
+                                                      reason=f"q4 needs specdec's C kernels: {kernel_problem()}")]
 
 MIN_TOKENS = 8
 PROMPT = [1] + [(7 * i + 2) % 90 + 3 for i in range(30)]
