@@ -18,9 +18,9 @@ from specdec_cli.engine.draft import DraftRule, Drafter
 from specdec_cli.engine.kv import tree_capable
 from specdec_cli.errors import ChatTemplateError, InputError
 from specdec_cli.models import LoadedModel
-from specdec_cli.models.calibrate import calibrated_seconds
 from specdec_cli.models.device import dtype_name
-from specdec_cli.models.quant import computes_rows_alone
+from specdec_cli.models.formats.calibration import calibrated_seconds
+from specdec_cli.models.runtime.quantize import computes_rows_alone
 from specdec_cli.profiles import DRAFTERS
 
 # End-of-turn tokens that chat templates close an assistant turn with. Some checkpoints (GGUF

@@ -10,11 +10,11 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from specdec_cli.engine.sampling import SamplingParams
+from specdec_cli.engine.sampling import SamplingParams, use_row_kernels
 from specdec_cli.errors import InputError
-from specdec_cli.models import LoadedModel, load_model, load_pair
+from specdec_cli.models import LoadedModel, load_model, load_pair, row_kernels
 from specdec_cli.models.device import dtype_name, resolve_device, resolve_dtype
-from specdec_cli.models.quant import canonical, resolve_auto
+from specdec_cli.models.formats.quant import canonical, resolve_auto
 from specdec_cli.profiles import DEFAULT_PROFILE, DRAFTERS, Profile, load_profile
 
 MAX_K = 16
@@ -94,7 +94,7 @@ def choose_models(flags: ModelOverrides) -> ModelChoice:
 
 
 def _prefill_setting(name: str | None) -> str:
-    from specdec_cli.models.prefill import check_setting
+    from specdec_cli.models.loading.prefill import check_setting
 
     return "auto" if name is None else check_setting(name)
 
@@ -194,6 +194,7 @@ def load_choice(choice: ModelChoice, console: Printer | None = None,
         progress=not getattr(console, "quiet", False),  # -q: no spinners, no "Loading weights" bars
         target_auto_formats=choice.profile.target_auto_formats,
     )
+    use_row_kernels(row_kernels())  # the engine samples through the C row passes where a model loaded the library
     _read_prompts(choice, target, draft, console, background_prefill)
     console.print(target.describe("target"), markup=False)
     console.print(draft.describe("draft") if draft else "draft: n-gram lookup", markup=False)
@@ -225,11 +226,11 @@ def kernels_note(target: LoadedModel, draft: LoadedModel | None) -> str | None:
     """The line saying why an int8 model runs on torch's oneDNN: specdec's kernels did not build (no C compiler).
     Without it `auto` runs the pair in int8 on oneDNN, several times slower than q4 on the kernels, and nothing says
     why; a compiler fixes it."""
-    from specdec_cli.models import int8_kernel
+    from specdec_cli.models.native import binding
 
     slow = [model for model in (target, draft) if model is not None and model.device.type == "cpu"
             and model.quantization == "int8"]
-    problem = int8_kernel.build_problem() if slow else None
+    problem = binding.build_problem() if slow else None
     if problem is None:
         return None
     return (f"note: {problem}, so int8 runs on torch's oneDNN matmul, several times slower, and q4 cannot run — "
@@ -240,7 +241,7 @@ def _read_prompts(choice: ModelChoice, target: LoadedModel, draft: LoadedModel |
                   background: bool) -> None:
     """Give the target its bfloat16 prefill path where `choice.prefill` wants it (models/prefill.py), and then a q4
     draft the AMX one where the CPU has it (never a copy)."""
-    from specdec_cli.models import prefill
+    from specdec_cli.models.loading import prefill
 
     if not prefill.wanted(choice.prefill, target):
         return
@@ -273,7 +274,7 @@ def resolve_formats(choice: ModelChoice) -> ModelChoice:
             return quantization
         return resolve_auto(role, device, spec, dtype, allowed) or "none"
 
-    from specdec_cli.models import prefill
+    from specdec_cli.models.loading import prefill
 
     formats = replace(choice,
                       target_quantization=resolved("target", choice.target, choice.target_quantization,

@@ -1,9 +1,11 @@
-"""The floor plan holds: no module of specdec_cli imports one from a higher layer.
+"""The floor plan holds: no module of specdec_cli imports one from a higher layer, and no modules import each other
+round a circle.
 
 Top to bottom: cli; chat, batch, bench (and render); session, settings; drafters, models, profiles,
 prompts; engine. `errors`, `lazy` (a package's imports on first use) and the package root (`__version__`) may
-be imported by every layer. Every import counts: at the top of a module, under `if TYPE_CHECKING:`, and inside
-functions."""
+be imported by every layer. For the layers every import counts: at the top of a module, under `if TYPE_CHECKING:`,
+and inside functions. For circles every import that runs counts (inside functions too); one under
+`if TYPE_CHECKING:` does not."""
 
 from __future__ import annotations
 
@@ -111,8 +113,105 @@ def test_imports_down_and_sideways_are_allowed():
 
 
 def test_no_module_is_over_the_size_limit():
-    lengths = {str(path.relative_to(PACKAGE)): len(path.read_text(encoding="utf-8").splitlines()) for path in modules()}
+    sources = [*modules(), *PACKAGE.rglob("*.c"), *PACKAGE.rglob("*.h")]
+    lengths = {str(path.relative_to(PACKAGE)): len(path.read_text(encoding="utf-8").splitlines()) for path in sources}
     assert {name: length for name, length in lengths.items() if length > MAX_LINES} == {}
+
+
+def _without_type_checking(source: str) -> str:
+    """`source` with the bodies of its `if TYPE_CHECKING:` blocks emptied (their imports never run)."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            node.body = [ast.Pass()]
+    return ast.unparse(tree)
+
+
+def import_graph(sources: dict[Path, str]) -> dict[str, set[str]]:
+    """Module -> the specdec_cli modules it imports when it runs (TYPE_CHECKING imports left out)."""
+    graph = {}
+    for path, source in sources.items():
+        importer = module_name(path)
+        graph[importer] = {name for _, name in imported_modules(_without_type_checking(source), importer,
+                                                                  path.name == "__init__.py")} - {importer}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import each other round a circle (strongly connected, more than one module)."""
+    order, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(module: str) -> None:
+        order[module] = low[module] = len(order)
+        stack.append(module)
+        on_stack.add(module)
+        for imported in graph.get(module, ()):
+            if imported not in order:
+                visit(imported)
+                low[module] = min(low[module], low[imported])
+            elif imported in on_stack:
+                low[module] = min(low[module], order[imported])
+        if low[module] == order[module]:
+            group = []
+            while not group or group[-1] != module:
+                group.append(stack.pop())
+                on_stack.discard(group[-1])
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for module in sorted(graph):
+        if module not in order:
+            visit(module)
+    return found
+
+
+def _sources() -> dict[Path, str]:
+    return {path: path.read_text(encoding="utf-8") for path in modules()}
+
+
+def test_no_modules_import_each_other_round_a_circle():
+    assert circles(import_graph(_sources())) == []
+
+
+@pytest.mark.parametrize(
+    ("where", "source"),
+    [
+        ("models/native/binding.py", "def f():\n    from specdec_cli.models.loading import loaded\n"),
+        ("engine/stats.py", "from specdec_cli.engine import decode\n"),
+        ("models/formats/int8.py", "import specdec_cli.models.formats.stored_layers\n"),
+    ],
+)
+def test_a_planted_circle_is_found(where, source):
+    sources = _sources()
+    path = PACKAGE / where
+    sources[path] = sources[path] + "\n" + source
+    assert len(circles(import_graph(sources))) == 1
+
+
+def test_an_import_for_type_checking_alone_makes_no_circle():
+    sources = _sources()
+    path = PACKAGE / "models/native/binding.py"
+    sources[path] += "\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from specdec_cli.models.loading import loaded\n"
+    assert circles(import_graph(sources)) == []
+
+
+def test_the_models_packages_import_one_way():
+    """models/: native <- formats <- runtime <- loading, each package importing only those before it (and the
+    leaf modules beside them: paths, names, device, progress); calibrate.py times loaded models, above them all."""
+    rank = {"native": 1, "formats": 2, "runtime": 3, "loading": 4, "calibrate": 5}
+    leaves = {"paths", "names", "device", "progress"}
+
+    def package(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[2] if len(parts) > 2 and parts[1] == "models" else None
+
+    wrong = sorted(f"{importer} imports {imported}" for importer, imports in import_graph(_sources()).items()
+                   for imported in imports
+                   if package(importer) in rank and package(imported) in rank | dict.fromkeys(leaves)
+                   and package(imported) not in leaves and rank[package(imported)] > rank[package(importer)])
+    leaf_imports = sorted(f"{importer} imports {imported}" for importer, imports in import_graph(_sources()).items()
+                          for imported in imports if package(importer) in leaves and package(imported) in rank)
+    assert (wrong, leaf_imports) == ([], [])
 
 
 def test_reading_and_writing_run_records_loads_no_torch_and_no_rich():

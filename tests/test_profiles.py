@@ -178,8 +178,8 @@ def test_the_demo_hints_are_what_the_estimate_computes_from_the_gguf_configs(nam
     from transformers import AutoConfig
 
     from specdec_cli.errors import MissingExtraError
-    from specdec_cli.models import demo
-    from specdec_cli.models.preflight import estimate_weight_bytes
+    from specdec_cli.models.loading import demo
+    from specdec_cli.models.loading.preflight import estimate_weight_bytes
 
     profile = load_profile(name)
     total = 0

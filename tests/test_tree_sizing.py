@@ -11,7 +11,7 @@ import torch
 from specdec_cli.drafters import DraftModelDrafter
 from specdec_cli.drafters.cascade import CascadeDrafter
 from specdec_cli.drafters.tree import DEFAULT_BUDGET, MIN_BUDGET, VALUE_BUDGET, TreeDrafter, budget_from_costs
-from specdec_cli.models.calibrate import machine, save_calibration
+from specdec_cli.models.formats.calibration import machine, save_calibration
 from specdec_cli.session import AUTO_BRANCH_CUT, build_decoder, make_drafter, tree_budget_for, tree_note
 
 from tests.tiny import tokenless_tokenizer

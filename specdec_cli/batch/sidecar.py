@@ -43,7 +43,7 @@ def record_settings(choice: ModelChoice, settings: DecodingSettings) -> dict:
 
 
 def _reads_on_amx(choice: ModelChoice) -> bool:
-    from specdec_cli.models.prefill import reads_on_amx
+    from specdec_cli.models.loading.prefill import reads_on_amx
 
     return reads_on_amx(choice.target_quantization)
 

@@ -21,7 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from specdec_cli.bench.peers import assistant_settings, hf_generate, hf_generation_config, pad_token_id, quiet_transformers
+from specdec_cli.bench.peers import (assistant_settings, hf_generate, hf_generation_config, pad_token_id,
+                                     quiet_transformers)
 from specdec_cli.bench.quality import agreement, reference_tokens
 from specdec_cli.bench.probes import (
     BackgroundLoad, ForwardCounter, MemoryProbe, environment, forward_seconds, prompt_reader,
@@ -34,8 +35,8 @@ from specdec_cli.bench.theory import summary_row
 from specdec_cli.engine import GenerationStats, cut_at_eos
 from specdec_cli.errors import InputError
 from specdec_cli.models import LoadedModel
+from specdec_cli.models.loading.preflight import held_weight_bytes
 from specdec_cli.models.paths import replacing
-from specdec_cli.models.preflight import held_weight_bytes
 from specdec_cli.prompts import Prompt
 from specdec_cli.session import build_decoder, encode_chat, encode_completion, encode_folding_system, eos_token_ids
 

@@ -120,15 +120,15 @@ def environment(target: LoadedModel, draft: LoadedModel | None, background: Back
         "others_cpu_cores": background.cores() if background is not None else None,  # while it measured
     }
     if target.device.type == "cpu":  # the CPU decides the costs: its model and the flags that pick kernels
-        from specdec_cli.models.calibrate import cpu
+        from specdec_cli.models.formats.calibration import cpu
 
         record.update(cpu())
     if "int8" in (target.quantization, draft.quantization if draft else None):
-        from specdec_cli.models.int8 import matmul_name
+        from specdec_cli.models.formats.int8 import matmul_name
 
-        record["int8_kernel"] = matmul_name()  # which int8 matmul ran (int8_kernel.py)
+        record["binding"] = matmul_name()  # which int8 matmul ran (binding.py)
     if "q4" in (target.quantization, draft.quantization if draft else None):
-        from specdec_cli.models.int8_kernel import q4_pairs
+        from specdec_cli.models.native.binding import q4_pairs
 
         record["q4_pairs_up_to"] = q4_pairs()  # q4's blocks two at a time up to this many tokens (models/q4_pairs.py)
     if target.device.type == "cuda":

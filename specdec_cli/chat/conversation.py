@@ -16,7 +16,7 @@ from specdec_cli.chat.text import Piece, ReplyText
 from specdec_cli.engine import Budget, GenerationStats
 from specdec_cli.errors import InputError, PromptTooLongError
 from specdec_cli.models import LoadedModel
-from specdec_cli.models.prefill import finish_loading
+from specdec_cli.models.loading.prefill import finish_loading
 from specdec_cli.session import build_decoder, encode_folding_system, make_drafter, policy_for
 from specdec_cli.settings import DecodingSettings, parse_k, sampling_params
 

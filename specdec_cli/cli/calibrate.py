@@ -11,8 +11,8 @@ import typer
 from rich.table import Table
 
 from specdec_cli.cli.app import PipeConsole, error_console, report_errors
-from specdec_cli.cli.paths import check_result_path, json_object
 from specdec_cli.cli.options import DtypeOption, ProfileOption
+from specdec_cli.cli.paths import check_result_path, json_object
 from specdec_cli.errors import InputError, MissingExtraError, ModelLoadError
 from specdec_cli.profiles import DEFAULT_PROFILE, load_profile
 
@@ -21,7 +21,7 @@ FormatsOption = Annotated[str, typer.Option(help="Comma-separated formats: none,
 
 
 def _formats(value: str, flag: str) -> list[str]:
-    from specdec_cli.models.quant import canonical  # torch: imported when the command runs, not for --help
+    from specdec_cli.models.formats.quant import canonical  # torch: imported when the command runs, not for --help
 
     names = [name.strip() for name in value.split(",") if name.strip()]
     for name in names:
@@ -36,7 +36,7 @@ def _available(names: list[str], asked: bool) -> list[str]:
     what to install or use instead); one of the default list is skipped with a note."""
     import torch
 
-    from specdec_cli.models.quant import check_quantization
+    from specdec_cli.models.formats.quant import check_quantization
 
     kept = []
     for name in names:
@@ -91,12 +91,11 @@ def calibrate_command(
     """Measure what a forward of 1, 2, 4, 8 and 16 new tokens costs for each model of a profile in each
     quantisation format on this machine. Speculation pays while verifying k tokens costs about what one
     does; which format keeps that flat depends on the CPU. Stored under the specdec home."""
-    from specdec_cli.models.calibrate import (
-        TOKEN_COUNTS, load_calibration, machine, measure_forward_costs, merged_with, save_calibration,
-    )
     from specdec_cli.bench.measure import write_json
+    from specdec_cli.models.calibrate import TOKEN_COUNTS, measure_forward_costs
     from specdec_cli.models.device import BackgroundLoad, busy_cores
-    from specdec_cli.models.prefill import GAIN
+    from specdec_cli.models.formats.calibration import load_calibration, machine, merged_with, save_calibration
+    from specdec_cli.models.loading.prefill import GAIN
 
     chosen = load_profile(profile or DEFAULT_PROFILE)
     formats = {"target": _formats(target_formats, "--target-formats"), "draft": _formats(draft_formats, "--draft-formats")}

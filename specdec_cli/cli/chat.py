@@ -79,7 +79,7 @@ def chat(
     continues on the next line. Input may be piped: `echo hi | specdec chat` (a line refused there is skipped, and the
     chat exits with code 2 when its input ends)."""
     from specdec_cli.chat import Conversation, run_chat  # torch and the models: not for --help
-    from specdec_cli.models.prefill import load_meanwhile, settle
+    from specdec_cli.models.loading.prefill import load_meanwhile, settle
     from specdec_cli.settings import ModelOverrides, choose_models, decoding_settings, load_choice
 
     _check_stdin()  # before minutes of model loading

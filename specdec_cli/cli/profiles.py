@@ -24,7 +24,7 @@ def _estimate_gb(profile: Profile) -> str:
     import torch  # here, not for --help
 
     from specdec_cli.models.device import DTYPES
-    from specdec_cli.models.preflight import estimate_local_weight_bytes
+    from specdec_cli.models.loading.preflight import estimate_local_weight_bytes
 
     dtype = DTYPES.get(profile.dtype, torch.bfloat16)  # "auto" is bf16 on the machines worth estimating for
     models = [(profile.target, profile.target_quantization)]

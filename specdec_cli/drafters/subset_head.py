@@ -111,7 +111,7 @@ def _subset_layer(head: torch.nn.Module, token_ids: torch.Tensor) -> tuple[torch
     if type(weight) is not torch.Tensor and type(weight) is not torch.nn.Parameter:
         # an int4 (torchao) layer, opaque: its rows read back through the layer itself (x = the identity),
         # then re-quantised to int4 on their own
-        from specdec_cli.models.int4 import COMPUTE_DTYPE, quantize_int4
+        from specdec_cli.models.formats.int4 import COMPUTE_DTYPE, quantize_int4
 
         dense = head(torch.eye(head.in_features, dtype=COMPUTE_DTYPE, device=weight.device)).t()  # (out, in)
         rows = dense[token_ids.to(weight.device)].contiguous()

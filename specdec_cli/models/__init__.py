@@ -1,7 +1,11 @@
 """Models: resolving a user's string (hub id, local folder, .gguf file, demo pair) to loaded weights,
-choosing device/dtype/quantisation, and the pre-flight checks made before loading.
+choosing device/dtype/quantisation, and the pre-flight checks made before loading. This is the contract the
+engine, chat and CLI code against; the names below are its public face.
 
-This is the contract the engine, chat and CLI code against."""
+Inside, imports point one way: `native/` (the C kernels and their one binding) <- `formats/` (quantisation formats,
+which one `auto` picks, the stored layers and calibration) <- `runtime/` (attention, lean layers, the decoder stack,
+applying a format) <- `loading/` (name -> files -> loaded model, the prompt-reading path) <- `calibrate.py` (timing
+loaded models); `paths`, `names`, `device` and `progress` are leaves any of them may import."""
 
 import logging
 
@@ -18,21 +22,22 @@ from specdec_cli.lazy import exports
 # Imported on first use, so that a module reading one light name from models/ (paths, names) does not import torch
 # and transformers with it.
 __getattr__ = exports(__name__, {
-    "DEMO_MODELS": (".demo", "DEMO_MODELS"),
-    "INSTALL_DEMO": (".demo", "INSTALL_DEMO"),
+    "DEMO_MODELS": (".loading.demo", "DEMO_MODELS"),
+    "INSTALL_DEMO": (".loading.demo", "INSTALL_DEMO"),
     "resolve_device": (".device", "resolve_device"),
     "resolve_dtype": (".device", "resolve_dtype"),
-    "LoadedModel": (".loaded", "LoadedModel"),
-    "load_model": (".loaded", "load_model"),
-    "load_pair": (".loaded", "load_pair"),
+    "LoadedModel": (".loading.loaded", "LoadedModel"),
+    "load_model": (".loading.loaded", "load_model"),
+    "load_pair": (".loading.loaded", "load_pair"),
     "specdec_home": (".paths", "specdec_home"),
-    "check_tokenizers_compatible": (".preflight", "check_tokenizers_compatible"),
-    "estimate_weight_bytes": (".preflight", "estimate_weight_bytes"),
+    "row_kernels": (".native.binding", "row_kernels"),
+    "check_tokenizers_compatible": (".loading.preflight", "check_tokenizers_compatible"),
+    "estimate_weight_bytes": (".loading.preflight", "estimate_weight_bytes"),
     "QUANTIZATION_ALIASES": (".names", "ALIASES"),
     "CPU_ONLY_QUANTIZATIONS": (".names", "CPU_ONLY"),
     "QUANTIZATION_FORMATS": (".names", "FORMATS"),
-    "canonical_quantization": (".quant", "canonical"),
-    "resolve_auto_quantization": (".quant", "resolve_auto"),
+    "canonical_quantization": (".formats.quant", "canonical"),
+    "resolve_auto_quantization": (".formats.quant", "resolve_auto"),
 })
 
 __all__ = [
@@ -50,5 +55,6 @@ __all__ = [
     "resolve_auto_quantization",
     "resolve_device",
     "resolve_dtype",
+    "row_kernels",
     "specdec_home",
 ]

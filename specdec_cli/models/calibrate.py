@@ -2,34 +2,33 @@
 warm cache. Speculation pays only while verifying k tokens costs about what one does, and which format
 is fastest depends on the CPU, so `specdec calibrate` measures this and `auto` will read it.
 
-`measure_forward_costs` is pure measurement and returns plain data; `save_calibration` /
-`load_calibration` keep it as JSON under the specdec home. Nothing here prints."""
+`measure_forward_costs` is pure measurement and returns plain data, which formats/calibration.py keeps as JSON
+under the specdec home; `measure_q4_pairs` times q4's two ways of taking its weight blocks (native/q4_gemm.c: the
+same bits, a speed that depends on the CPU). Nothing here prints."""
 
 from __future__ import annotations
 
 import gc
-import json
-import platform
 import statistics
 import time
 from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
 
 from specdec_cli.engine.context import context_length
 from specdec_cli.engine.kv import CachedModel
-from specdec_cli.errors import InputError
-from specdec_cli.models.device import cpu_flags, dtype_name
-from specdec_cli.models.loaded import LoadedModel, load_model
-from specdec_cli.models.paths import atomic_file, specdec_home
-from specdec_cli.models.preflight import available_memory_bytes, held_weight_bytes
+from specdec_cli.errors import InputError, InsufficientMemoryError
+from specdec_cli.models.device import dtype_name
+from specdec_cli.models.formats import q4
+from specdec_cli.models.formats.calibration import auto_score, machine
+from specdec_cli.models.loading import prefill
+from specdec_cli.models.loading.loaded import LoadedModel, load_model
+from specdec_cli.models.loading.preflight import available_memory_bytes, held_weight_bytes
+from specdec_cli.models.native import binding
 
 TOKEN_COUNTS = (1, 2, 4, 8, 16)
 CONTEXT_TOKENS = 200
-CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
-CALIBRATION_FILE = "calibration.json"
 # "wall" is what a user waits. "cpu" (this process's CPU time) is for a busy machine: with one thread it
 # approximates an idle core's wall time, where wall time would mostly measure the other processes.
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -75,10 +74,9 @@ def _check_room(models: Iterable[LoadedModel], positions: int, context_tokens: i
 def _interleaved_seconds(runners: dict, context: list[int], token_counts: tuple[int, ...], repeats: int,
                          vocab_size: int, clock: str) -> dict[object, dict[int, float]]:
     """{key: {n: median seconds}}, each repeat timing every n of every runner in turn (after one warm-up
-    round): a machine whose speed drifts (a shared VM: ±25% within minutes) then slows all n alike, where n
-    after n would tilt the curve (one such run measured a 1-token forward of the q4 demo target at 37 ms, 2
-    tokens at 30) — and all runners alike, where one after the other would favour whichever ran in the faster
-    minutes."""
+    round): a machine whose speed drifts (a shared VM's does within minutes) then slows all n alike, where n
+    after n would tilt the curve (a 2-token forward could time faster than a 1-token one) — and all runners alike,
+    where one after the other would favour whichever ran in the faster minutes."""
     now = CLOCKS[clock]
     for runner in runners.values():
         runner.extend(context, 1)
@@ -93,41 +91,6 @@ def _interleaved_seconds(runners: dict, context: list[int], token_counts: tuple[
                 if repeat:
                     times[key][n].append(now() - started)
     return {key: {n: statistics.median(values) for n, values in rows.items()} for key, rows in times.items()}
-
-
-def auto_score(role: str, seconds: dict[int, float]) -> float:
-    """What `auto` ranks a format by (lower is faster): a target by its 1-, 4- and 8-token forwards, where
-    verification lives; a draft by its 1-, 2- and 4-token forwards (a step's first draft forward also takes
-    in the tokens the last step accepted). Sizes not measured count as the 1-token forward."""
-    sizes = (1, 4, 8) if role == "target" else (1, 2, 4)
-    return sum(seconds.get(n, seconds[1]) for n in sizes)
-
-
-def cpu() -> dict:
-    """The CPU's model and those of its flags that pick kernels (CPU_FLAGS)."""
-    name = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                name = value.strip()
-                break
-    except OSError:  # no /proc/cpuinfo (macOS)
-        pass
-    flags = cpu_flags()
-    return {"cpu": name, "cpu_flags": sorted(flag for flag in CPU_FLAGS if flag in flags)}
-
-
-def machine() -> dict:
-    """What decides the costs: CPU model and the flags that pick kernels, threads, library versions."""
-    import transformers
-
-    from specdec_cli.models.int8 import matmul_name
-
-    return {
-        **cpu(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-        "transformers": transformers.__version__, "platform": platform.platform(), "int8_kernel": matmul_name(),
-    }
 
 
 def measure_forward_costs(
@@ -159,8 +122,6 @@ def measure_forward_costs(
             load = dict(device=device, dtype=dtype, quantization=quantization, progress=progress, role=role)
             loaded = load_model(spec, **load)
             if pairs is None and quantization == "q4":  # the first q4 model (the target's) decides for the library
-                from specdec_cli.models.q4_pairs import PAIR_REPEATS, measure_q4_pairs  # it times with this module's
-
                 pairs = measure_q4_pairs(loaded, context_tokens, max(repeats, PAIR_REPEATS), clock)
             entry = {
                 "role": role, "model": spec, "quantization": loaded.quantization or "none",
@@ -190,13 +151,10 @@ PROMPT_TOKENS = 256  # the prompt `time_prompt_read` times: Spec-Bench's long pr
 def time_prompt_read(loaded: LoadedModel, tokens: int = PROMPT_TOKENS, repeats: int = 3,
                      clock: str = "wall") -> dict | None:
     """{"model", "quantization", "tokens", "model_seconds", "copy_seconds"}: median seconds of a `tokens`-token
-    prompt read from an empty cache by the loaded target and by its prefill path (models/prefill.py, attached to it
+    prompt read from an empty cache by the loaded target and by its prefill path (loading/prefill.py, attached to it
     here: a q4 target's own weights on AMX where the CPU has AMX-BF16, else its bfloat16 copy; "copy_seconds" for
     either, the name calibration files have), in turn; None where the path cannot read its prompts (a float target
     among them) or the copy does not fit in memory beside it."""
-    from specdec_cli.errors import InsufficientMemoryError
-    from specdec_cli.models import prefill
-
     if prefill.why_not(loaded) is not None:
         return None
     try:
@@ -216,19 +174,6 @@ def time_prompt_read(loaded: LoadedModel, tokens: int = PROMPT_TOKENS, repeats: 
             **{way: statistics.median(timing) for way, timing in timings.items()}}
 
 
-def calibrated_prompt_read(model: str, quantization: str | None, calibration: dict | None = None) -> dict | None:
-    """`time_prompt_read`'s result for `model` in `quantization` as `specdec calibrate` stored it on this machine;
-    None where it was not measured here."""
-    calibration = calibration if calibration is not None else load_calibration()
-    if not calibration or not same_machine(calibration.get("machine", {})):
-        return None
-    for read in calibration.get("prompt_reads", ()):
-        if isinstance(read, dict) and read.get("model") == model and read.get("quantization") == quantization:
-            if all(isinstance(read.get(way), (int, float)) for way in ("model_seconds", "copy_seconds")):
-                return read
-    return None
-
-
 CONTENDERS = 1.3  # formats whose score is within this factor of the best one's are timed again, together
 
 
@@ -237,9 +182,8 @@ def _retime_contenders(spec: str, role: str, measured: list[tuple[dict, dict]], 
     """Time the formats that `auto` could pick between (`auto_score` within CONTENDERS of the best) again, all
     loaded at once and every forward of every one in turn, and keep those figures (each such entry says which
     formats it was timed with: "timed_with"). Timed one after another, formats take whatever speed the machine
-    had in their minutes: on this project's VM a fresh calibration once ranked the demo target's int8 ahead of
-    q4 (142 against 144 ms), where interleaved forwards gave q4 by 19% and whole generations by 15% (scripts/
-    format_ab.py). Skipped where the contenders' weights would not fit in half of the free memory together."""
+    had in their minutes, which can rank two close formats the wrong way round (docs/models-and-formats.md,
+    "Calibration"). Skipped where the contenders' weights would not fit in half of the free memory together."""
     if len(measured) < 2 or not all("1" in entry["seconds"] for entry, _load in measured):
         return  # nothing to rank, or no 1-token forward to score by
     scores = [auto_score(role, {int(n): s for n, s in entry["seconds"].items()}) for entry, _load in measured]
@@ -257,86 +201,56 @@ def _retime_contenders(spec: str, role: str, measured: list[tuple[dict, dict]], 
         measured[i][0]["timed_with"] = names
 
 
-def calibration_path() -> Path:
-    return specdec_home() / CALIBRATION_FILE
+PAIR_SIZES = (1, 2, 4, 8)  # forwards q4's matmul may take blocks two at a time for (a tile of tokens: native/q4_gemm.c)
+PAIR_GAIN = 0.97  # pairs are taken up to a size only where they are this much faster there and at every size below
+PAIR_REPEATS = 15
 
 
-def save_calibration(result: dict, path: Path | None = None) -> Path:
-    """Write `result` as JSON (atomically: a reader never sees half a file, and a full disk leaves the one before
-    and no partial file, with a CacheWriteError saying so); returns the path."""
-    path = path or calibration_path()
-    with atomic_file(path) as staging:
-        staging.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    return path
+class _Pairs:
+    """A CachedModel whose forwards run q4's matmul with blocks two at a time up to `up_to` tokens (0: never)."""
+
+    def __init__(self, runner: CachedModel, up_to: int):
+        self.runner, self.up_to = runner, up_to
+
+    def extend(self, ids: list[int], keep: int) -> None:
+        binding.pair_q4_blocks(self.up_to)
+        self.runner.extend(ids, keep)
 
 
-def merged_with(earlier: dict | None, result: dict) -> tuple[dict, list[dict]]:
-    """(what to store, the earlier entries it keeps): `result` plus the entries and prompt reads of `earlier` that it
-    did not measure again (same role, model, format and dtype; same model and format; its q4_pairs), where `earlier`
-    was taken on a machine like this one with the same cache length and clock. A calibration of a few formats then
-    adds to one of all (it replaced it: `auto` and the cost curves lost the formats not timed again); another
-    machine's is replaced whole."""
-    if (not earlier or not same_machine(earlier["machine"], result["machine"])
-            or (earlier.get("context_tokens"), earlier.get("clock")) != (result["context_tokens"], result["clock"])):
-        return result, []
-
-    def entry_key(entry: dict) -> tuple:
-        return tuple(entry.get(key) for key in ("role", "model", "quantization", "dtype"))
-
-    def read_key(read: dict) -> tuple:
-        return read.get("model"), read.get("quantization")
-
-    measured = {entry_key(entry) for entry in result["entries"]}
-    when = earlier.get("measured_at")
-    kept = [{**entry, "measured_at": entry.get("measured_at", when)} for entry in earlier.get("entries", ())
-            if entry_key(entry) not in measured]
-    read_now = {read_key(read) for read in result["prompt_reads"]}
-    reads = [read for read in earlier.get("prompt_reads", ()) if read_key(read) not in read_now]
-    pairs = {"q4_pairs": earlier["q4_pairs"]} if "q4_pairs" in earlier and "q4_pairs" not in result else {}
-    merged = {**result, **pairs, "entries": kept + result["entries"], "prompt_reads": reads + result["prompt_reads"]}
-    return merged, kept
-
-
-def load_calibration(path: Path | None = None) -> dict | None:
-    """The stored measurement, or None when there is none (or it is unreadable: measure again). A file of another shape
-    (hand-edited, another tool's) counts as none; its entries that are not objects are left out."""
-    path = path or calibration_path()
+def measure_q4_pairs(loaded: LoadedModel, context_tokens: int = CONTEXT_TOKENS, repeats: int = PAIR_REPEATS,
+                     clock: str = "wall") -> dict | None:
+    """Whether q4's matmul should take its weight blocks two at a time on this machine (native/q4_gemm.c: the same
+    bits, two streams of weights in flight; faster on some CPUs, slower on others): `loaded`'s forwards of
+    PAIR_SIZES new tokens with pairs and without, in turn. Returns {"isa", "model", "up_to_tokens", "seconds":
+    {"pairs": {"n": s}, "single": {"n": s}}} and leaves the library taking pairs up to "up_to_tokens" (the largest
+    size where pairs are PAIR_GAIN as fast there and at every size below; 0: never); None where `loaded` has no q4
+    layer or the kernel does not run."""
+    _, isa, problem = binding.library()
+    if problem is not None or not any(isinstance(module, q4.Q4Linear) for module in loaded.model.modules()):
+        return None
+    vocab_size = loaded.vocab_size
+    context = [_token(i, vocab_size) for i in range(context_tokens)]
+    ways = {"pairs": PAIR_SIZES[-1], "single": 0}
+    runners = {way: _Pairs(CachedModel(loaded.model), up_to) for way, up_to in ways.items()}
+    before = binding.q4_pairs()
     try:
-        found = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(found, dict) or not isinstance(found.get("machine"), dict):
-        return None
-    for key in ("entries", "prompt_reads"):
-        if key in found:
-            listed = found[key]
-            found[key] = [item for item in listed if isinstance(item, dict)] if isinstance(listed, list) else []
-    return found
+        timed = _interleaved_seconds(runners, context, PAIR_SIZES, repeats, vocab_size, clock)
+    finally:
+        binding.pair_q4_blocks(before)
+    up_to = pairs_up_to(timed["pairs"], timed["single"])
+    binding.pair_q4_blocks(up_to)
+    return {"isa": isa, "model": loaded.name, "up_to_tokens": up_to,
+            "seconds": {way: {str(n): value for n, value in row.items()} for way, row in timed.items()}}
 
 
-def same_machine(measured: dict, here: dict | None = None) -> bool:
-    """Whether a stored measurement was taken on a machine like this one: same CPU, kernel flags, threads and
-    int8 matmul (a measurement from before specdec had its own holds none: its int8 costs are not today's)."""
-    here = here or machine()
-    return all(measured.get(key) == here.get(key) for key in ("cpu", "cpu_flags", "threads", "int8_kernel"))
+def pairs_up_to(pairs: dict[int, float], single: dict[int, float]) -> int:
+    """The largest forward size (of `single`'s, in order) up to which pairs take at most PAIR_GAIN of the time without
+    them at every size; 0 where they do not at the first. A noisy tie is not a win."""
+    up_to = 0
+    for n, alone in single.items():
+        if pairs[n] > PAIR_GAIN * alone:
+            break
+        up_to = n
+    return up_to
 
 
-def calibrated_seconds(model: str, quantization: str | None, dtype: str | None = None,
-                       calibration: dict | None = None) -> dict[int, float] | None:
-    """{n: seconds} of a forward of n new tokens for `model` in `quantization` ("none" or None: float at
-    `dtype`; a quantised format: whatever dtype it computes in), as stored by `specdec calibrate` on this
-    machine; None when it was not measured here."""
-    calibration = calibration if calibration is not None else load_calibration()
-    if not calibration or not same_machine(calibration.get("machine", {})):
-        return None
-    quantization = quantization or "none"
-    for entry in calibration.get("entries", ()):
-        if entry.get("model") != model or entry.get("quantization") != quantization:
-            continue
-        if quantization == "none" and dtype is not None and entry.get("dtype") != dtype:
-            continue
-        try:
-            return {int(n): float(seconds) for n, seconds in entry["seconds"].items()}
-        except (KeyError, TypeError, ValueError, AttributeError):
-            return None
-    return None

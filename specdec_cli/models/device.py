@@ -18,7 +18,7 @@ DTYPES = {
     "fp32": torch.float32,
 }
 
-# CPU flags that make bf16 matmuls fast (≈2× fp32); without them bf16 is emulated and slower.
+# CPU flags that make bf16 matmuls faster than fp32; without them bf16 is emulated and slower.
 _BF16_CPU_FLAGS = {"avx512_bf16", "amx_bf16", "amx_tile"}
 
 
@@ -74,8 +74,8 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
 
 def busy_cores() -> float:
     """Cores' worth of other processes' CPU use at which a timing is refused (calibrate) or flagged (compare): a
-    quarter of the machine, at least half a core. A single-threaded job beside specdec on a 2-core machine slows its
-    forwards by a third or more; a browser's half core on a 16-core desktop is the normal state of that machine."""
+    quarter of the machine, at least half a core. A single-threaded job beside specdec on a 2-core machine takes a
+    core its forwards need; a browser's half core on a 16-core desktop is the normal state of that machine."""
     import os
 
     return max(0.5, 0.25 * (os.cpu_count() or 1))
@@ -162,3 +162,20 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+GIB = 1024**3
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free VRAM on a CUDA device, else free RAM (mps shares system memory)."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def format_gib(size: int) -> str:
+    return f"{size / GIB:.1f} GiB"

@@ -1,6 +1,6 @@
 """The names a profile or a flag may give a dtype or a quantisation format, without torch: `specdec --help`,
-a usage mistake and a profile's checks read them before anything imports torch (~1 s of the ~3 s a command
-spent importing before it could print its help)."""
+a usage mistake and a profile's checks read them before anything imports torch (importing torch is a large part
+of what a command spends before it can print its help)."""
 
 from __future__ import annotations
 

@@ -96,7 +96,7 @@ def atomic_folder(final: Path) -> Iterator[Path]:
 def one_maker(final: Path, waiting: ContextManager[object] | None = None) -> Iterator[None]:
     """Hold the exclusive lock (flock) on `final`'s file in the home's `locks/` for the block, so that a second process
     (another chat, Ray workers on one machine) that wants the same cache entry waits for the first instead of
-    making it again beside it: the demo target's conversion holds ~6 GB of memory for a minute. `waiting` (a
+    making it again beside it: the demo target's conversion holds gigabytes of memory for a long while. `waiting` (a
     spinner) is shown while another process holds it. The lock file stays (out of the way of the entries);
     the kernel drops a dead holder's lock, and what a dead holder left half-made is removed. Check again for
     `final` inside the block."""
@@ -120,7 +120,7 @@ def one_maker(final: Path, waiting: ContextManager[object] | None = None) -> Ite
 def _remove_leftovers(final: Path) -> None:
     """Remove what a killed maker of `final` left: the staging folders and files of atomic_folder/atomic_file
     (`.NAME.xxxxxxxx` beside it), which a kill -9, the kernel's out-of-memory killer or a power cut leave behind
-    (a demo target's half conversion is up to 3.6 GB). Called with `final`'s lock held, so no live process is
+    (a demo target's half conversion is gigabytes). Called with `final`'s lock held, so no live process is
     writing one."""
     for leftover in final.parent.glob(f".{final.name}.*"):
         if leftover.is_dir():

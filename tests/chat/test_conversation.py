@@ -254,7 +254,7 @@ def test_totals_add_up_every_reply(make_conversation):
 def _loading_copy_on(model, gate, monkeypatch, failure: BaseException | None = None):
     """Give `model` a --prefill copy still loading (models/prefill.py's LoadingPath) until `gate` opens; the loaded
     path takes no prompt part (min_tokens too large), so the turns below are the target's own."""
-    from specdec_cli.models import prefill
+    from specdec_cli.models.loading import prefill
 
     class Unused:
         min_tokens = 10 ** 9

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from specdec_cli.settings import ModelOverrides, choose_models, load_choice
 from specdec_cli.errors import InputError, ProfileError
+from specdec_cli.settings import ModelOverrides, choose_models, load_choice
 
 
 def choose(**flags):
@@ -89,12 +89,12 @@ def test_load_choice_says_why_int8_runs_on_onednn_where_the_kernels_did_not_buil
     torch's oneDNN matmul, and one note says why and what to install; a float model needs no kernel and gets none."""
     from rich.console import Console
 
-    from specdec_cli.models import int8_kernel
+    from specdec_cli.models.native import binding
     from tests.tiny import build_tiny_model
 
     monkeypatch.setenv("CC", "false")
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(int8_kernel, "_library", int8_kernel.load_library)  # built anew, not the process's cached one
+    monkeypatch.setattr(binding, "library", binding.load_library)  # built anew, not the process's cached one
     build_tiny_model(tmp_path / "tiny")
     console = Console(record=True, width=400)
     target, _ = load_choice(choose(target=str(tmp_path / "tiny"), device="cpu", dtype="float32",

@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 from specdec_cli.cli import app
 from specdec_cli.errors import InputError, ModelLoadError
-from specdec_cli.models import int8_kernel
+from specdec_cli.models.native import binding
 from specdec_cli.settings import ModelOverrides, choose_models
 from tests.cli_result import assert_exited
 
@@ -116,22 +116,22 @@ def test_calibrate_measures_each_format_and_stores_it(tiny_pair, tmp_path, monke
 
 
 def test_calibrate_says_and_stores_how_the_q4_matmul_takes_its_blocks(tiny_pair, tmp_path, monkeypatch):
-    if int8_kernel._library()[2] is not None:
-        pytest.skip(int8_kernel._library()[2])
+    if binding.library()[2] is not None:
+        pytest.skip(binding.library()[2])
     profiles = tmp_path / "home" / "profiles"
     profiles.mkdir(parents=True)
     (profiles / "tiny.toml").write_text(f'target = "{tiny_pair.target}"\ndraft = "{tiny_pair.draft}"\ndrafter = "model"\n')
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
-    before = int8_kernel.q4_pairs()
+    before = binding.q4_pairs()
     try:
         result = CliRunner().invoke(app, ["calibrate", "--profile", "tiny", "--target-formats", "q4", "--draft-formats",
                                           "q4", "--dtype", "float32", "--repeats", "1", "--context", "8"], env=WIDE)
     finally:
-        int8_kernel.pair_q4_blocks(before)
+        binding.pair_q4_blocks(before)
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
     assert result.exit_code == 0, result.output
     pairs = json.loads((tmp_path / "home" / "calibration.json").read_text())["q4_pairs"]
-    assert pairs["model"] == tiny_pair.target and pairs["isa"] == int8_kernel._library()[1]
+    assert pairs["model"] == tiny_pair.target and pairs["isa"] == binding.library()[1]
     said = (f"two at a time up to {pairs['up_to_tokens']} tokens" if pairs["up_to_tokens"]
             else "one at a time (two at a time was not faster here)")
     said = f"q4 matmul: weight blocks {said}; {tiny_pair.target} with / without pairs"
@@ -179,7 +179,7 @@ def test_run_stores_the_formats_auto_resolved_to_not_auto(tiny_pair, tmp_path, s
     ])
     assert result.exit_code == 0, result.output
     stored = json.loads((tmp_path / "out.jsonl.settings.json").read_text())["settings"]
-    draft_default = "q4" if int8_kernel._library()[1] >= 2 else "int8"  # no calibration: by the CPU's kind
+    draft_default = "q4" if binding.library()[1] >= 2 else "int8"  # no calibration: by the CPU's kind
     assert (stored["target_quantization"], stored["draft_quantization"]) == ("int8", draft_default)
     choice = choose_models(ModelOverrides(target="t", draft="d", target_quant="auto", draft_quant="none", device="cpu"))
     assert (resolve_formats(choice).target_quantization, resolve_formats(choice).draft_quantization) == ("int8", "none")
@@ -274,25 +274,25 @@ def test_a_kernel_choice_that_is_none_of_the_known_ones_is_one_line_and_exit_2(t
     source = tmp_path / "in.jsonl"
     source.write_text(json.dumps({"prompt": "x"}) + "\n")
     monkeypatch.setenv("SPECDEC_INT8_KERNEL", "avx-2")
-    int8_kernel._library.cache_clear()  # the library loads again, and reads the variable, in this run
+    binding.library.cache_clear()  # the library loads again, and reads the variable, in this run
     try:
         result = CliRunner().invoke(app, ["run", str(source), "-o", str(tmp_path / "out.jsonl"), "--target",
                                           tiny_pair.target, "--dtype", "float32", "--target-quant", "int8"], env=WIDE)
     finally:
         monkeypatch.delenv("SPECDEC_INT8_KERNEL")
-        int8_kernel._library.cache_clear()
+        binding.library.cache_clear()
     assert isinstance(result.exception, SystemExit) and result.exit_code == 2, result.exception
     assert result.stderr == ("error: SPECDEC_INT8_KERNEL='avx-2' is not one of onednn, avx2, vnni — unset it to run "
                              "the code this CPU is best at\n")
     assert not (tmp_path / "out.jsonl").exists()
     monkeypatch.delenv("SPECDEC_KERNELS", raising=False)  # the newer name wins over SPECDEC_INT8_KERNEL
-    _, best, problem = int8_kernel.load_library()  # unset: the CPU's best ISA (3 AMX, 2 AVX512-VNNI, 1 AVX2)
+    _, best, problem = binding.load_library()  # unset: the CPU's best ISA (3 AMX, 2 AVX512-VNNI, 1 AVX2)
     honoured = {"onednn": (0, "SPECDEC_INT8_KERNEL=onednn")}  # the known ones, in any case and spacing, and unset
     honoured.update({"AVX2": (1, None), " vnni ": (min(best, 2), None), "": (best, None)} if problem is None else
                     {value: (0, problem) for value in ("AVX2", " vnni ", "")})  # no kernels here: none, and why
     for value, (isa, why) in honoured.items():
         monkeypatch.setenv("SPECDEC_INT8_KERNEL", value)
-        loaded, chosen_isa, chosen_problem = int8_kernel.load_library()
+        loaded, chosen_isa, chosen_problem = binding.load_library()
         assert (chosen_isa, chosen_problem, loaded is None) == (isa, why, why is not None), value
 
 

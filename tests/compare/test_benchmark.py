@@ -141,7 +141,7 @@ def test_with_an_int8_draft_hf_assisted_runs_with_the_plain_draft_and_with_ours(
     import copy
     import dataclasses
 
-    from specdec_cli.models.quant import quantize_int8_dynamic
+    from specdec_cli.models.runtime.quantize import quantize_int8_dynamic
 
     target, plain = low_acceptance_pair
     int8 = dataclasses.replace(plain, model=quantize_int8_dynamic(copy.deepcopy(plain.model)), quantization="int8")

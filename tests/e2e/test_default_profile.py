@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec_cli.models.quant import precision
+from specdec_cli.models.formats.quant import precision
 from tests.models.test_demo_real import requires_demo
 from tests.run.test_run_command import without_timings
 
@@ -46,7 +46,7 @@ def check_models_line(stderr: str) -> None:
     draft_line = re.search(r"^draft: demo:qwen2\.5-coder-0\.5b · .*$", stderr, re.M)
     assert target_line and draft_line, stderr[-2000:]
     if not torch.cuda.is_available():  # the profile's auto formats, as this machine resolves them
-        from specdec_cli.models import prefill
+        from specdec_cli.models.loading import prefill
 
         specs = {"target": "demo:qwen2.5-coder-1.5b", "draft": "demo:qwen2.5-coder-0.5b"}
         formats = {role: auto_format(role, spec) for role, spec in specs.items()}
@@ -67,7 +67,7 @@ def check_models_line(stderr: str) -> None:
 
 def auto_format(role: str, spec: str) -> str | None:
     from specdec_cli.models.device import resolve_dtype
-    from specdec_cli.models.quant import resolve_auto
+    from specdec_cli.models.formats.quant import resolve_auto
     from specdec_cli.profiles import load_profile
 
     cpu = torch.device("cpu")

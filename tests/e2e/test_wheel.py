@@ -89,11 +89,11 @@ def test_the_installed_wheel_lists_the_shipped_profiles(installed, tmp_path):
 
 def test_the_installed_wheel_builds_specdecs_int8_matmul(installed, tmp_path):
     """The kernel's C source ships inside the wheel and builds from there, as it does in this tree."""
-    from specdec_cli.models.int8 import matmul_name
+    from specdec_cli.models.formats.int8 import matmul_name
 
     expected = matmul_name()
     built = _from_the_venv(installed, installed / "python", "-c",
-                           "from specdec_cli.models.int8 import matmul_name; print(matmul_name())", cwd=tmp_path)
+                           "from specdec_cli.models.formats.int8 import matmul_name; print(matmul_name())", cwd=tmp_path)
     assert built.stdout.strip() == expected
     if expected != "oneDNN":
         assert list((tmp_path / "home" / "kernels").glob("int8-*/libspecdec_int8.so"))

@@ -12,7 +12,7 @@ from specdec_cli.engine import FixedK, SamplingParams, SpeculativeDecoder
 from specdec_cli.engine.batched import BatchedDecoder, RowRequest
 from specdec_cli.engine.kv import CachedModel
 from specdec_cli.engine.packed import PackedCache
-from specdec_cli.models.quant import quantize
+from specdec_cli.models.runtime.quantize import quantize
 
 from tests.conftest import perturbed_copy, tiny_causal_lm
 

@@ -17,7 +17,7 @@ from specdec_cli.engine.batched import BatchedDecoder, RowRequest
 from specdec_cli.engine.cache_layers import filled_layers
 from specdec_cli.engine.kv import CachedModel
 from specdec_cli.engine.packed import PackedCache
-from specdec_cli.models.quant import computes_rows_alone, quantize
+from specdec_cli.models.runtime.quantize import computes_rows_alone, quantize
 from specdec_cli.session import build_batched_decoder, build_decoder
 
 from tests.conftest import perturbed_copy, tiny_causal_lm

@@ -9,14 +9,14 @@ import torch
 from specdec_cli.engine import sampling
 from specdec_cli.engine.sampling import (SamplingParams, argmax_ids, logits_to_probs, make_generator, nonzero_ids, sample,
                                          top_k)
-from specdec_cli.models import int8_kernel
-from specdec_cli.models.row_kernels import CRowKernels
+from specdec_cli.models.native import binding
+from specdec_cli.models.native.rows import CRowKernels
 
 LOGITS = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
 
 
 def c_row_kernels() -> CRowKernels:
-    library, _, problem = int8_kernel._library()
+    library, _, problem = binding.library()
     if library is None and not os.environ.get("CI"):
         pytest.skip(f"specdec's kernel library does not load here: {problem}")
     assert library is not None, problem
@@ -222,14 +222,40 @@ def test_argmax_ids_is_torch_argmax_also_on_ties(row_kernels):
     assert argmax_ids(logits)[1] == 7
 
 
-def test_loading_the_kernel_library_installs_the_row_kernels():
-    """What a q4 or int8 model's first use does: the library's load hands sampling its C passes."""
+def test_loading_the_kernel_library_changes_no_global_and_offers_the_row_kernels():
+    """A q4 or int8 model's first use loads the library; the engine is handed its C passes by the settings that
+    loaded the model (below), not by the load."""
     before = sampling._row_kernels
     try:
         sampling.use_row_kernels(None)
-        library, _, problem = int8_kernel.load_library()
+        library, _, problem = binding.library()
         if library is None and not os.environ.get("CI"):
             pytest.skip(f"specdec's kernel library does not load here: {problem}")
+        assert sampling._row_kernels is None
+        assert isinstance(binding.row_kernels(), CRowKernels)
+    finally:
+        sampling.use_row_kernels(before)
+
+
+def test_loading_a_q4_model_through_the_settings_hands_the_engine_the_row_kernels(tmp_path):
+    from specdec_cli.settings import ModelOverrides, choose_models, load_choice
+    from tests.tiny import build_tiny_model
+
+    if binding.library()[0] is None and not os.environ.get("CI"):
+        pytest.skip(f"specdec's kernel library does not load here: {binding.library()[2]}")
+    build_tiny_model(tmp_path / "tiny")
+    before = sampling._row_kernels
+    try:
+        sampling.use_row_kernels(None)
+        load_choice(choose_models(ModelOverrides(target=str(tmp_path / "tiny"), device="cpu", dtype="float32",
+                                                 target_quant="q4")), _Quiet())
         assert isinstance(sampling._row_kernels, CRowKernels)
     finally:
         sampling.use_row_kernels(before)
+
+
+class _Quiet:
+    quiet = True
+
+    def print(self, text: str, *, markup: bool = False) -> None:
+        pass

@@ -229,7 +229,8 @@ def test_the_odds_cut_rises_with_what_a_draft_token_costs_and_never_falls_below_
 def test_auto_is_draft_or_not_with_the_survival_cut_and_a_fixed_k_drafts_exactly_k(llama_target, llama_near_draft):
     from types import SimpleNamespace
 
-    from specdec_cli.session import AUTO_MAX_K, AUTO_SURVIVAL, DRAFT_WINDOW, build_batched_decoder, make_drafter, make_policy
+    from specdec_cli.session import (AUTO_MAX_K, AUTO_SURVIVAL, DRAFT_WINDOW, build_batched_decoder, make_drafter,
+                                     make_policy)
 
     draft = SimpleNamespace(model=llama_near_draft, tokenizer=None, vocab_size=llama_near_draft.config.vocab_size,
                             name="tiny draft", quantization=None, dtype=torch.float32)

@@ -12,8 +12,10 @@ import torch
 
 from specdec_cli.engine import FixedK, SamplingParams, SpeculativeDecoder
 from specdec_cli.engine.kv import CachedModel, prefill_path
-from specdec_cli.models import int8_kernel, preflight, prefill, q4
-from specdec_cli.models.quant import computes_rows_alone, quantize
+from specdec_cli.models.formats import q4
+from specdec_cli.models.loading import prefill, preflight
+from specdec_cli.models.native import binding
+from specdec_cli.models.runtime.quantize import computes_rows_alone, quantize
 
 from tests.conftest import tiny_causal_lm
 from tests.engine.test_prompt_reuse import read_alone, same_entries
@@ -22,7 +24,7 @@ from tests.models.test_q4_kernel import _layer
 
 
 def _amx_bf16() -> bool:
-    library, isa, problem = int8_kernel._library()
+    library, isa, problem = binding.library()
     return problem is None and isa == 3 and bool(library.specdec_amx_bf16_ready())
 
 
@@ -35,7 +37,7 @@ PROMPT = [1] + [(7 * i + 2) % 90 + 3 for i in range(59)]  # 60 tokens: two piece
 
 
 def _matmul(layer: q4.Q4Linear, x: torch.Tensor, isa: int) -> torch.Tensor:
-    library = int8_kernel._library()[0]
+    library = binding.library()[0]
     out = torch.empty(x.shape[0], layer.out_features)
     groups = q4.packed_groups(layer.packed_weight, layer.layout)
     assert library.specdec_q4_linear(isa, layer.layout, 2, x.data_ptr(), x.shape[0], x.shape[1], groups,
@@ -120,7 +122,7 @@ def test_speculation_on_it_is_that_target_alone_turn_after_turn(pair, draft):
 
 def test_it_holds_no_copy_needs_no_memory_and_says_who_reads(pair, monkeypatch):
     from specdec_cli.bench.probes import prompt_reader
-    from specdec_cli.models.loaded import LoadedModel
+    from specdec_cli.models.loading.loaded import LoadedModel
 
     target, _ = pair
     path = target.__dict__.pop("_specdec_prefill")

@@ -4,9 +4,8 @@ import json
 
 import pytest
 
-from specdec_cli.models.calibrate import (
-    calibration_path, load_calibration, measure_forward_costs, save_calibration,
-)
+from specdec_cli.models.calibrate import measure_forward_costs
+from specdec_cli.models.formats.calibration import calibration_path, load_calibration, save_calibration
 
 
 def test_measures_each_format_and_token_count(llama_folder):
@@ -42,7 +41,7 @@ def test_no_or_a_broken_calibration_reads_as_none(specdec_home):
 def test_a_calibration_of_another_shape_reads_as_none_and_its_odd_entries_are_left_out(specdec_home):
     """JSON that is not a calibration (a list; a machine that is not an object) was an AttributeError traceback in
     every command that reads the costs; entries that are not objects, too."""
-    from specdec_cli.models.calibrate import calibrated_prompt_read, calibrated_seconds, machine
+    from specdec_cli.models.formats.calibration import calibrated_prompt_read, calibrated_seconds, machine
 
     calibration_path().parent.mkdir(parents=True, exist_ok=True)
     for text in ("[1, 2]", '"calibrated"', '{"machine": [1]}', '{"entries": []}'):
@@ -139,7 +138,7 @@ def test_a_quantised_targets_prompt_read_is_timed_by_itself_and_by_its_bfloat16_
 
 
 def test_another_machines_or_another_cache_lengths_calibration_is_replaced_whole():
-    from specdec_cli.models.calibrate import merged_with
+    from specdec_cli.models.formats.calibration import merged_with
 
     entry = {"role": "target", "model": "m", "quantization": "int8", "dtype": "float32", "seconds": {"1": 0.1}}
     now = {"machine": {"cpu": "here"}, "context_tokens": 200, "clock": "wall", "entries": [], "prompt_reads": []}

@@ -10,8 +10,8 @@ import torch
 from transformers import DynamicCache
 
 from specdec_cli.engine.kv import CachedModel
-from specdec_cli.models import decoder_stack, lean_layers
-from specdec_cli.models.quant import quantize
+from specdec_cli.models.runtime import decoder_stack, lean_layers
+from specdec_cli.models.runtime.quantize import quantize
 
 from tests.conftest import tiny_causal_lm
 

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from specdec_cli.errors import CacheWriteError, MissingExtraError, ModelLoadError, ModelNotFoundError
-from specdec_cli.models import demo
+from specdec_cli.models.loading import demo
 
 PARTS = 11  # more than 9, so that joining in string order ("part10" < "part2") would be caught
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specdec_cli.models import DEMO_MODELS, check_tokenizers_compatible, load_pair
-from specdec_cli.models.demo import joined_path
+from specdec_cli.models.loading.demo import joined_path
 
 pytestmark = pytest.mark.real
 

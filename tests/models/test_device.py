@@ -2,8 +2,7 @@ import pytest
 import torch
 
 from specdec_cli.errors import DeviceError
-from specdec_cli.models import device as device_module
-from specdec_cli.models import resolve_device, resolve_dtype
+from specdec_cli.models import device as device_module, resolve_device, resolve_dtype
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from specdec_cli.errors import ModelLoadError
-from specdec_cli.models import gguf, load_model
+from specdec_cli.models import load_model
+from specdec_cli.models.loading import gguf
 
 
 def _cache_entries(home):

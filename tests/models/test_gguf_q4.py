@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from specdec_cli.engine.kv import CachedModel
-from specdec_cli.models import gguf_q4, load_model
-from specdec_cli.models.q4 import Q4KLinear, Q4Linear, dequantize, quantize_packed
+from specdec_cli.models import load_model
+from specdec_cli.models.formats import gguf_q4
+from specdec_cli.models.formats.q4 import Q4KLinear, Q4Linear, dequantize, quantize_packed
 from tests.tiny import build_4bit_gguf, random_blocks
 
 pytest.importorskip("gguf")

@@ -9,12 +9,13 @@ from specdec_cli.drafters import DraftModelDrafter
 from specdec_cli.engine import FixedK, SamplingParams, SpeculativeDecoder
 from specdec_cli.errors import ModelLoadError
 from specdec_cli.models import load_model
-from specdec_cli.models.preflight import estimate_weight_bytes
-from specdec_cli.models.quant import check_quantization, quantize_int8_dynamic
+from specdec_cli.models.formats.quant import check_quantization
+from specdec_cli.models.loading.preflight import estimate_weight_bytes
+from specdec_cli.models.runtime.quantize import quantize_int8_dynamic
 
 from tests.conftest import hf_greedy
 
-from specdec_cli.models.int8 import PerTokenInt8Linear
+from specdec_cli.models.formats.int8 import PerTokenInt8Linear
 
 
 def test_int8_load_quantises_every_linear_layer_and_runs(llama_folder):
@@ -64,7 +65,7 @@ def test_an_int8_draft_is_lossless(llama_target, llama_near_draft, k):
 
 
 def test_the_benchmark_counts_an_int8_models_packed_weights(llama_folder):
-    from specdec_cli.models.preflight import held_weight_bytes
+    from specdec_cli.models.loading.preflight import held_weight_bytes
 
     loaded = load_model(str(llama_folder), device="cpu", dtype="float32", quantization="int8", progress=False)
     linear = sum(module.in_features * module.out_features for module in loaded.model.modules()

@@ -3,7 +3,7 @@ import torch
 
 from specdec_cli.errors import ModelLoadError, ModelNotFoundError
 from specdec_cli.models import LoadedModel, load_model
-from specdec_cli.models.loaded import eos_token_ids
+from specdec_cli.models.loading.loaded import eos_token_ids
 from tests.tiny import build_tokenizer, tiny_config
 
 
@@ -88,7 +88,7 @@ def test_a_folder_that_is_not_a_model_says_what_to_pass_instead(tmp_path, files,
 def test_a_folder_with_a_config_but_no_weights_says_so_before_any_memory_estimate(tmp_path, monkeypatch):
     """A config alone (a save interrupted, weights in another folder) was told that its default-sized model would not
     fit in memory (Qwen2's defaults: ~22 GiB), or loaded nothing only after the estimate."""
-    from specdec_cli.models import preflight
+    from specdec_cli.models.loading import preflight
 
     (tmp_path / "config.json").write_text('{"model_type": "qwen2"}')
     monkeypatch.setattr(preflight, "available_memory_bytes", lambda device: 1)  # any estimate would be refused

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from specdec_cli.errors import CacheWriteError
-from specdec_cli.models import gguf, load_model, paths
+from specdec_cli.models import load_model, paths
+from specdec_cli.models.loading import gguf
 from specdec_cli.models.paths import atomic_file, atomic_folder, one_maker
 from tests.cli_result import assert_exited
 

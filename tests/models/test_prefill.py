@@ -19,9 +19,9 @@ from specdec_cli.engine import FixedK, SamplingParams, SpeculativeDecoder
 from specdec_cli.engine.kv import CachedModel, prefill_path
 from specdec_cli.engine.packed import PackedCache
 from specdec_cli.errors import InputError, InsufficientMemoryError, ModelLoadError
-from specdec_cli.models import prefill
-from specdec_cli.models.q4 import kernel_problem
-from specdec_cli.models.quant import computes_rows_alone, quantize
+from specdec_cli.models.formats.q4 import kernel_problem
+from specdec_cli.models.loading import prefill
+from specdec_cli.models.runtime.quantize import computes_rows_alone, quantize
 from specdec_cli.settings import ModelOverrides, choose_models
 
 from tests.conftest import tiny_causal_lm
@@ -205,7 +205,7 @@ def test_run_tells_a_q4_targets_read_on_amx_from_the_copys(monkeypatch):
 
 
 def test_the_copys_weights_count_in_what_the_target_holds(target):
-    from specdec_cli.models.preflight import held_weight_bytes
+    from specdec_cli.models.loading.preflight import held_weight_bytes
 
     copy_bytes = sum(tensor.numel() * tensor.element_size() for tensor in prefill_path(target).decoder.parameters())
     path = target.__dict__.pop("_specdec_prefill")
@@ -217,7 +217,7 @@ def test_the_copys_weights_count_in_what_the_target_holds(target):
 
 
 def test_auto_follows_a_calibrated_prompt_read_over_the_cpus_flags(target, specdec_home):
-    from specdec_cli.models.calibrate import machine, save_calibration
+    from specdec_cli.models.formats.calibration import machine, save_calibration
 
     class Loaded:
         name, device, quantization, model = "tiny", torch.device("cpu"), "q4", target
@@ -332,7 +332,7 @@ def test_closing_waits_for_the_load_without_its_warm_up_read(monkeypatch):
 
 
 def test_a_background_copy_that_cannot_fit_is_refused_at_once(target, monkeypatch):
-    from specdec_cli.models import preflight
+    from specdec_cli.models.loading import preflight
 
     class Loaded:
         name, device, model = "tiny", torch.device("cpu"), quantize(tiny_causal_lm("qwen2", seed=2, layers=2), "q4")

@@ -7,7 +7,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from specdec_cli.errors import IncompatibleModelsError, InsufficientMemoryError
 from specdec_cli.models import check_tokenizers_compatible, estimate_weight_bytes, load_pair
-from specdec_cli.models import loaded as loaded_module
+from specdec_cli.models.loading import loaded as loaded_module
 
 GIB = 1024**3
 
@@ -143,7 +143,7 @@ def test_weight_estimate_of_a_7b_config():
 def test_a_local_config_s_estimate_is_kept_and_read_back_without_building_the_model(llama_folder, specdec_home,
                                                                                    monkeypatch):
     """`profiles list` built every local model on the meta device each time (~4 s of its ~6 on the demo pair)."""
-    from specdec_cli.models import preflight
+    from specdec_cli.models.loading import preflight
 
     made = preflight.estimate_local_weight_bytes(str(llama_folder), torch.bfloat16, "q4")
     assert made == estimate_weight_bytes(AutoConfig.from_pretrained(llama_folder), torch.bfloat16, "q4")
@@ -160,7 +160,7 @@ def test_a_changed_config_is_estimated_anew(llama_folder, tmp_path):
     """The estimate is kept by the config's bytes, not its folder: a model replaced in place gets its own figure."""
     import shutil
 
-    from specdec_cli.models import preflight
+    from specdec_cli.models.loading import preflight
 
     folder = tmp_path / "model"
     shutil.copytree(llama_folder, folder)
@@ -174,7 +174,7 @@ def test_a_changed_config_is_estimated_anew(llama_folder, tmp_path):
 
 @pytest.mark.parametrize("damage", ["garbage", "a list", "a home that is a file"])
 def test_a_damaged_or_unwritable_store_still_gives_the_estimate(llama_folder, specdec_home, monkeypatch, damage):
-    from specdec_cli.models import preflight
+    from specdec_cli.models.loading import preflight
 
     expected = estimate_weight_bytes(AutoConfig.from_pretrained(llama_folder), torch.bfloat16, "int8")
     specdec_home.mkdir(parents=True, exist_ok=True)

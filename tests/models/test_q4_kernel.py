@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from specdec_cli.errors import ModelLoadError
-from specdec_cli.models import int8_kernel, q4
-from specdec_cli.models.q4 import Q4KLinear, Q4Linear
-from specdec_cli.models.quant import check_quantization, linear_bytes
+from specdec_cli.models.formats import q4
+from specdec_cli.models.formats.q4 import Q4KLinear, Q4Linear
+from specdec_cli.models.formats.quant import check_quantization, linear_bytes
+from specdec_cli.models.native import binding
 
 # In CI these run even where the kernel does not build, and fail: CI's machine must build it.
 needs_kernel = pytest.mark.skipif(q4.kernel_problem() is not None and not os.environ.get("CI"),
@@ -62,10 +63,10 @@ CODE_PATHS = {"amx": 3, "vnni": 2, "avx2": 1}
 def code_path(request, monkeypatch):
     """Each ISA: the AVX2 code runs on an AVX512 CPU too (and takes the same 8-bit activations), the VNNI code on
     an AMX one (which takes AMX for 9 tokens or more)."""
-    library, isa, _ = int8_kernel._library()
+    library, isa, _ = binding.library()
     if isa < CODE_PATHS[request.param]:
         pytest.skip(f"this CPU has no {request.param.upper()}")
-    monkeypatch.setattr(int8_kernel, "_library", lambda: (library, CODE_PATHS[request.param], None))
+    monkeypatch.setattr(binding, "library", lambda: (library, CODE_PATHS[request.param], None))
     return request.param
 
 
@@ -115,14 +116,14 @@ def test_a_tokens_output_does_not_depend_on_the_others(code_path, layout, in_fea
 @pytest.mark.parametrize(("faster", "slower"), [("vnni", "avx2"), ("amx", "vnni")])
 @pytest.mark.parametrize(("layout", "width"), [("q4", 1100), ("q4k", 1280)])
 def test_the_code_paths_agree_bit_for_bit(monkeypatch, faster, slower, layout, width):
-    library, isa, _ = int8_kernel._library()
+    library, isa, _ = binding.library()
     if isa < CODE_PATHS[faster]:
         pytest.skip(f"this CPU has no {faster.upper()}")
     layer = _layer(layout, width, 70, bias=True, seed=11)
     x = _inputs(40, width)
-    monkeypatch.setattr(int8_kernel, "_library", lambda: (library, CODE_PATHS[faster], None))
+    monkeypatch.setattr(binding, "library", lambda: (library, CODE_PATHS[faster], None))
     on_faster = [layer(x[:tokens]) for tokens in [*TOKEN_COUNTS, 40]]
-    monkeypatch.setattr(int8_kernel, "_library", lambda: (library, CODE_PATHS[slower], None))
+    monkeypatch.setattr(binding, "library", lambda: (library, CODE_PATHS[slower], None))
     assert all(torch.equal(layer(x[:tokens]), out) for tokens, out in zip([*TOKEN_COUNTS, 40], on_faster))
 
 
@@ -133,15 +134,15 @@ def test_weight_blocks_taken_two_at_a_time_give_the_same_bits(code_path, layout,
     every few-token forward (odd rows: the last block alone) must give what one block at a time gives."""
     layer = _layer(layout, width, 70, bias=True, seed=13)
     x = _inputs(40, width)
-    before = int8_kernel.q4_pairs()
+    before = binding.q4_pairs()
     try:
-        int8_kernel.pair_q4_blocks(0)
+        binding.pair_q4_blocks(0)
         alone = [layer(x[:tokens]) for tokens in TOKEN_COUNTS]
-        int8_kernel.pair_q4_blocks(8)
-        assert int8_kernel.q4_pairs() == 8
+        binding.pair_q4_blocks(8)
+        assert binding.q4_pairs() == 8
         paired = [layer(x[:tokens]) for tokens in TOKEN_COUNTS]
     finally:
-        int8_kernel.pair_q4_blocks(before)
+        binding.pair_q4_blocks(before)
     for tokens, one, two in zip(TOKEN_COUNTS, alone, paired):
         assert torch.equal(one, two), (tokens, code_path)
 
@@ -210,11 +211,11 @@ def test_the_c_quantiser_packs_what_torch_does_bit_for_bit(rows, width, dtype):
 def test_fused_layers_hold_the_same_bytes_and_give_each_layers_rows(rows):
     """The lean layers fuse q/k/v and gate/up into one layer: by joining whole 16-row blocks where every part has
     them, else by unpacking and packing again; either way the bytes of packing the rows together."""
-    from specdec_cli.models.lean_layers import _fused
+    from specdec_cli.models.runtime.lean_layers import fused as fuse
 
     torch.manual_seed(sum(rows))
     parts = [Q4Linear.from_linear(torch.nn.Linear(70, count)) for count in rows]
-    fused = _fused(parts)
+    fused = fuse(parts)
     together = [torch.cat(tensors) for tensors in zip(*(q4.unpack(part.packed_weight, part.out_features) for part in parts))]
     assert torch.equal(fused.packed_weight, q4.pack(*together)) and fused.out_features == sum(rows)
     x = torch.randn(3, 70)
@@ -224,10 +225,10 @@ def test_fused_layers_hold_the_same_bytes_and_give_each_layers_rows(rows):
 @needs_kernel
 @pytest.mark.parametrize("rows", [(32, 48, 16), (37, 16, 21)], ids=["whole blocks", "ragged"])
 def test_fused_q4k_layers_stay_q4k_and_give_each_layers_rows(rows):
-    from specdec_cli.models.lean_layers import _fused
+    from specdec_cli.models.runtime.lean_layers import fused as fuse
 
     parts = [_q4k_layer(256, count, bias=index == 1, seed=index) for index, count in enumerate(rows)]
-    fused = _fused(parts)
+    fused = fuse(parts)
     assert type(fused) is Q4KLinear and fused.out_features == sum(rows)
     together = [torch.cat(tensors) for tensors in zip(*(part.k_parts() for part in parts))]
     assert all(torch.equal(kept, joined) for kept, joined in zip(fused.k_parts(), together))
@@ -238,10 +239,10 @@ def test_fused_q4k_layers_stay_q4k_and_give_each_layers_rows(rows):
 @needs_kernel
 def test_q4k_rows_fused_with_layout_0_rows_go_to_layout_0_steps_rounded_to_float16():
     """A .gguf's Q4_K q and k beside its Q6_K v (requantised to layout 0): one layer in layout 0."""
-    from specdec_cli.models.lean_layers import _fused
+    from specdec_cli.models.runtime.lean_layers import fused as fuse
 
     q, v = _q4k_layer(256, 32, seed=1), _layer("q4", 256, 16, seed=2)
-    fused = _fused([q, v])
+    fused = fuse([q, v])
     assert type(fused) is Q4Linear and fused.out_features == 48
     levels, scales, minimums = q4.unpack(fused.packed_weight, 48)
     q_steps = q4.k_steps(*q.k_parts()[1:])
@@ -284,8 +285,8 @@ def test_selecting_rows_moves_each_rows_bytes_whole(rows, width, monkeypatch):
     for outside in (rows, -1):  # refused before the C reads past the layer
         with pytest.raises(IndexError):
             layer.select_rows(torch.tensor([0, outside]))
-    library = int8_kernel._library()[0]
-    monkeypatch.setattr(int8_kernel, "_library", lambda: (library, 1, "the torch way, for the reference"))
+    library = binding.library()[0]
+    monkeypatch.setattr(binding, "library", lambda: (library, 1, "the torch way, for the reference"))
     assert torch.equal(made.packed_weight, layer.select_rows(chosen).packed_weight) and made.out_features == rows + 5
     assert torch.equal(made.bias, layer.bias[chosen])
 
@@ -298,7 +299,7 @@ def test_a_copied_layer_gives_the_same_numbers():
 
 
 def test_q4_where_the_kernel_cannot_run_says_what_to_use_instead(monkeypatch):
-    monkeypatch.setattr(int8_kernel, "_library", lambda: (None, 0, "specdec's matmul kernels (int8, q4) did not build "
+    monkeypatch.setattr(binding, "library", lambda: (None, 0, "specdec's matmul kernels (int8, q4) did not build "
                                                                    "(no C compiler found: install gcc, or set CC)"))
     with pytest.raises(ModelLoadError) as raised:
         check_quantization("q4", torch.device("cpu"))
@@ -328,7 +329,7 @@ def _quantised_by_definition(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 def test_activations_are_quantised_exactly_by_definition(width):
     """The 8-at-a-time code (whole groups) and the scalar one (a row's last partial group) give the definition's
     bytes: ties on .5 rounded to even, an all-zero group, rows of unlike scales."""
-    library = int8_kernel._library()[0]
+    library = binding.library()[0]
     torch.manual_seed(width)
     x = _inputs(9, width)
     x[1, : min(width, 40)] = 0.0  # an all-zero group (and part of the next)

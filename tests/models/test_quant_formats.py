@@ -9,10 +9,9 @@ import torch
 
 from specdec_cli.errors import MissingExtraError, ModelLoadError
 from specdec_cli.models import load_model, load_pair
-from specdec_cli.models import int4 as int4_module
-from specdec_cli.models import int8 as int8_module
-from specdec_cli.models.preflight import estimate_weight_bytes
-from specdec_cli.models.quant import canonical, check_quantization, resolve_auto
+from specdec_cli.models.formats import int4 as int4_module, int8 as int8_module
+from specdec_cli.models.formats.quant import canonical, check_quantization, resolve_auto
+from specdec_cli.models.loading.preflight import estimate_weight_bytes
 from specdec_cli.profiles import load_profile
 
 CPU = torch.device("cpu")
@@ -76,10 +75,10 @@ def test_int8_needs_no_extra(llama_folder, monkeypatch):
 
 def _kernels_as(monkeypatch, isa: int, problem: str | None = None) -> None:
     """This process's matmul kernels as a CPU of this kind would have them (1 AVX2, 2 AVX512-VNNI, 3 with AMX)."""
-    from specdec_cli.models import int8_kernel
+    from specdec_cli.models.native import binding
 
-    library = int8_kernel._library()[0]
-    monkeypatch.setattr(int8_kernel, "_library", lambda: (None, 0, problem) if problem else (library, isa, None))
+    library = binding.library()[0]
+    monkeypatch.setattr(binding, "library", lambda: (None, 0, problem) if problem else (library, isa, None))
 
 
 def test_auto_without_calibration_is_q4_on_a_vnni_cpu_and_int8_on_an_avx2_one(specdec_home, monkeypatch):
@@ -102,9 +101,9 @@ def test_auto_without_calibration_is_q4_on_a_vnni_cpu_and_int8_on_an_avx2_one(sp
 
 def test_auto_in_a_pair_loads_the_cpus_default_and_a_profile_can_keep_the_target_float(llama_folder,
                                                                                           specdec_home):
-    from specdec_cli.models import int8_kernel
+    from specdec_cli.models.native import binding
 
-    draft_default = "q4" if int8_kernel._library()[1] >= 2 else "int8"  # this CPU's kind (the test above)
+    draft_default = "q4" if binding.library()[1] >= 2 else "int8"  # this CPU's kind (the test above)
     target, draft = load_pair(str(llama_folder), str(llama_folder), device="cpu", dtype="float32",
                               target_quantization="auto", draft_quantization="auto", progress=False)
     assert (target.quantization, draft.quantization) == ("int8", draft_default)
@@ -116,7 +115,7 @@ def test_auto_in_a_pair_loads_the_cpus_default_and_a_profile_can_keep_the_target
 
 
 def _calibrate(spec: str, seconds: dict[str, dict[str, float]], role: str = "target") -> None:
-    from specdec_cli.models.calibrate import machine, save_calibration
+    from specdec_cli.models.formats.calibration import machine, save_calibration
 
     entries = [{"role": role, "model": spec, "quantization": name, "dtype": "float32", "seconds": curve}
                for name, curve in seconds.items()]
@@ -144,7 +143,7 @@ def test_auto_picks_a_draft_by_its_catch_up_forwards_too(specdec_home):
 
 
 def test_auto_trusts_a_calibration_of_this_machine_only(specdec_home):
-    from specdec_cli.models.calibrate import machine, save_calibration
+    from specdec_cli.models.formats.calibration import machine, save_calibration
 
     elsewhere = machine() | {"cpu": "some other CPU"}
     save_calibration({"machine": elsewhere, "entries": [
@@ -211,7 +210,7 @@ def test_an_int4_draft_gets_a_subset_head_of_its_own_rows(llama_folder):
     full = model.lm_head
     model.lm_head = torch.nn.Linear(full.in_features, 304, bias=False)  # rows in 16s: the int4 kernel takes it
     model.lm_head.weight = torch.nn.Parameter(torch.randn(304, full.in_features, dtype=torch.bfloat16) * 0.1)
-    from specdec_cli.models.int4 import quantize_int4
+    from specdec_cli.models.formats.int4 import quantize_int4
 
     quantize_int4(torch.nn.Sequential(model.lm_head))  # the new head to int4 as well
     assert hasattr(model.lm_head.weight, "qdata")  # int4 now, as in an int4 draft

@@ -12,7 +12,7 @@ import torch
 
 from specdec_cli.drafters import DraftModelDrafter
 from specdec_cli.engine import FixedK, SamplingParams, SpeculativeDecoder, logits_to_probs
-from specdec_cli.models.quant import quantize
+from specdec_cli.models.runtime.quantize import quantize
 
 from tests.conftest import tiny_causal_lm
 from tests.stats import fit_failure

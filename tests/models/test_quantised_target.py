@@ -18,8 +18,8 @@ from transformers import DynamicCache
 
 from specdec_cli.drafters import DraftModelDrafter
 from specdec_cli.engine import FixedK, SamplingParams, SpeculativeDecoder
-from specdec_cli.models.quant import quantize
-from specdec_cli.models.rowwise_attention import _visible_keys, rowwise_attention_forward
+from specdec_cli.models.runtime.attention import _visible_keys, rowwise_attention_forward
+from specdec_cli.models.runtime.quantize import quantize
 
 from tests.conftest import hf_greedy, tiny_causal_lm
 
@@ -66,14 +66,14 @@ def test_the_lean_layers_give_transformers_layers_logits(quantization, monkeypat
     """Fused projections and one rotary pass (the torch path, as a batch of many rows or an additive mask
     takes it): with transformers' own RMSNorm, bit for bit the logits of transformers' layers on the same
     weights (the C RMSNorm is compared on its own, below)."""
-    from specdec_cli.models import lean_layers
+    from specdec_cli.models.runtime import decoder_stack, lean_layers
 
     model = tiny_causal_lm("qwen2", seed=2, logit_scale=8.0, layers=4)  # qwen2: q/k/v with biases
     # transformers' RMSNorm for the layers' norms and the decoder's (whose forward `lean_norm` calls _rms_norm)
     monkeypatch.setattr(lean_layers, "_rms_norm", lambda norm, hidden: type(norm).forward(norm, hidden))
     monkeypatch.setattr(lean_layers, "_runs_in_c", lambda *args: False)
     lean = quantize(copy.deepcopy(model), quantization)
-    monkeypatch.setattr(lean_layers, "use_lean_layers", lambda model: model)
+    monkeypatch.setattr(decoder_stack, "use_lean_layers", lambda model: model)
     plain = quantize(copy.deepcopy(model), quantization)
     with torch.no_grad():
         assert torch.equal(lean(IDS).logits, plain(IDS).logits)
@@ -84,14 +84,15 @@ def test_an_int8_model_on_onednn_runs_over_the_engines_cache(monkeypatch):
     prepacked weights have no address: the lean layers and the decoder stack must not ask for one (every forward
     raised RuntimeError) and give transformers' layers' logits, with speculation still the target alone."""
     from specdec_cli.engine.kv import CachedModel
-    from specdec_cli.models import decoder_stack, int8_kernel, lean_layers
+    from specdec_cli.models.native import binding
+    from specdec_cli.models.runtime import decoder_stack
 
-    monkeypatch.setattr(int8_kernel, "_library", lambda: (None, 0, "SPECDEC_INT8_KERNEL=onednn"))
+    monkeypatch.setattr(binding, "library", lambda: (None, 0, "SPECDEC_INT8_KERNEL=onednn"))
     model = tiny_causal_lm("qwen2", seed=2, logit_scale=8.0, layers=4)
     lean = quantize(copy.deepcopy(model), "int8")
     assert not lean.model.layers[0].mlp.down_proj.own_kernel
     assert lean.model.forward.__func__ is decoder_stack.stack_forward
-    monkeypatch.setattr(lean_layers, "use_lean_layers", lambda model: model)
+    monkeypatch.setattr(decoder_stack, "use_lean_layers", lambda model: model)
     plain = quantize(copy.deepcopy(model), "int8")
     ids = IDS[0].tolist()
     assert torch.equal(CachedModel(lean).extend(ids, 3), CachedModel(plain).extend(ids, 3))
@@ -106,11 +107,11 @@ def test_the_layers_in_c_give_transformers_layers_logits_up_to_rounding(arch, se
     """A batch of one goes through layer_kernels.c (norm, q/k/v, rotary | attention | o, norm, gate/up, SiLU,
     down): the logits of transformers' layers on the same weights up to rounding (libm's expf, the norm's
     double sum, and int8 activations that turn a last-bit difference into a step now and then)."""
-    from specdec_cli.models import lean_layers
+    from specdec_cli.models.runtime import decoder_stack
 
     model = tiny_causal_lm(arch, seed=seed, logit_scale=8.0, layers=4)
     lean = quantize(copy.deepcopy(model), quantization)
-    monkeypatch.setattr(lean_layers, "use_lean_layers", lambda model: model)
+    monkeypatch.setattr(decoder_stack, "use_lean_layers", lambda model: model)
     plain = quantize(copy.deepcopy(model), quantization)
     with torch.no_grad():
         ours, theirs = lean(IDS).logits, plain(IDS).logits
@@ -122,7 +123,7 @@ def test_the_layers_in_c_give_transformers_layers_logits_up_to_rounding(arch, se
 def test_the_rms_norm_in_c_is_transformers_rms_norm_up_to_rounding():
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
-    from specdec_cli.models.lean_layers import _rms_norm
+    from specdec_cli.models.runtime.lean_layers import _rms_norm
 
     norm = Qwen2RMSNorm(96, eps=1e-6)
     norm.weight.data.uniform_(0.5, 1.5)

@@ -71,7 +71,7 @@ def test_a_q4_target_reading_prompts_in_bfloat16_is_that_target_alone_for_every_
     entries)."""
     from specdec_cli.drafters.tree import TreeDrafter
     from specdec_cli.engine.kv import CachedModel, prefill_path
-    from specdec_cli.models import prefill
+    from specdec_cli.models.loading import prefill
 
     target, draft = load_pair("demo:qwen2.5-coder-1.5b", "demo:qwen2.5-coder-0.5b", target_quantization="q4",
                               draft_quantization="q4", progress=False)

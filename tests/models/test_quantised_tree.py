@@ -12,11 +12,10 @@ import torch
 from transformers import DynamicCache
 
 from specdec_cli.drafters.tree import TreeDrafter
-from specdec_cli.engine import FixedK, SamplingParams, SpeculativeDecoder
-from specdec_cli.engine import kv as kv_module
+from specdec_cli.engine import FixedK, SamplingParams, SpeculativeDecoder, kv as kv_module
 from specdec_cli.engine.kv import CachedModel, tree_capable
 from specdec_cli.engine.tree import path_to
-from specdec_cli.models.quant import quantize
+from specdec_cli.models.runtime.quantize import quantize
 
 from tests.conftest import hf_greedy, tiny_causal_lm
 

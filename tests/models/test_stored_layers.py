@@ -10,9 +10,10 @@ import shutil
 import pytest
 import torch
 
-from specdec_cli.models import int8, load_model, stored_layers
-from specdec_cli.models.int8 import PerTokenInt8Linear
-from specdec_cli.models.q4 import Q4KLinear, Q4Linear
+from specdec_cli.models import load_model
+from specdec_cli.models.formats import int8, stored_layers
+from specdec_cli.models.formats.int8 import PerTokenInt8Linear
+from specdec_cli.models.formats.q4 import Q4KLinear, Q4Linear
 from tests.models.test_q4_kernel import needs_kernel
 from tests.tiny import build_4bit_gguf
 
@@ -169,7 +170,7 @@ def test_a_failed_write_leaves_no_partial_entry(q4k_gguf, specdec_home, monkeypa
 def test_other_formats_and_onednn_int8_layers_store_nothing(tiny_pair, specdec_home, monkeypatch):
     load_model(tiny_pair.target, quantization="int4", dtype="float32", progress=False)
     load_model(tiny_pair.target, dtype="float32", progress=False)
-    monkeypatch.setattr(int8.int8_kernel, "kernel_problem", lambda bits: "no kernel here")  # torch's oneDNN matmul
+    monkeypatch.setattr(int8.binding, "kernel_problem", lambda bits: "no kernel here")  # torch's oneDNN matmul
     loaded = load_model(tiny_pair.target, quantization="int8", dtype="float32", progress=False)
     assert not any(layer.own_kernel for layer in _layers(loaded.model).values())
     assert _entries(specdec_home) == []

@@ -340,7 +340,7 @@ def test_one_at_a_time_a_greedy_request_drafts_by_the_calibration_and_a_sampled_
     calibrated costs (never the clock; its tokens are the target's either way), and drafts a sampled one on the
     draft's odds alone, which no machine's costs change: the same input and seed give the same file."""
     from specdec_cli.engine import CalibratedDraftOrNot, FixedK, SpeculativeDecoder
-    from specdec_cli.models.calibrate import machine, save_calibration
+    from specdec_cli.models.formats.calibration import machine, save_calibration
 
     curve = {1: 0.03, 2: 0.031, 4: 0.034, 8: 0.06}
     save_calibration({"machine": machine(), "entries": [

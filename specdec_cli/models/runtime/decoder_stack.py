@@ -1,29 +1,28 @@
 """A Llama/Qwen2 decoder's whole forward in one call into C, for a batch of one over the engine's growing cache
 (engine/kv.py), where all of its layers are lean (lean_layers.py) and the C kernels run.
 
-layer_kernels.c's specdec_decoder_forward gathers the embedding rows, runs every layer (specdec_decoder_stack:
-per layer the same three calls the lean layers make one by one, in the same order) and applies the final RMSNorm,
-the same C norm the decoder's norm module runs on the layered way (lean_layers.lean_norm). So the numbers are the layered
-way's bit for bit (tested through prefill, growth, verify, rollback, trees), and what goes is the Python between
-the layers (~0.1-0.3 ms a layer) and the embedding's and the norm's torch calls, which ran with cold caches after
-the weights streamed through them. Measured in one interleaved run (scripts/layers_ab.py, benchmarks/2026-12-02-
-layers-ab-q4-avx512-stack.json): 0.5B q4 draft 21.9 → 18.6 ms a token, 1.5B q4 target 60.0 → 50.9 ms; 8 tokens
-94.2 → 85.3 ms; the embedding and the norm in the same call, later: ~0.4 ms less a draft forward (alternating in
-one process). Anything else (another cache, a batch, an additive mask, hidden states asked for) goes through
-transformers' forward and the lean layers."""
+native/layer_kernels.c's specdec_decoder_forward gathers the embedding rows, runs every layer (per layer the
+same three calls the lean layers make one by one, in the same order) and applies the final RMSNorm, the same C norm
+the decoder's norm module runs on the layered way (lean_layers.lean_norm). So the numbers are the layered way's bit
+for bit (tested through prefill, growth, verify, rollback, trees), and what goes is the Python between the layers
+and the embedding's and the norm's torch calls, which ran with cold caches after the weights streamed through them
+(what that saves: docs/cpu-runtime.md). Anything else (another cache, a batch, an additive mask, hidden states asked
+for) goes through transformers' forward and the lean layers."""
 
 from __future__ import annotations
 
 import ctypes
+import types
 
 import torch
 
-from specdec_cli.models import int8_kernel
-from specdec_cli.models.lean_layers import CLinear, Held, address, c_projections, layer_in_c, layer_projections
+from specdec_cli.models.native import binding
+from specdec_cli.models.runtime.lean_layers import (CLinear, Held, address, c_projections, fused, layer_in_c,
+                                                    layer_projections, lean_forward, lean_norm, takes_lean_forward)
 
 
 class _Layer(ctypes.Structure):
-    """One decoder layer for layer_kernels.c (its `specdec_layer`)."""
+    """One decoder layer for the C decoder stack (native/kernels.h's `specdec_layer`: the same fields in order)."""
 
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("input_eps", ctypes.c_float),
                 ("post_eps", ctypes.c_float), ("qkv", CLinear), ("o", CLinear), ("gate_up", CLinear),
@@ -34,8 +33,8 @@ def _stack_layers(decoder: torch.nn.Module):
     """The decoder's layers as one ctypes array for specdec_decoder_forward, made again whenever a layer's weights
     moved or the attention changed; None where a layer does not run in C (`layer_in_c`, asked when it is made:
     what it asks changes only with the weights or the attention). Checked each forward through the modules' own
-    dicts (`_stack_where`): per layer `c_projections` and `layer_in_c` made ~15 of nn.Module's attribute
-    lookups (~1 µs each), 0.6-0.9 ms of a 12 ms forward of the 24-layer demo draft."""
+    dicts (`_stack_where`): per layer `c_projections` and `layer_in_c` made some 15 of nn.Module's attribute
+    lookups, slow next to a dict's, which added up to a noticeable part of a small draft's forward."""
     where = (decoder.config._attn_implementation, _stack_where(decoder))
     held = getattr(decoder, "_c_stack", None)
     if held is None or held[0] != where:
@@ -115,8 +114,8 @@ def _rotary_rows(decoder: torch.nn.Module, hidden: torch.Tensor, position_ids: t
     """cos, sin (1, T, D) float32 for the rotary embedding at `position_ids`. For positions first, first + 1, ...
     (`first` given) and the default rope, rows of a table the decoder keeps: the rotary module's own numbers for
     those positions, bit for bit (each element is one product and a cos or sin: it does not depend on the other
-    positions computed with it; tested), without its ~10 torch operations a forward — ~0.1 ms warm, several times
-    that with the caches cold after a forward's weights streamed through them."""
+    positions computed with it; tested), without its ~10 torch operations a forward, which run with the caches
+    cold after a forward's weights streamed through them."""
     rotary = decoder.rotary_emb
     if first is None or getattr(rotary, "rope_type", None) != "default":
         return tuple(part.float().contiguous() for part in rotary(hidden, position_ids))
@@ -168,7 +167,7 @@ def _stack_in_c(decoder: torch.nn.Module, layers, cache, input_ids: torch.Tensor
     cos, sin = rotary  # (1, T, D)
     ids, embed, norm = input_ids.contiguous(), decoder.embed_tokens.weight, decoder.norm
     normed = torch.empty_like(hidden)
-    library, library_isa, _ = int8_kernel._library()
+    library, library_isa, _ = binding.library()
     isa = library_isa if isa is None else isa
     failed = library.specdec_decoder_forward(
         isa, torch.get_num_threads(), embed.data_ptr(), embed.shape[0], ids.data_ptr(), layers, len(buffers), keys,
@@ -182,3 +181,31 @@ def _stack_in_c(decoder: torch.nn.Module, layers, cache, input_ids: torch.Tensor
     for layer in cache.layers:
         layer.written(tokens)
     return normed
+
+
+STACK_CLASSES = ("LlamaModel", "Qwen2Model")  # their forward: embed, mask, rotary, the layers, norm
+
+
+def use_lean_layers(model: torch.nn.Module) -> torch.nn.Module:
+    """Fuse q/k/v and gate/up and give every decoder layer that `takes_lean_forward` the lean forward, in place; a decoder
+    (the layers' parent model) all of whose layers take it gets the decoder stack's forward (decoder_stack.py)."""
+    for layer in model.modules():
+        if not takes_lean_forward(layer):
+            continue
+        attention, mlp = layer.self_attn, layer.mlp
+        attention.qkv_proj = fused([attention.q_proj, attention.k_proj, attention.v_proj])
+        attention.qk_sizes = (attention.q_proj.out_features, attention.k_proj.out_features)
+        del attention.q_proj, attention.k_proj, attention.v_proj
+        mlp.gate_up_proj = fused([mlp.gate_proj, mlp.up_proj])
+        del mlp.gate_proj, mlp.up_proj
+        layer.forward = types.MethodType(lean_forward, layer)
+    for decoder in model.modules():
+        if type(decoder).__name__ in STACK_CLASSES and _all_lean(decoder):
+            decoder.forward = types.MethodType(stack_forward, decoder)
+            decoder.norm.forward = types.MethodType(lean_norm, decoder.norm)
+    return model
+
+
+def _all_lean(decoder: torch.nn.Module) -> bool:
+    layers = getattr(decoder, "layers", None)
+    return bool(layers) and all(getattr(layer.forward, "__func__", None) is lean_forward for layer in layers)

@@ -15,12 +15,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdec_cli.errors import ModelLoadError, SpecdecError
-from specdec_cli.models import preflight, stored_layers
 from specdec_cli.models.device import dtype_name, resolve_device, resolve_dtype
-from specdec_cli.models.gguf import require_gguf, shared_readers
+from specdec_cli.models.formats import stored_layers
+from specdec_cli.models.formats.quant import (check_quantization, compute_dtype, precision, quantization_config,
+                                              resolve_auto)
+from specdec_cli.models.loading import preflight
+from specdec_cli.models.loading.gguf import require_gguf, shared_readers
+from specdec_cli.models.loading.resolve import ModelSource, check_weight_format, resolve, weights_folder
 from specdec_cli.models.progress import library_bars, status
-from specdec_cli.models.quant import check_quantization, compute_dtype, precision, quantization_config, quantize, resolve_auto
-from specdec_cli.models.resolve import ModelSource, check_weight_format, resolve, weights_folder
+from specdec_cli.models.runtime.quantize import quantize
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -167,8 +170,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def _same_tokenizer(target: _Plan, draft: _Plan) -> bool:
     """Whether the draft's tokenizer files are the target's byte for byte (the demo pair's are): then the draft
-    shares the target's tokenizer instead of loading its own (~0.9 s of the demo pair's load, mostly parsing an
-    11 MB tokenizer.json)."""
+    shares the target's tokenizer instead of loading its own (parsing a large tokenizer.json is a noticeable part
+    of a pair's load)."""
     folders = [plan.metadata_kwargs() for plan in (target, draft)]
     if any("gguf_file" in kwargs for kwargs in folders):  # a .gguf not converted yet: its tokenizer is in the file
         return False
@@ -236,7 +239,7 @@ def _load_weights(plan: _Plan, tokenizer) -> LoadedModel:
 
 
 def _store(plan: _Plan, folder: Path) -> tuple[str, str] | None:
-    """(key, label) of the model's stored layers (stored_layers.py), for an int8 or q4 load; None otherwise."""
+    """(key, label) of the model's stored layers (formats/stored_layers.py), for an int8 or q4 load; None otherwise."""
     if plan.quantization not in ("int8", "q4"):
         return None
     key = stored_layers.entry_key(folder, plan.source.gguf_path, plan.dtype, plan.quantization)

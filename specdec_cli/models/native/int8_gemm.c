@@ -13,7 +13,9 @@
    Few tokens (a decode step, a verify) read the weights once per block and use them for up to 8 tokens
    held in registers, so the cost is the weights' bytes, nearly flat in the token count.
 
-   Built by int8_kernel.py with the system C compiler; no torch headers, called through ctypes. */
+   Also here: which instructions this CPU has (specdec_isa), and the int8 format's load-time quantisation and
+   packing. Built with the other kernels into one library by binding.py with the system C compiler; no torch
+   headers, called through ctypes. */
 
 #include <immintrin.h>
 #include <math.h>
@@ -22,14 +24,16 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels.h"
+
 #define BLOCK 32 /* output rows per block */
 #define TILE 8   /* tokens held in registers at once */
 
 /* Per-token symmetric quantisation of x (M, K) float32 into uint8 (M, K4*4, zero-padded past K),
    offset by zero_point = limit + 1. The same float operations as torch's
    scale = max(amax(|x|), 1e-12) / limit; q = clamp(round_half_even(x / scale), -limit, limit). */
-void specdec_quantize_rows(int threads, const float *x, int64_t M, int64_t K, int64_t K_padded, int limit,
-                           uint8_t *out, float *scales) {
+static void specdec_quantize_rows(int threads, const float *x, int64_t M, int64_t K, int64_t K_padded, int limit,
+                                  uint8_t *out, float *scales) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (M * K > 65536)
     for (int64_t m = 0; m < M; m++) {
         const float *row = x + m * K;
@@ -107,11 +111,8 @@ static void block_vnni(const int8_t *w, const int32_t *tokens, int64_t K4, int64
    only with 7-bit activations (uint8 in 1..127): the caller's limit is 63 there. */
 #define AVX2_TILE 4
 #define AVX2_AHEAD 16384 /* bytes prefetched ahead into L2: AVX2's pair sums take more instructions a byte than VNNI,
-                            and without the prefetch the loads wait on memory. The demo pair's decoders run as an
-                            AVX2-only CPU runs them (scripts/kernel_ab.py --avx2, interleaved in one process, AMD
-                            EPYC): target 84.1 → 54.1 ms for one token, 122.3 → 68.6 ms for four; draft 27.6 → 18.4
-                            ms. The VNNI loop reads memory as fast without it (the target's layer shapes, synthetic
-                            weights: 35.5 ms without, 40.1 with), so it has none */
+                            and without the prefetch the loads wait on memory. The VNNI loop reads memory as fast
+                            without one (and slower with it), so it has none */
 __attribute__((target("avx2,fma")))
 static void half_avx2(const int8_t *w, const int32_t *tokens, int64_t K4, int64_t k_begin, int64_t k_end,
                       int64_t m_count, int32_t *acc, int accumulate) {
@@ -154,8 +155,6 @@ static void block_avx2(const int8_t *w, const int32_t *tokens, int64_t K4, int64
     }
 }
 
-int specdec_amx_ready(void); /* q4_amx.c */
-
 /* Which instructions this CPU has: 3 = AVX512-VNNI and AMX-INT8 (the q4 matmul of several tokens takes AMX: q4_amx.c;
    everything else runs as on 2), 2 = AVX512-VNNI, 1 = AVX2, 0 = neither (the caller uses oneDNN). */
 int specdec_isa(void) {
@@ -174,9 +173,9 @@ int specdec_isa(void) {
    in L1 while every tile of tokens passes over it; integer sums, so the order changes nothing.
    Returns 0, or 1 when its buffers could not be allocated (y is then unwritten). */
 #define K_CHUNK 128
-int specdec_int8_gemm(int isa, int threads, const uint8_t *x_q, const float *token_scales, int64_t M,
-                      int64_t K4, const int8_t *w_packed, const int32_t *row_sums, const float *weight_scales,
-                      const float *bias, int64_t N, int zero_point, float *y) {
+static int specdec_int8_gemm(int isa, int threads, const uint8_t *x_q, const float *token_scales, int64_t M,
+                             int64_t K4, const int8_t *w_packed, const int32_t *row_sums, const float *weight_scales,
+                             const float *bias, int64_t N, int zero_point, float *y) {
     int64_t blocks = (N + BLOCK - 1) / BLOCK;
     int64_t tiles = (M + TILE - 1) / TILE;
     int64_t chunk = M <= TILE ? K4 : K_CHUNK;
@@ -187,8 +186,7 @@ int specdec_int8_gemm(int isa, int threads, const uint8_t *x_q, const float *tok
     {
         int32_t *acc = acc_all + (size_t)omp_get_thread_num() * (size_t)(tiles * TILE * BLOCK);
         /* guided, as the q4 matmul: a block is one thread's whole work either way (the same bits); a core the VM
-           slows hands blocks to the other. In a quiet moment (demo pair, AMD EPYC AVX512, scripts/kernel_ab.py):
-           target 38.6 / 75.3 -> 37.2 / 73.4 ms (1 / 8 tokens), draft the same; the AVX2 code 49.5 -> 47.6 (1) */
+           slows hands blocks to the other */
 #pragma omp for schedule(guided)
         for (int64_t b = 0; b < blocks; b++) {
             const int8_t *w = w_packed + b * K4 * 4 * BLOCK;
@@ -252,7 +250,7 @@ static inline float weight1(const void *row, int dtype, int64_t k) {
     return ((const float *)row)[k];
 }
 
-/* int8.py's quantize_weight in one pass, bit for bit (tested): W (N, K), float32 (dtype 0) or bfloat16 (dtype 1),
+/* formats/int8.py's quantize_weight in one pass, bit for bit (tested): W (N, K), float32 (dtype 0) or bfloat16 (dtype 1),
    rows `stride` elements apart, to values (N, K) int8 and scales (N,) float: per row
    scale = max(max |w|, 1e-12) / 127 and value = clamp(round-half-even(w / scale), -127, 127), the IEEE steps
    torch takes there, 8 channels at a time (the max is exact in any order). Needs AVX2, as the kernel does. */
@@ -292,7 +290,7 @@ void specdec_int8_quantize(int threads, const void *weight, int dtype, int64_t N
     }
 }
 
-/* int8_kernel.py's pack, bit for bit (tested): values (N, K) int8 into `blocks` (ceil(N/32), ceil(K/4), 32, 4),
+/* binding.py's pack_in_torch, bit for bit (tested): values (N, K) int8 into `blocks` (ceil(N/32), ceil(K/4), 32, 4),
    which the caller zeroed (the padding stays 0), and each row's sum into row_sums (N,) int32. */
 void specdec_int8_pack(int threads, const int8_t *values, int64_t N, int64_t K, int8_t *blocks, int32_t *row_sums) {
     int64_t steps = (K + 3) / 4;

@@ -1,5 +1,5 @@
-/* The q4 weights' packed layout (the top of q4_gemm.c says it) and what reads it, shared by the VNNI code
-   (q4_gemm.c) and the AMX code (q4_amx.c). */
+/* The q4 weights' packed layout (the top of q4_gemm.c says it) and what reads it, shared by the q4 matmul's code
+   paths (q4_gemm.c: VNNI and the loop over blocks; q4_avx2.c; q4_amx.c) and the load-time packing (q4_pack.c). */
 
 #ifndef SPECDEC_Q4_LAYOUT_H
 #define SPECDEC_Q4_LAYOUT_H
@@ -15,12 +15,10 @@
 #define Q4K_D 2304           /* and its rows' d (float16); their dmin 32 bytes on */
 #define Q4_CHUNK 32     /* groups per pass when there are more tokens than a tile: 10 KB of a block, in L1 */
 #define Q4_AHEAD 16384  /* bytes to prefetch ahead, into L2 (_MM_HINT_T1): the unpacking is compute the hardware
-                           prefetcher does not hide. Into L1 (T0, 2560 bytes ahead until 2026-12-03) the lines
-                           ahead fill L1's few miss buffers and the loads wait on memory: the draft's layer weights
-                           streamed at 18-26 GB/s where a 2-thread read took 29-50; 4-32 KB into L2 all do better
-                           (8-32 KB within noise), VNNI and AVX2 code alike. The demo pair's decoders, one token,
-                           interleaved in one process (scripts/kernel_ab.py, AMD EPYC AVX512): draft 12.4 → 11.0
-                           ms, target 41.8 → 35.7 ms; the AVX2 code 15.2 → 11.8 and 49.0 → 36.4 ms */
+                           prefetcher does not hide. Into L1 (T0) the lines ahead fill L1's few miss buffers and the
+                           loads wait on memory; a few KB to a few tens of KB ahead into L2 keeps the weights
+                           streaming at memory speed, VNNI and AVX2 code alike */
+#define Q4_AVX2_TILE 4  /* tokens held in registers at once on AVX2 (16 registers; AVX512: q4_gemm.c's Q4_TILE) */
 
 
 /* Where a block's last groups leave their sums: token j's `lanes` rows (the block's rows below N) at y + j·stride,
@@ -95,6 +93,21 @@ static inline void q4_finish_vnni(const __m512 *total, int64_t m_count, float *s
         for (int j = 0; j < m_count; j++) _mm512_storeu_ps(sums + j * Q4_ROWS, total[j]);
 }
 
+/* The loop over a block's groups [g_begin, g_end) for T tokens, as `case T:` of a switch on the token count (so T is
+   a constant and the totals stay in registers): GROUP is the code path's macro for one group of one block. With
+   `next`, a second block's groups alternate with w's, each into totals of its own (total_next, next_d, next_dmin),
+   so each block's sums are what they are alone. */
+#define Q4_GROUPS_CASE(GROUP, T)                                                                              \
+    case T:                                                                                                   \
+        if (next)                                                                                             \
+            for (int64_t g = g_begin; g < g_end; g++) {                                                       \
+                GROUP(w, total, super_d, super_dmin, T);                                                      \
+                GROUP(next, total_next, next_d, next_dmin, T);                                                \
+            }                                                                                                 \
+        else                                                                                                  \
+            for (int64_t g = g_begin; g < g_end; g++) GROUP(w, total, super_d, super_dmin, T);                \
+        break;
+
 /* Group g's 32 channels of the block's 16 rows as 8 × 64 bytes, channels 4t..4t+3 of the 16 rows in values[t]
    (0..15 each): the low nibbles of the group's 4 chunks, then their high nibbles. */
 __attribute__((target("avx512f,avx512bw")))
@@ -107,14 +120,19 @@ static inline void q4_values_vnni(const uint8_t *p, __m512i values[8]) {
     }
 }
 
-/* The AMX code (q4_amx.c), which q4_gemm.c's loop calls for a tile of 9 tokens or more where the CPU has AMX. */
+/* The AVX2 code of one block (q4_avx2.c), which q4_gemm.c's loop calls where isa is 1. */
+void specdec_q4_block_avx2(const uint8_t *w, int layout, const int32_t *tokens, const float *scales,
+                           const float *scaled_sums, int64_t steps, int64_t groups, int64_t g_begin, int64_t g_end,
+                           int64_t m_count, float *sums, int accumulate, const Q4Out *out, const uint8_t *next,
+                           const Q4Out *next_out);
+
+/* The AMX code (q4_amx.c), which q4_gemm.c's loop calls for a tile of 9 tokens or more where the CPU has AMX
+   (specdec_amx_ready: kernels.h). */
 #define Q4_AMX_TILE 16  /* a tile's rows: tokens per pass */
 #define Q4_AMX_BATCH 8  /* groups a step takes before the next step */
-int specdec_amx_ready(void);
 void specdec_amx_configure(int64_t tokens);
 void specdec_amx_release(void);
 /* The prompt's matmul in bfloat16 on AMX (q4_amx.c; isa 4) */
-int specdec_amx_bf16_ready(void);
 int specdec_q4_linear_bf16(int layout, int threads, const float *x, int64_t M, int64_t K, int64_t groups,
                            const uint8_t *w_packed, const float *bias, int64_t N, float *y);
 void specdec_q4_block_amx(const uint8_t *w, int layout, const int8_t *values, const float *scales,

@@ -3,8 +3,8 @@ home (`layers/`).
 
 Why: making them is work every load repeated for the same bytes — for q4 a .gguf's Q4_K blocks unpacked and
 packed again and every other layer quantised from the loaded weights, for int8 every layer quantised and packed
-into the kernel's blocks: ~4 s of the demo pair's q4 load (9.7 s), ~3 s of its int8 one, on every chat, run and
-compare (AMD EPYC, 2 cores). Reading them back is one file read.
+into the kernel's blocks: a large part of every chat's, run's and compare's load. Reading them back is one file
+read.
 
 An entry is keyed by what decides those bytes: the format (int8: its activation bits too), the model's files
 (name, size and modification time of each), the .gguf the layers come from, the dtype the weights loaded at,
@@ -26,25 +26,27 @@ from pathlib import Path
 import torch
 
 from specdec_cli.errors import CacheWriteError
+from specdec_cli.models.formats import int8
+from specdec_cli.models.formats.int8 import PerTokenInt8Linear, replace_linears
+from specdec_cli.models.formats.q4 import Q4KLinear, Q4Linear
+from specdec_cli.models.native import binding
 from specdec_cli.models.paths import atomic_file, specdec_home
 
 KIND = "layers"
 FORMAT = 2  # the entry's own layout (below); bump on a change to it
-_CODE = ("q4.py", "gguf_q4.py", "q4_gemm.c", "q4_layout.h", "int8.py", "int8_kernel.py", "int8_gemm.c")  # the bytes
+_CODE = ("q4.py", "gguf_q4.py", "int8.py")  # the formats' code beside this module; with the native code, the bytes
 NOTE = "_specdec_q4_from_gguf"  # a model's note on its layers that an entry keeps (q4: taken from the .gguf, of all)
 
 
 def entry_key(model_files: Path, gguf_path: Path | None, dtype: torch.dtype, quantization: str) -> str | None:
     """The key of the `quantization` layers of the model in folder `model_files` (loaded at `dtype`, with its
     4-bit layers from `gguf_path` where given); None where a file cannot be read (then nothing is stored)."""
-    from specdec_cli.models.int8 import activation_bits
-
-    bits = activation_bits() if quantization == "int8" else None
+    bits = int8.activation_bits() if quantization == "int8" else None
     digest = hashlib.sha256(f"specdec stored layers {FORMAT} {quantization} {bits} {dtype}".encode())
     try:
         here = Path(__file__).parent
-        for name in _CODE:
-            digest.update((here / name).read_bytes())
+        for path in (*(here / name for name in _CODE), Path(binding.__file__), *binding.SOURCES, *binding.HEADERS):
+            digest.update(path.read_bytes())
         files = sorted(path for path in Path(model_files).iterdir() if path.is_file())
         for path in files + ([Path(gguf_path)] if gguf_path is not None else []):
             stat = path.stat()
@@ -58,8 +60,6 @@ def replace_linears_stored(model: torch.nn.Module, store: tuple[str, str] | None
                            make: Callable[[torch.nn.Module], torch.nn.Module]) -> torch.nn.Module:
     """`make(model)` (every nn.Linear to a quantised layer, in place), or the same layers read from the entry
     `store` = (key, label) where it has them; what `make` made is stored there for the next load."""
-    from specdec_cli.models.int8 import replace_linears
-
     names = {id(module): name for name, module in model.named_modules()}
     linears = {name: module for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
     stored = None if store is None else read(*store, linears)
@@ -115,9 +115,6 @@ def read(key: str, label: str, linears: dict[str, torch.nn.Linear]) -> dict | No
 
 def _layer(kind: str, part: Callable[[str], torch.Tensor], in_features: int, out_features: int, has_bias: bool,
            extra: list) -> torch.nn.Module | None:
-    from specdec_cli.models.int8 import PerTokenInt8Linear
-    from specdec_cli.models.q4 import Q4KLinear, Q4Linear
-
     bias = part("bias") if has_bias else None
     if kind in ("q4", "q4k"):
         return (Q4Linear if kind == "q4" else Q4KLinear)(part("packed"), bias, in_features, out_features)
@@ -129,9 +126,6 @@ def _layer(kind: str, part: Callable[[str], torch.Tensor], in_features: int, out
 
 def _parts(layer: torch.nn.Module) -> tuple[str, dict[str, torch.Tensor], list] | None:
     """(kind, tensors, extra description) of a quantised layer; None for one that cannot be stored."""
-    from specdec_cli.models.int8 import PerTokenInt8Linear
-    from specdec_cli.models.q4 import Q4KLinear, Q4Linear
-
     if isinstance(layer, Q4Linear):
         return "q4k" if isinstance(layer, Q4KLinear) else "q4", {"packed": layer.packed_weight}, []
     if isinstance(layer, PerTokenInt8Linear) and layer.own_kernel:

@@ -2,15 +2,15 @@
 
 Why: verifying k tokens in one forward must give what k one-token forwards give. The int8 layers do
 (exact integer sums, a scale per token), but SDPA over k query rows sums in another order than over
-one, and int8 activations turn that 1e-6 into whole quantisation steps, layer after layer: on the
-1.5B demo target, row i of an 8-token forward was ~1 logit away from the one-token forward of token i,
-and speculative greedy output left the target's own at near-ties. With each row attended alone, over
+one, and int8 activations turn that last-bit difference into whole quantisation steps, layer after
+layer, until row i of a k-token forward is visibly off from the one-token forward of token i, and
+speculative greedy output leaves the target's own at near-ties. With each row attended alone, over
 the same cached keys a one-token forward would see, the forward of row i is the same arithmetic either
 way, so the logits are bit-identical and speculation reproduces the quantised target token for token.
 
-Cost: k SDPA calls per layer instead of one, and a copy of the keys each row sees: measured on one
-thread (CPU time, busy machine) a 16-token forward of the 1.5B int8 target went from ~240 to ~320 ms,
-4 tokens no measurable change. Batch size 1 only (the engine's); other batches, or masks that are not
+In float32 with the native library loaded the rows go to one C call (native/attention.c). Otherwise the
+cost is k SDPA calls per layer instead of one, and a copy of the keys each row sees, which a long verify
+feels and a short one hardly does. Batch size 1 only (the engine's); other batches, or masks that are not
 boolean, fall back to transformers' SDPA. A token tree's 4D mask comes boolean (engine/kv.py makes the
 form the attention's mask builder, sdpa_mask, makes), so each node attends to exactly the keys that
 one-token decoding along its path would see, in the same order: a tree verify is bit-identical too."""
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec_cli.models import int8_kernel
+from specdec_cli.models.native import binding
 
 NAME = "specdec_rowwise"
 
@@ -68,7 +68,7 @@ def rowwise_attention_forward(module, query, key, value, attention_mask, dropout
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    library, _, problem = int8_kernel._library()
+    library, _, problem = binding.library()
     if problem is None and query.dtype == key.dtype == value.dtype == torch.float32:
         return _attention_in_c(library, query, key, value, attention_mask, scaling), None
     rows, keys = query.shape[2], key.shape[2]
@@ -84,9 +84,9 @@ def rowwise_attention_forward(module, query, key, value, attention_mask, dropout
 
 
 def _attention_in_c(library, query, key, value, attention_mask, scaling) -> torch.Tensor:
-    """The same rows, all in one call into C (layer_kernels.c: specdec_attention), reading the keys in place (a
-    cache layer's view into its buffer too): k SDPA calls, and a copy of the keys for every row but the last,
-    cost several ms in an 8-token verify."""
+    """The same rows, all in one call into C (native/attention.c: specdec_attention), reading the keys in place (a
+    cache layer's view into its buffer too), where the torch way makes k SDPA calls and a copy of the keys for
+    every row but the last."""
     queries = query[0].transpose(0, 1).contiguous()  # (rows, heads, dim)
     scaling = query.shape[3] ** -0.5 if scaling is None else scaling
     return attend_rows(library, queries, key, value, attention_mask, scaling).unsqueeze(0)  # (1, rows, heads, dim)

@@ -1,7 +1,8 @@
 """Quantisation formats, one name per model:
 
 - `none`: the weights at the chosen dtype.
-- `int8`: int8 weights per output channel, int8 activations per token, CPU (torch's oneDNN; int8.py).
+- `int8`: int8 weights per output channel, int8 activations per token, CPU (specdec's own matmul, else torch's
+  oneDNN; int8.py).
 - `int4`: int4 weights in groups, bfloat16 activations, CPU (torchao's CPU int4 config; int4.py).
 - `q4`: 4-bit weights in groups of 32, int8 activations per token and group of 32, CPU (specdec's own
   matmul, llama.cpp's Q4_1 × Q8_0 recipe; q4.py).
@@ -14,7 +15,6 @@ torchao are imported lazily and only in models/."""
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 import torch
 
@@ -60,7 +60,7 @@ def resolve_auto(role: str, device: torch.device, spec: str | None = None, dtype
     runnable = [name for name in allowed if name == "none" or (device.type == "cpu" and name in CPU_ONLY
                                                                 and _runs_here(name))]
     if spec is not None:
-        from specdec_cli.models.calibrate import auto_score, calibrated_seconds
+        from specdec_cli.models.formats.calibration import auto_score, calibrated_seconds
 
         label = None if dtype is None else dtype_name(dtype)
         measured = {name: calibrated_seconds(spec, name, label) for name in runnable}
@@ -71,21 +71,21 @@ def resolve_auto(role: str, device: torch.device, spec: str | None = None, dtype
 
 
 # What `auto` means on a CPU that `specdec calibrate` has not measured, per CPU kind, first allowed and runnable:
-# - AVX512-VNNI: q4, then int8. Measured there in turn (AMD EPYC, demo pair; README "Choosing the formats"): the q4
-#   target 19% faster than int8 by auto's score, whole generations 22.0 against 16.9 tok/s alone and 25.9 against
-#   22.6 with the cascade; the q4 draft 17.6 / 20.5 / 22.7 ms against 24.0 / 26.5 / 28.7 for 1 / 2 / 4 tokens. A target
+# - AVX512-VNNI: q4, then int8: every interleaved measurement there put q4 ahead of int8, for the target (by auto's
+#   score and in whole generations) and for the draft (docs/models-and-formats.md, "How auto chooses"). A target
 #   gets q4 only where its profile allows it (AUTO_FORMATS: int8 by default, closer to the float model).
-# - AVX2 only: int8, the format measured on such a CPU (torch's dynamic int8: 4x faster than float32, flat to 4
-#   tokens); q4 has not run on one (only its AVX2 code on an AVX512 CPU), so it waits for a calibration there.
+# - AVX2 only: int8, the format measured on such a CPU (torch's dynamic int8 there: faster than float32, and flat
+#   over a few tokens); q4 has not run on one (only its AVX2 code on an AVX512 CPU), so it waits for a calibration
+#   there.
 UNCALIBRATED = {"AVX512-VNNI + AMX": ("q4", "int8"), "AVX512-VNNI": ("q4", "int8"), "AVX2": ("int8",)}
 
 
 def uncalibrated_format(runnable: list[str]) -> str | None:
     """The format `auto` takes among `runnable` without a calibration (UNCALIBRATED for this CPU's kernels)."""
-    from specdec_cli.models import int8_kernel
+    from specdec_cli.models.native import binding
 
-    _, isa, problem = int8_kernel._library()
-    preferred = UNCALIBRATED["AVX2"] if problem else UNCALIBRATED[int8_kernel.ISA_NAMES[isa]]
+    _, isa, problem = binding.library()
+    preferred = UNCALIBRATED["AVX2"] if problem else UNCALIBRATED[binding.ISA_NAMES[isa]]
     return next((name for name in preferred if name in runnable), None)
 
 
@@ -98,14 +98,14 @@ def _runs_here(name: str) -> bool:
 
 def _kernel_problem(name: str) -> str | None:
     if name == "int8":
-        from specdec_cli.models.int8 import int8_kernel_problem
+        from specdec_cli.models.formats.int8 import int8_kernel_problem
 
         return int8_kernel_problem()
     if name == "q4":
-        from specdec_cli.models.q4 import kernel_problem
+        from specdec_cli.models.formats.q4 import kernel_problem
 
         return kernel_problem()
-    from specdec_cli.models.int4 import int4_kernel_problem
+    from specdec_cli.models.formats.int4 import int4_kernel_problem
 
     return int4_kernel_problem()
 
@@ -170,63 +170,9 @@ def quantization_config(quantization: str | None):
     return BitsAndBytesConfig(load_in_8bit=True)
 
 
-def quantize(model: torch.nn.Module, quantization: str | None, exact_rows: bool = True,
-             gguf_path: Path | None = None, store: tuple[str, str] | None = None) -> torch.nn.Module:
-    """Apply int8, int4 or q4 to a loaded model in place (the others are applied while loading). exact_rows: also
-    compute attention row by row, so a k-token forward gives k one-token forwards' logits bit for bit — what
-    a target needs for speculation to reproduce it; a draft does not (the target checks every draft token),
-    and row-wise attention makes its multi-token catch-up forwards dearer (int8 0.5B, 8 tokens: 78 vs 55 ms).
-    gguf_path: the `.gguf` the model was loaded from, whose 4-bit layers q4 then takes as they are (gguf_q4.py);
-    store: (key, label) of the model's stored int8 or q4 layers (stored_layers.py), read or made and stored."""
-    name = canonical(quantization)
-    if name == "int8":
-        return quantize_int8_dynamic(model, exact_rows, store)
-    if name == "int4":
-        from specdec_cli.models.int4 import quantize_int4
-
-        return _rows(quantize_int4(model), exact_rows)
-    if name == "q4":
-        from specdec_cli.models.lean_layers import use_lean_layers
-        from specdec_cli.models.q4 import quantize_q4
-
-        return _rows(use_lean_layers(quantize_q4(model, gguf_path, store)), exact_rows)
-    return model
-
-
-def quantize_int8_dynamic(model: torch.nn.Module, exact_rows: bool = True,
-                          store: tuple[str, str] | None = None) -> torch.nn.Module:
-    """Every nn.Linear to int8 weights with int8 activations quantised per token on the fly, in place,
-    CPU only; the rest in float32 (see int8.py); attention row by row when `exact_rows` (rowwise_attention.py)."""
-    from specdec_cli.models.int8 import quantize_int8
-    from specdec_cli.models.lean_layers import use_lean_layers
-
-    return _rows(use_lean_layers(quantize_int8(model, store)), exact_rows)
-
-
-def computes_rows_alone(model: torch.nn.Module) -> bool:
-    """Whether `model` was quantised with `exact_rows` (its attention row by row): each position's logits are
-    then the same bit for bit however its sequence is split into forwards, so entries cached for one
-    sequence are exactly what another that shares them would compute."""
-    from specdec_cli.engine.kv import prefill_path
-    from specdec_cli.models.rowwise_attention import NAME
-
-    # A copy's bfloat16 forwards round each row by how many rows they hold; the AMX path's do not (models/prefill.py).
-    path = prefill_path(model)
-    return (getattr(getattr(model, "config", None), "_attn_implementation", None) == NAME
-            and (path is None or getattr(path, "row_exact", False)))
-
-
-def _rows(model: torch.nn.Module, exact_rows: bool) -> torch.nn.Module:
-    if not exact_rows:
-        return model
-    from specdec_cli.models.rowwise_attention import use_rowwise_attention
-
-    return use_rowwise_attention(model)
-
-
 def compute_dtype(quantization: str | None, dtype: torch.dtype) -> torch.dtype:
     """The dtype activations and the non-Linear weights run at: int8 and q4 float32, int4 bfloat16, else `dtype`."""
-    from specdec_cli.models.int4 import COMPUTE_DTYPE
+    from specdec_cli.models.formats.int4 import COMPUTE_DTYPE
 
     return {"int8": torch.float32, "q4": torch.float32, "int4": COMPUTE_DTYPE}.get(canonical(quantization), dtype)
 
@@ -241,21 +187,21 @@ def linear_bytes(quantization: str | None, in_features: int, out_features: int, 
     name = canonical(quantization)
     weights = in_features * out_features
     if name == "int8":
-        from specdec_cli.models.int8 import matmul_name
-        from specdec_cli.models.int8_kernel import packed_bytes
+        from specdec_cli.models.formats.int8 import matmul_name
+        from specdec_cli.models.native.binding import packed_bytes
 
         if matmul_name() != "oneDNN":  # specdec's kernel: padded blocks + an int32 row sum per row
             return packed_bytes(out_features, in_features) + 8 * out_features
         return weights + 4 * out_features  # int8 values + a float32 scale per output channel
     if name == "int4":
-        from specdec_cli.models.int4 import group_size
+        from specdec_cli.models.formats.int4 import group_size
 
         size = group_size(in_features, out_features)
         if size is None:  # left unquantised, in bfloat16
             return 2 * weights
         return weights // 2 + 2 * 2 * out_features * (in_features // size)  # + a bf16 scale and zero per group
     if name == "q4":
-        from specdec_cli.models.q4 import packed_bytes
+        from specdec_cli.models.formats.q4 import packed_bytes
 
         return packed_bytes(out_features, in_features)  # 4 bits a weight + fp16 scale and minimum per 32, padded
     if name in _BYTES_PER_WEIGHT:

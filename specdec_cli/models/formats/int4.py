@@ -3,9 +3,9 @@ through torchao's CPU int4 config (`PrototypeInt4WeightOnlyConfig`, an Int4Opaqu
 which runs torch's own int4 matmul, `aten._weight_int4pack_mm_for_cpu`.
 
 Weight-only, so a token's logits never depend on the other tokens of a forward. Activations stay
-bfloat16: that kernel took ~30x longer with float32 or float16 activations (measured on an
-AVX512-BF16 CPU; not measured on an AVX2-only one). torchao is the optional `quant` extra, imported
-here only, lazily."""
+bfloat16: that kernel is many times slower with float32 or float16 activations (seen on a CPU with
+AVX512-BF16; an AVX2-only one is untried). torchao is the optional `quant` extra, imported here only,
+lazily."""
 
 from __future__ import annotations
 

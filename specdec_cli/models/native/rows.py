@@ -1,15 +1,13 @@
 """The sampled step's passes over vocabulary-wide rows in C (sampling_kernels.c): the k best scores of a few rows
-and the ids a distribution gives mass to. int8_kernel.py installs them into engine/sampling.py when specdec's
-kernel library loads (a q4 or int8 model's first use); without it sampling runs its torch code, which gives
-the same results (tested against each other)."""
+and the ids a distribution gives mass to: the engine's `RowKernels` (engine/sampling.py), handed to it by the
+settings that load a model once the library has loaded (binding.row_kernels); without them sampling runs its torch
+code, which gives the same results (tested against each other)."""
 
 from __future__ import annotations
 
 import ctypes
 
 import torch
-
-from specdec_cli.engine import sampling
 
 MAX_K = 128  # more candidates than this go to torch.topk: each hit is an insertion into k sorted slots
 
@@ -39,7 +37,3 @@ class CRowKernels:
         ids = torch.empty(probs.shape[0], dtype=torch.int64)
         count = self.library.specdec_support(probs.data_ptr(), probs.shape[0], ids.data_ptr())
         return ids[:count]
-
-
-def install(library: ctypes.CDLL) -> None:
-    sampling.use_row_kernels(CRowKernels(library))

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from specdec_cli.errors import ModelLoadError, ModelNotFoundError
-from specdec_cli.models import demo, gguf, hub
+from specdec_cli.models.loading import demo, gguf, hub
 from specdec_cli.models.progress import library_bars
 
 

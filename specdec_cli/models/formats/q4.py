@@ -1,11 +1,11 @@
 """q4 on the CPU: 4-bit weights with a float16 scale and minimum per row and group of 32 input channels,
 activations quantised to int8 on the fly per token and group of 32 (llama.cpp's Q4_1 × Q8_0 recipe), on
-specdec's own matmul (q4_gemm.c, built with int8_gemm.c by int8_kernel.py).
+specdec's own matmul (native/q4_gemm.c and q4_avx2.c, q4_amx.c on AMX; built and loaded by native/binding.py).
 
 Why: at 1-8 tokens a forward's cost is reading the weights, and q4 reads 0.625 bytes per weight where
 int8 reads 1 (and torchao's int4 needs bfloat16 activations, whose kernel is not flat past 2 tokens).
 A token's quantisation reads that token only, and its matmul is exact integer sums followed by the same
-float steps whatever else is in the forward, so with attention row by row (rowwise_attention.py) a
+float steps whatever else is in the forward, so with attention row by row (runtime/attention.py) a
 k-token verify gives each token its one-token forward's logits bit for bit, as int8 does.
 
 A second layout holds a .gguf's Q4_K blocks as they are (Q4KLinear, `pack_k`): the same 4-bit levels per 32
@@ -16,9 +16,12 @@ Needs the kernel: x86-64 with AVX2 (or AVX512-VNNI) and a C compiler; there is n
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from specdec_cli.models import int8_kernel
+from specdec_cli.models.formats.calibration import calibrated_q4_pairs
+from specdec_cli.models.native import binding
 
 GROUP = 32  # input channels per scale and minimum
 ROWS = 16  # output rows per packed block
@@ -30,9 +33,18 @@ SUPER_GROUPS = 8
 K_SUPER_BYTES = SUPER_GROUPS * (256 + 2 * ROWS) + 2 * 2 * ROWS  # 2368
 
 
+@functools.cache
+def take_calibrated_pairs() -> None:
+    """Once per process, before its first q4 layer: q4's matmul takes its weight blocks two at a time up to the size
+    `specdec calibrate` measured on this machine for the code that runs here (0, never, where it was not measured)."""
+    _, isa, problem = binding.library()
+    if problem is None:
+        binding.pair_q4_blocks(calibrated_q4_pairs(isa))
+
+
 def kernel_problem() -> str | None:
     """None when the q4 matmul runs here; else why not (no compiler, not x86-64, no AVX2)."""
-    return int8_kernel._library()[2]
+    return binding.library()[2]
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -137,11 +149,11 @@ def k_steps(sub_scales: torch.Tensor, sub_minimums: torch.Tensor, d: torch.Tenso
 
 def quantize_packed(weight: torch.Tensor) -> torch.Tensor:
     """`pack(*quantize_weight(weight))`, bit for bit, in one pass of C over the weight where the kernel runs
-    (torch's eight passes took 25 of the 35 s the 1.5B demo target took to load as q4; C: under a second)."""
-    library, _, problem = int8_kernel._library()
+    (native/q4_pack.c; torch's eight passes over every weight were most of a q4 load's time)."""
+    library, _, problem = binding.library()
     if problem:
         return pack(*quantize_weight(weight))
-    source, dtype_code = int8_kernel.weight_in_kernel_form(weight)
+    source, dtype_code = binding.weight_in_kernel_form(weight)
     rows, width = source.shape
     packed = torch.empty(-(-rows // ROWS), -(-width // GROUP), GROUP_BYTES, dtype=torch.uint8)
     library.specdec_q4_quantize(torch.get_num_threads(), source.data_ptr(), dtype_code, rows, width,
@@ -170,7 +182,7 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
     """(M, K) float32 → (M, N) float32 = x Wᵀ (+ bias), x quantised per token and group of 32; W packed by `pack`
     (layout 0) or `pack_k` (1). One call into C (quantisation and matmul): a layer's Python overhead is a large part
     of a one-token forward."""
-    library, isa, problem = int8_kernel._library()
+    library, isa, problem = binding.library()
     if problem:
         raise RuntimeError(f"specdec's q4 matmul does not run here: {problem}")
     x = x.contiguous()
@@ -195,6 +207,7 @@ class Q4Linear(torch.nn.Module):
     def __init__(self, packed_weight: torch.Tensor, bias: torch.Tensor | None, in_features: int,
                  out_features: int) -> None:
         super().__init__()
+        take_calibrated_pairs()
         self.out_features, self.in_features = out_features, in_features
         self.register_buffer("packed_weight", packed_weight)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
@@ -211,10 +224,10 @@ class Q4Linear(torch.nn.Module):
 
     def select_rows(self, rows: torch.Tensor) -> "Q4Linear":
         """A layer holding only output rows `rows`: the same 4-bit values and scales, so the same scores. Each
-        row's bytes are moved whole in C where the kernel runs (the draft's 64k-row subset head: 2.7 s of
-        unpacking and packing in torch at every load, ~0.1 s in C)."""
+        row's bytes are moved whole in C where the kernel runs (the draft's subset head of 65,536 rows is taken at
+        every load, and unpacking and packing them in torch cost far more)."""
         bias = None if self.bias is None else self.bias[rows]
-        library, _, problem = int8_kernel._library()
+        library, _, problem = binding.library()
         if problem:
             levels, scales, minimums = unpack(self.packed_weight, self.out_features)
             return Q4Linear.from_parts(levels[rows], scales[rows], minimums[rows], bias, self.in_features)
@@ -290,29 +303,3 @@ class Q4KLinear(Q4Linear):
         return super().extra_repr() + ", a .gguf's Q4_K blocks as they are"
 
 
-def quantize_q4(model: torch.nn.Module, gguf_path=None, store: tuple[str, str] | None = None) -> torch.nn.Module:
-    """Every nn.Linear (the output layer too) to `Q4Linear`, in place (int8.replace_linears). With the `.gguf` file
-    the model was loaded from, a layer that is Q4_0, Q4_1 or Q4_K there keeps the file's 4-bit values (gguf_q4.py;
-    Q4_K as a Q4KLinear); the count of such layers goes to `model._specdec_q4_from_gguf` (taken, of all linears).
-    store: (key, label) of the model's entry in stored_layers.py: its layers where it has them, else made and
-    stored."""
-    from specdec_cli.models.stored_layers import replace_linears_stored
-
-    return replace_linears_stored(model, store, lambda whole: _quantize_q4(whole, gguf_path))
-
-
-def _quantize_q4(model: torch.nn.Module, gguf_path) -> torch.nn.Module:
-    from specdec_cli.models.gguf_q4 import gguf_q4_source
-    from specdec_cli.models.int8 import replace_linears
-
-    source = gguf_q4_source(gguf_path, model)
-    if source is None:
-        return replace_linears(model, Q4Linear.from_linear)
-    names = {id(module): name for name, module in model.named_modules()}
-
-    def quantised(linear: torch.nn.Linear) -> Q4Linear:
-        return source.layer(names[id(linear)], linear) or Q4Linear.from_linear(linear)
-
-    model = replace_linears(model, quantised)
-    model._specdec_q4_from_gguf = (source.taken, sum(isinstance(module, Q4Linear) for module in model.modules()))
-    return model

@@ -9,14 +9,14 @@ import json
 import torch
 
 from specdec_cli.errors import CacheWriteError, IncompatibleModelsError, InsufficientMemoryError
+from specdec_cli.models.device import GIB, available_memory_bytes, format_gib
+from specdec_cli.models.formats.quant import canonical, compute_dtype, linear_bytes
 from specdec_cli.models.paths import atomic_file, specdec_home
-from specdec_cli.models.quant import canonical, compute_dtype, linear_bytes
 
 _SPECIAL_TOKENS = ("bos", "eos", "pad", "unk")
 # bos/eos must match exactly (they decide where text starts and stops); pad/unk only when both define them,
 # since tokenizer classes differ on defaults (Qwen2Tokenizer sets unk, a plain fast tokenizer does not).
 _REQUIRED_SPECIAL_TOKENS = ("bos", "eos")
-GIB = 1024**3
 ESTIMATES = "weight-estimates.json"  # in the specdec home: a local config's estimate per format and dtype
 ESTIMATE_FORMULA = 1  # raise when estimate_weight_bytes counts differently: figures stored before are not reused
 # Headroom over the weights for activations, the KV cache and the runtime itself.
@@ -110,7 +110,7 @@ def estimate_weight_bytes(config, dtype: torch.dtype, quantization: str | None) 
 def held_weight_bytes(model: torch.nn.Module) -> int:
     """The bytes a loaded model holds in weights: parameters and buffers (specdec's int8 and q4 layers keep their
     packed weights as buffers), plus the packed weights of torch's dynamic int8 Linear layers, which are neither, and
-    the bfloat16 copy that reads its prompts (models/prefill.py), where it has one."""
+    the bfloat16 copy that reads its prompts (loading/prefill.py), where it has one."""
     from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
     from specdec_cli.engine.kv import prefill_path
@@ -120,20 +120,6 @@ def held_weight_bytes(model: torch.nn.Module) -> int:
         tensors += list(copy.parameters()) + list(copy.buffers())
     packed = [module.weight() for module in model.modules() if isinstance(module, DynamicLinear)]
     return sum(tensor.numel() * tensor.element_size() for tensor in tensors + packed)
-
-
-def available_memory_bytes(device: torch.device) -> int:
-    """Free VRAM on a CUDA device, else free RAM (mps shares system memory)."""
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
-    import psutil
-
-    return int(psutil.virtual_memory().available)
-
-
-def format_gib(size: int) -> str:
-    return f"{size / GIB:.1f} GiB"
 
 
 def fits(needed: int, available: int) -> bool:
@@ -158,8 +144,9 @@ def check_memory(weights: dict[str, int], device: torch.device) -> None:
 def estimate_local_weight_bytes(spec: str, dtype: torch.dtype, quantization: str | None) -> int | None:
     """The weight estimate for `spec` from a config already on this machine, or None (no network is used; a config
     that cannot be read or built gives None too: loading the model says what is wrong with it). Kept in the specdec
-    home by the config's bytes, so `profiles list` builds each model on the meta device once (~4 s of its ~6)."""
-    from specdec_cli.models.resolve import local_config_folder
+    home by the config's bytes, so `profiles list` builds each model on the meta device once (building them was
+    most of its time)."""
+    from specdec_cli.models.loading.resolve import local_config_folder
 
     folder = local_config_folder(spec)
     if folder is None:

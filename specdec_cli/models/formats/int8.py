@@ -7,15 +7,16 @@ verifying k draft tokens in one forward would not give what k one-token forwards
 speculative run of an int8 target would not reproduce that target's own greedy output. Here a row's
 quantisation reads that row only and the matmul is exact integer arithmetic, so a layer gives row i
 the same output whatever else is in the forward; with attention computed row by row too
-(rowwise_attention.py), row i of a k-token forward is the one-token forward of token i, bit for bit.
+(runtime/attention.py), row i of a k-token forward is the one-token forward of token i, bit for bit.
 
-Two matmuls give these numbers, bit for bit alike: specdec's own (int8_kernel.py, where it builds and
-the CPU has AVX512-VNNI or AVX2: several times less overhead per call, which is most of a one-token
-forward) and torch's oneDNN one (elsewhere). A layer holds the weights in the layout of the one it runs.
+Two matmuls give these numbers, bit for bit alike: specdec's own (the native library, loaded by
+native/binding.py, where it builds and the CPU has AVX512-VNNI or AVX2: far less overhead per call, and
+that overhead is most of a one-token forward) and torch's oneDNN one (elsewhere). A layer holds the weights
+in the layout of the one it runs.
 
 Why not torchao's `Int8DynamicActivationInt8WeightConfig` (also per token): in eager mode on a CPU
 with AVX512-VNNI but no AMX, torchao 0.18 recomputes the column sums of every weight on every call
-(its u8s8 compensation), which costs ~30x the matmul itself; it pays only under torch.compile."""
+(its u8s8 compensation), which costs far more than the matmul itself; it pays only under torch.compile."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import functools
 
 import torch
 
-from specdec_cli.models import int8_kernel
+from specdec_cli.models.native import binding
 
 
 def activation_bits() -> int:
@@ -50,12 +51,12 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_weight_fast(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_weight`, bit for bit, in one pass of C where specdec's kernels run (torch's passes took ~20 of
-    the 26 s the 1.5B demo target took to load as int8)."""
-    library, _, problem = int8_kernel._library()
+    """`quantize_weight`, bit for bit, in one pass of C where specdec's kernels run (torch's several passes over
+    every weight were most of an int8 load's time)."""
+    library, _, problem = binding.library()
     if problem:
         return quantize_weight(weight)
-    source, dtype_code = int8_kernel.weight_in_kernel_form(weight)
+    source, dtype_code = binding.weight_in_kernel_form(weight)
     rows, width = source.shape
     values, scales = torch.empty(rows, width, dtype=torch.int8), torch.empty(rows, dtype=torch.float32)
     library.specdec_int8_quantize(torch.get_num_threads(), source.data_ptr(), dtype_code, rows, width,
@@ -70,8 +71,8 @@ class PerTokenInt8Linear(torch.nn.Module):
                  bits: int | None = None) -> None:
         super().__init__()
         bits = bits or activation_bits()
-        if int8_kernel.kernel_problem(bits) is None:  # blocks of 32 rows (1 byte per weight, padded) and each row's sum
-            packed_weight, row_sums = int8_kernel.pack(weight_int8)
+        if binding.kernel_problem(bits) is None:  # blocks of 32 rows (1 byte per weight, padded) and each row's sum
+            packed_weight, row_sums = binding.pack(weight_int8)
         else:  # (K, N) in oneDNN's blocked layout: an opaque tensor, counted as a buffer (1 byte per weight).
             packed_weight, row_sums = torch.ops.onednn.qlinear_prepack(weight_int8.contiguous(), None), None
         self._hold(packed_weight, row_sums, weight_scales, bias, bits, *weight_int8.shape)
@@ -97,7 +98,7 @@ class PerTokenInt8Linear(torch.nn.Module):
                     bias: torch.Tensor | None, bits: int, in_features: int) -> "PerTokenInt8Linear | None":
         """A layer of specdec's kernel's packed weight as `pack` made it (stored_layers.py reads them back), or
         None where that kernel does not run here for `bits`-bit activations."""
-        if int8_kernel.kernel_problem(bits) is not None:
+        if binding.kernel_problem(bits) is not None:
             return None
         layer = cls.__new__(cls)
         torch.nn.Module.__init__(layer)
@@ -107,7 +108,7 @@ class PerTokenInt8Linear(torch.nn.Module):
     def int8_weight(self) -> torch.Tensor:
         """(N, K) int8, read back from the packed layout."""
         if self.own_kernel:
-            return int8_kernel.unpack(self.packed_weight, self.out_features, self.in_features)
+            return binding.unpack(self.packed_weight, self.out_features, self.in_features)
         return self.packed_weight.to_dense().t()
 
     def select_rows(self, rows: torch.Tensor) -> "PerTokenInt8Linear":
@@ -118,7 +119,7 @@ class PerTokenInt8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.own_kernel:
             rows = x.reshape(-1, self.in_features)
-            out = int8_kernel.matmul(rows if rows.dtype == torch.float32 else rows.float(), self.packed_weight,
+            out = binding.matmul(rows if rows.dtype == torch.float32 else rows.float(), self.packed_weight,
                                      self.row_sums, self.weight_scales, self.bias, self.bits)
             return (out if x.dtype == torch.float32 else out.to(x.dtype)).view(*x.shape[:-1], self.out_features)
         values, scales = quantize_rows(x.reshape(-1, self.in_features), self.bits)  # (M, K), (M, 1)
@@ -142,13 +143,13 @@ class PerTokenInt8Linear(torch.nn.Module):
 
 def matmul_name() -> str:
     """Which int8 matmul a layer built now runs on this CPU: `specdec AVX512-VNNI`, `specdec AVX2` or `oneDNN`."""
-    return int8_kernel.kernel_name(activation_bits())
+    return binding.kernel_name(activation_bits())
 
 
 @functools.cache
 def int8_kernel_problem() -> str | None:
     """None when an int8 matmul (specdec's own, else torch's oneDNN) runs here; else why not (one probe, cached)."""
-    own_problem = int8_kernel.kernel_problem(activation_bits())
+    own_problem = binding.kernel_problem(activation_bits())
     if own_problem is not None and not torch.backends.mkldnn.is_available():
         return f"this torch build has no oneDNN, and {own_problem}"
     try:
@@ -157,14 +158,6 @@ def int8_kernel_problem() -> str | None:
     except (RuntimeError, AttributeError, NotImplementedError) as error:
         return f"torch's oneDNN int8 matmul does not run here ({type(error).__name__})"
     return None
-
-
-def quantize_int8(model: torch.nn.Module, store: tuple[str, str] | None = None) -> torch.nn.Module:
-    """Every nn.Linear (the output layer too) to `PerTokenInt8Linear`, in place (`replace_linears`). store: (key,
-    label) of the model's entry in stored_layers.py: its layers where it has them, else made and stored."""
-    from specdec_cli.models.stored_layers import replace_linears_stored
-
-    return replace_linears_stored(model, store, lambda whole: replace_linears(whole, PerTokenInt8Linear.from_linear))
 
 
 def replace_linears(model: torch.nn.Module, quantised) -> torch.nn.Module:

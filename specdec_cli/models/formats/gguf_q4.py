@@ -1,17 +1,15 @@
 """q4 weights straight from a `.gguf` file's 4-bit blocks, where its layers are Q4_0, Q4_1 or Q4_K (most of a
 Q4_K_M file's are Q4_K).
 
-Why: a `.gguf` is loaded through a bfloat16 conversion (gguf.py), and q4 then quantised that again onto its own
+Why: a `.gguf` is loaded through a bfloat16 conversion (loading/gguf.py), and q4 then quantised that again onto its own
 grid (q4.py: a step and a minimum per 32 channels): the 4-bit values llama.cpp's quantiser chose were replaced by
-others, up to half a step away (~4% of a Q4_K layer's weights, relative). These blocks hold, per 32 channels,
+others, up to half a step away. These blocks hold, per 32 channels,
 exactly what q4 holds: 4-bit levels q with w = step·q + minimum —
 - Q4_1: step d and minimum m in float16, q4's own layout: the same weights, bit for bit;
 - Q4_0: w = d·(q − 8): step d, minimum −8·d, both exact in float16: the same weights, bit for bit;
 - Q4_K (256 channels a block): w = d·sc·q − dmin·m (d, dmin float16 per block; sc, m 6-bit per sub-block of 32):
   kept as they are in q4's layout 1 (q4.Q4KLinear), whose kernel makes the step d·sc and minimum −dmin·m per
-  group, each an exact float32 product: the same weights, bit for bit, in 7.5% fewer bytes than layout 0. (Until
-  2026-12-05 they went to layout 0, step and minimum rounded to float16: a weight off by up to 2⁻¹¹ of
-  (15·step + |minimum|), 0.06% on the demo target, where the requantisation before that was 4.2%.)
+  group, each an exact float32 product: the same weights, bit for bit, in 7.5% fewer bytes than layout 0.
 The matmul is q4's own.
 
 Rows go in the order transformers loads them (llama's q/k rows are stored per head in another order: transformers'
@@ -31,13 +29,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specdec_cli.models.q4 import Q4KLinear, Q4Linear, dequantize, k_steps
+from specdec_cli.models.formats.q4 import Q4KLinear, Q4Linear, dequantize, k_steps
 
 # gguf.GGMLQuantizationType: channels a block, bytes a block
 Q4_0, Q4_1, Q4_K = 2, 3, 12
 BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q4_K: (256, 144)}
 MATCH = 1e-2  # relative error (Frobenius) a layer taken from the file may have against the loaded weight;
-# bfloat16 rounding gives ~2e-3, a q4 requantisation ~5e-2, a row or tensor in the wrong place ~1
+# bfloat16 rounding (8 significant bits) stays below it, a q4 requantisation (half a step) goes above it, and a row
+# or tensor in the wrong place is off by about 1
 
 
 def _halves(data: np.ndarray, offset: int) -> np.ndarray:
@@ -87,7 +86,7 @@ _VALUE_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12
 class _Table:
     """A little-endian GGUF file's architecture and tensor table (name → (type, shape, byte offset)), read with
     struct from a memory map. gguf.GGUFReader reads the same table but first makes a numpy view of every metadata
-    value: 12 s for the 1.5B demo file's 450,000 (its vocabulary), where skipping them takes 0.18 s."""
+    value (a vocabulary's hundreds of thousands of them); skipping them is what makes this read cheap."""
 
     def __init__(self, path: Path) -> None:
         import mmap

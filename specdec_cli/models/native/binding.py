@@ -1,20 +1,21 @@
-"""specdec's own kernels: int8 (int8_gemm.c) for the `int8` format, q4 (q4_gemm.c, used by q4.py) for the `q4`
-format, and the RMSNorm, attention and layer halves around them (layer_kernels.c), built into one library
-once per machine with the system C compiler, kept under the
-specdec home, called through ctypes.
+"""The one binding to specdec's native CPU kernels: the int8 matmul (int8_gemm.c) of the `int8` format, the q4
+matmul (q4_gemm.c, q4_avx2.c, q4_amx.c; load time: q4_pack.c) of the `q4` format, the attention (attention.c), the
+RMSNorm, layer halves and decoder stack around them (layer_kernels.c) and the sampled step's row passes
+(sampling_kernels.c), built into one library once per machine with the system C compiler, kept under the specdec
+home, called through ctypes with the types that kernels.h declares (`prototypes`). Every other module reaches the
+library through `library()` and the functions here.
 
-Why a kernel of our own: at the sizes speculation runs (1-16 tokens) a forward's cost is reading the
-weights, and torch's oneDNN int8 matmul spends ~80 µs a call around that (measured: a 256x1536 layer
-took 90 µs for one token; this kernel 15 µs). It gives the same numbers as the oneDNN path bit for bit
-(tested), so which one runs changes speed only.
+Why kernels of our own: at the sizes speculation runs (a few tokens) a forward's cost is reading the weights, and
+torch's oneDNN int8 matmul adds a fixed cost a call around that. The int8 kernel gives the same numbers as
+the oneDNN path bit for bit (tested), so which one runs changes speed only.
 
 Chosen per CPU: AVX512-VNNI or AVX2 instructions, picked by the CPU's flags at run time; where the CPU has
 AMX-INT8 too (and the kernel lets the process use it), the q4 matmul of several tokens runs on AMX (q4_amx.c,
 the same bits as VNNI).
-SPECDEC_INT8_KERNEL=onednn forces torch's matmul, =avx2 the AVX2 code and =vnni the VNNI code without AMX (to
-compare them; `specdec calibrate` names the one it timed; q4 takes the same switch, and with `onednn` does not
-run); any other value is refused in one line. Without a C compiler the int8 format runs on oneDNN, q4 does
-not run, and `kernel_problem()` says why."""
+SPECDEC_KERNELS=onednn forces torch's matmul, =avx2 the AVX2 code and =vnni the VNNI code without AMX (to compare
+them; `specdec calibrate` names the one it timed; q4 takes the same switch, and with `onednn` does not run); any
+other value is refused in one line. SPECDEC_INT8_KERNEL, its earlier name, is still read. Without a C compiler
+the int8 format runs on oneDNN, q4 does not run, and `kernel_problem()` says why."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 from collections.abc import Sequence
@@ -32,70 +34,86 @@ from pathlib import Path
 import torch
 
 from specdec_cli.errors import InputError
-from specdec_cli.models import row_kernels
+from specdec_cli.models.native.rows import CRowKernels
 from specdec_cli.models.paths import atomic_folder, cache_dir, one_maker
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("int8_gemm.c", "q4_gemm.c", "q4_amx.c", "layer_kernels.c",
-                                                                  "sampling_kernels.c"))  # one library
-HEADERS = (Path(__file__).with_name("q4_layout.h"),)  # included by the sources: part of the build's key
+SOURCES = tuple(Path(__file__).with_name(name) for name in (
+    "int8_gemm.c", "q4_gemm.c", "q4_avx2.c", "q4_amx.c", "q4_pack.c", "attention.c", "layer_kernels.c",
+    "sampling_kernels.c"))  # one library
+PUBLIC_HEADER = Path(__file__).with_name("kernels.h")  # every function Python calls: `_declare` reads it
+HEADERS = (PUBLIC_HEADER, *(Path(__file__).with_name(name) for name in ("q4_layout.h", "vector_math.h")))
+# the headers are included by the sources: part of the build's key
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off")  # no contraction: the exact float steps
 ISA_NAMES = {3: "AVX512-VNNI + AMX", 2: "AVX512-VNNI", 1: "AVX2"}
 BLOCK = 32  # output rows per packed block (int8_gemm.c)
+LIBRARY_NAME = "libspecdec_kernels.so"
 
 
-KERNEL_CHOICES = ("", "onednn", "avx2", "vnni")  # SPECDEC_INT8_KERNEL's values ("": unset, the CPU's best)
+KERNEL_CHOICES = ("", "onednn", "avx2", "vnni")  # SPECDEC_KERNELS's values ("": unset, the CPU's best)
+KERNELS_VARIABLES = ("SPECDEC_KERNELS", "SPECDEC_INT8_KERNEL")  # the name, and its earlier one
 
 
 BUILD_FAILED = "specdec's matmul kernels (int8, q4) did not build"
 
 
 @functools.cache
-def _library() -> tuple[ctypes.CDLL | None, int, str | None]:
+def library() -> tuple[ctypes.CDLL | None, int, str | None]:
+    """`load_library()`, once per process."""
     return load_library()
+
+
+def _kernels_choice() -> tuple[str, str]:
+    """(the variable that chose the kernels, its value lower-cased) of SPECDEC_KERNELS / SPECDEC_INT8_KERNEL."""
+    variable = next((name for name in KERNELS_VARIABLES if os.environ.get(name, "").strip()), KERNELS_VARIABLES[0])
+    return variable, os.environ.get(variable, "").strip().lower()
 
 
 def load_library() -> tuple[ctypes.CDLL | None, int, str | None]:
     """(the loaded library, the ISA it runs: 3 AVX512-VNNI + AMX, 2 AVX512-VNNI or 1 AVX2, None) or (None, 0,
-    why not); the library is compiled into the specdec home on first use. Once per process (`_library`)."""
-    choice = os.environ.get("SPECDEC_INT8_KERNEL", "").strip().lower()
+    why not); the library is compiled into the specdec home on first use."""
+    variable, choice = _kernels_choice()
     if choice not in KERNEL_CHOICES:  # a typo ran the default code while the user timed what they thought they chose
-        raise InputError(f"SPECDEC_INT8_KERNEL={os.environ['SPECDEC_INT8_KERNEL']!r} is not one of "
-                         f"{', '.join(filter(None, KERNEL_CHOICES))}",
+        raise InputError(f"{variable}={os.environ[variable]!r} is not one of {', '.join(filter(None, KERNEL_CHOICES))}",
                          "unset it to run the code this CPU is best at")
     if choice == "onednn":
-        return None, 0, "SPECDEC_INT8_KERNEL=onednn"
+        return None, 0, f"{variable}=onednn"
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None, 0, f"specdec's matmul kernels (int8, q4) are for x86-64 ({platform.machine()} here)"
     try:
         path = _built()
     except (OSError, subprocess.SubprocessError) as error:
         return None, 0, f"{BUILD_FAILED} ({error})"
-    library = ctypes.CDLL(str(path))
-    _declare(library)
-    isa = library.specdec_isa()
+    loaded = ctypes.CDLL(str(path))
+    _declare(loaded)
+    isa = loaded.specdec_isa()
     if not isa:
         return None, 0, "this CPU has neither AVX512-VNNI nor AVX2"
-    row_kernels.install(library)
-    forced = {"avx2": 1, "vnni": min(isa, 2)}.get(choice, isa)
-    from specdec_cli.models.q4_pairs import calibrated_q4_pairs  # it reads the calibration, which asks this module
+    return loaded, {"avx2": 1, "vnni": min(isa, 2)}.get(choice, isa), None
 
-    library.specdec_q4_pair_up_to(calibrated_q4_pairs(forced))
-    return library, forced, None
+
+def row_kernels() -> CRowKernels | None:
+    """The sampled step's row passes in C where this process has loaded the library (a q4 or int8 model's first use)
+    and it runs; None otherwise (the engine then runs its torch code, which gives the same results)."""
+    cache_info = getattr(library, "cache_info", None)  # None where a test put an uncached loader in its place
+    if cache_info is None or not cache_info().currsize:
+        return None
+    loaded, _, problem = library()
+    return None if problem else CRowKernels(loaded)
 
 
 def q4_pairs() -> int:
-    """Up to how many tokens q4's matmul takes its weight blocks two at a time (0: never; q4_gemm.c). Loading the
-    library sets what `specdec calibrate` measured here (`calibrated_q4_pairs`)."""
-    library, _, problem = _library()
-    return 0 if problem else library.specdec_q4_pairs()
+    """Up to how many tokens q4's matmul takes its weight blocks two at a time (0: never; q4_gemm.c). The q4 format
+    sets what `specdec calibrate` measured here (formats/q4.py)."""
+    loaded, _, problem = library()
+    return 0 if problem else loaded.specdec_q4_pairs()
 
 
 def pair_q4_blocks(up_to: int) -> None:
     """From now on q4's matmul takes its weight blocks two at a time in forwards of up to `up_to` tokens (0: never):
     the same bits, another speed, faster on some CPUs and slower on others."""
-    library, _, problem = _library()
+    loaded, _, problem = library()
     if problem is None:
-        library.specdec_q4_pair_up_to(up_to)
+        loaded.specdec_q4_pair_up_to(up_to)
 
 
 def _built() -> Path:
@@ -103,22 +121,22 @@ def _built() -> Path:
     compiler = c_compiler()
     source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     key = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
-    final = cache_dir("kernels") / f"int8-{key}"
-    library = final / "libspecdec_int8.so"
-    if _whole(library):
-        return library
+    final = cache_dir("kernels") / f"native-{key}"
+    built = final / LIBRARY_NAME
+    if _whole(built):
+        return built
     with one_maker(final):  # Ray workers on one machine build it once
-        if not _whole(library):
+        if not _whole(built):
             shutil.rmtree(final, ignore_errors=True)  # a library cut short crashes the process that loads it (SIGBUS)
             with atomic_folder(final) as staging:
                 try:
-                    compile_library(SOURCES, staging / library.name, compiler)
+                    compile_library(SOURCES, staging / built.name, compiler)
                 except OSError as error:  # a compiler or assembler without AMX (q4_amx.c): everything else, without it
                     if error.errno == errno.ENOSPC:  # a full disk: no second try (atomic_folder says it in one line)
                         raise
-                    compile_library(SOURCES, staging / library.name, compiler, defines=("SPECDEC_NO_AMX",))
-                _stamp(staging / library.name).write_text(_digest(staging / library.name), encoding="utf-8")
-    return library
+                    compile_library(SOURCES, staging / built.name, compiler, defines=("SPECDEC_NO_AMX",))
+                _stamp(staging / built.name).write_text(_digest(staging / built.name), encoding="utf-8")
+    return built
 
 
 def _stamp(library: Path) -> Path:
@@ -130,7 +148,7 @@ def _digest(library: Path) -> str:
 
 
 def _whole(library: Path) -> bool:
-    """Whether `library` is the file its build left (its sha256 beside it, ~0.1 ms): loading one that a full disk
+    """Whether `library` is the file its build left (its sha256 beside it): loading one that a full disk
     or a copy cut short kills the process with a bus error, not an exception."""
     try:
         return _stamp(library).read_text(encoding="utf-8") == _digest(library)
@@ -159,62 +177,70 @@ def compile_library(sources: Sequence[Path], output: Path, compiler: str, define
         raise OSError(f"{Path(compiler).name} failed: {last}")
 
 
+C_TYPES = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float, "double": ctypes.c_double}
+_TYPE = r"(?:const\s+)?(?P<type>[A-Za-z_]\w*)\s*(?P<pointer>(?:\*\s*(?:const\b\s*)?)*)"  # `const float *const *`
+_RETURNED = re.compile(_TYPE)
+_PARAMETER = re.compile(_TYPE + r"(?P<name>[A-Za-z_]\w*)")
+_PROTOTYPE = re.compile(r"(?P<returns>[A-Za-z_][\w ]*?\s*\**)\s*\b(?P<name>specdec_\w+)\s*\((?P<parameters>[^()]*)\)")
+_STRUCTURE = re.compile(r"typedef\s+struct\s*\{[^{}]*\}\s*\w+\s*;")
+Declaration = tuple[type | None, list[type]]  # (restype, argtypes) as ctypes takes them
+
+
+def prototypes(header: str) -> dict[str, Declaration]:
+    """{function name: (its ctypes restype, argtypes)} of every `specdec_*` prototype in the C `header` text: int,
+    int64_t, float and double by value, any pointer as c_void_p, a void return as None. Comments, preprocessor lines
+    and `typedef struct {...} name;` are passed over; any other statement, or a type outside these, raises
+    ValueError (a declaration read wrong is a segfault at the call)."""
+    text = re.sub(r"/\*.*?\*/", " ", header, flags=re.DOTALL)
+    text = _STRUCTURE.sub(" ", re.sub(r"^\s*#.*$", " ", text, flags=re.MULTILINE))
+    declared = {}
+    for statement in filter(None, (" ".join(part.split()) for part in text.split(";"))):
+        match = _PROTOTYPE.fullmatch(statement)
+        if match is None:
+            raise ValueError(f"not a prototype binding.py can read: {statement!r}")
+        parameters = match["parameters"].strip()
+        declared[match["name"]] = (_c_type(match["returns"], returned=True),
+                                   [] if parameters == "void" else [_c_type(part) for part in parameters.split(",")])
+    return declared
+
+
+def _c_type(declaration: str, returned: bool = False) -> type | None:
+    """The ctypes type of one parameter (`const float *x`) or, `returned`, of a return type (`int64_t`, `void`)."""
+    match = (_RETURNED if returned else _PARAMETER).fullmatch(declaration.strip())
+    if match is None:
+        raise ValueError(f"not a parameter binding.py can read: {declaration.strip()!r}")
+    if match["pointer"]:
+        return ctypes.c_void_p
+    if returned and match["type"] == "void":
+        return None
+    if match["type"] not in C_TYPES:
+        raise ValueError(f"no ctypes type for {match['type']!r} (in {declaration.strip()!r})")
+    return C_TYPES[match["type"]]
+
+
+@functools.cache
+def declarations() -> dict[str, Declaration]:
+    """kernels.h's prototypes (`prototypes`): what every call into the library passes and gets back."""
+    return prototypes(PUBLIC_HEADER.read_text(encoding="utf-8"))
+
+
 def _declare(library: ctypes.CDLL) -> None:
-    pointer, size, integer = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    library.specdec_isa.restype = integer
-    library.specdec_amx_bf16_ready.restype = integer
-    library.specdec_int8_linear.restype = integer
-    library.specdec_int8_linear.argtypes = [integer, integer, pointer, size, size, size, integer, pointer, pointer,
-                                            pointer, pointer, size, pointer]
-    library.specdec_q8_groups.restype = None
-    library.specdec_q8_groups.argtypes = [integer, pointer, size, size, size, pointer, pointer, pointer]
-    library.specdec_q4_pair_up_to.restype = None
-    library.specdec_q4_pair_up_to.argtypes = [integer]
-    library.specdec_q4_pairs.restype = integer
-    library.specdec_q4_linear.restype = integer
-    library.specdec_q4_linear.argtypes = [integer, integer, integer, pointer, size, size, size, pointer, pointer, size,
-                                          pointer]
-    # Load time: quantising and packing weights, picking a q4 layer's rows.
-    library.specdec_int8_quantize.restype = None
-    library.specdec_int8_quantize.argtypes = [integer, pointer, integer, size, size, size, pointer, pointer]
-    library.specdec_int8_pack.restype = None
-    library.specdec_int8_pack.argtypes = [integer, pointer, size, size, pointer, pointer]
-    library.specdec_q4_quantize.restype = None
-    library.specdec_q4_quantize.argtypes = [integer, pointer, integer, size, size, size, pointer]
-    library.specdec_q4_select_rows.restype = None
-    library.specdec_q4_select_rows.argtypes = [integer, pointer, size, pointer, size, pointer]
-    library.specdec_attention.restype = integer
-    library.specdec_attention.argtypes = [integer, pointer, pointer, pointer, pointer, size, size, size, size, size,
-                                          size, ctypes.c_float, pointer]
-    library.specdec_rms_norm.argtypes = [pointer, pointer, ctypes.c_float, size, size, pointer]
-    library.specdec_lean_qkv.restype = integer
-    library.specdec_lean_qkv.argtypes = [integer, integer, pointer, size, size, pointer, ctypes.c_float, pointer,
-                                         pointer, pointer, size, size, size, pointer, pointer, pointer]
-    library.specdec_decoder_forward.restype = integer
-    library.specdec_decoder_forward.argtypes = [integer, integer, pointer, size, pointer, pointer, size, pointer,
-                                                pointer, pointer, size, pointer, size, size, pointer, pointer,
-                                                pointer, size, size, size, ctypes.c_float, pointer, ctypes.c_float,
-                                                pointer]
-    library.specdec_top_k_rows.restype = size
-    library.specdec_top_k_rows.argtypes = [pointer, size, size, size, pointer, pointer]
-    library.specdec_support.restype = size
-    library.specdec_support.argtypes = [pointer, size, pointer]
-    library.specdec_lean_mlp.restype = integer
-    library.specdec_lean_mlp.argtypes = [integer, integer, pointer, pointer, size, size, pointer, pointer,
-                                         ctypes.c_float, pointer, pointer, pointer]
+    for name, (restype, argtypes) in declarations().items():
+        function = getattr(library, name)
+        function.restype, function.argtypes = restype, argtypes
 
 
 def build_problem() -> str | None:
     """Why the kernels did not build here (no C compiler, a compiler that fails), where that is what keeps them
     from running: the one kernel problem a user can fix. None when they run, or for any other reason."""
-    problem = _library()[2]
+    problem = library()[2]
     return problem if problem is not None and problem.startswith(BUILD_FAILED) else None
 
 
 def kernel_problem(bits: int) -> str | None:
     """None when the kernel runs here for activations of `bits` bits; else why not. The AVX2 code sums
     pairs of products in int16, so it takes only 7-bit activations (what a CPU without VNNI gets)."""
-    library, isa, problem = _library()
+    loaded, isa, problem = library()
     if problem is None and isa == 1 and bits != 7:
         return "the AVX2 kernel needs 7-bit activations"
     return problem
@@ -223,7 +249,7 @@ def kernel_problem(bits: int) -> str | None:
 def kernel_name(bits: int) -> str:
     """Which int8 matmul a layer with `bits`-bit activations built now runs: `specdec AVX512-VNNI`,
     `specdec AVX2` or `oneDNN` (int8.matmul_name() asks for this CPU's activation bits)."""
-    return "oneDNN" if kernel_problem(bits) else f"specdec {ISA_NAMES[_library()[1]]}"
+    return "oneDNN" if kernel_problem(bits) else f"specdec {ISA_NAMES[library()[1]]}"
 
 
 def weight_in_kernel_form(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -238,14 +264,14 @@ def weight_in_kernel_form(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
 def pack(weight_int8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, K) int8 → (the kernel's blocks: (ceil(N/32), ceil(K/4), 32, 4) int8, (N,) int32 row sums); in C where
     the kernel runs (`pack_in_torch`'s numbers, bit for bit)."""
-    library, _, problem = _library()
+    loaded, _, problem = library()
     if problem:
         return pack_in_torch(weight_int8)
     values = weight_int8.contiguous()
     rows, width = values.shape
     blocks = torch.zeros(-(-rows // BLOCK), -(-width // 4), BLOCK, 4, dtype=torch.int8)
     row_sums = torch.empty(rows, dtype=torch.int32)
-    library.specdec_int8_pack(torch.get_num_threads(), values.data_ptr(), rows, width, blocks.data_ptr(),
+    loaded.specdec_int8_pack(torch.get_num_threads(), values.data_ptr(), rows, width, blocks.data_ptr(),
                               row_sums.data_ptr())
     return blocks, row_sums
 
@@ -274,13 +300,13 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, row_sums: torch.Tensor, weight
     """(M, K) float32 → (M, N) float32: x quantised per token to `bits` bits, times the packed int8 weight,
     scaled back (and + bias): the same float steps as PerTokenInt8Linear's oneDNN path. One call into C
     (quantisation and matmul): a layer's Python overhead is a large part of a one-token forward."""
-    library, isa, _ = _library()
+    loaded, isa, _ = library()
     x = x.contiguous()
     tokens, width = x.shape
     out = torch.empty(tokens, row_sums.shape[0], dtype=torch.float32)
     if tokens == 0:
         return out
-    failed = library.specdec_int8_linear(isa, torch.get_num_threads(), x.data_ptr(), tokens, width, blocks.shape[1],
+    failed = loaded.specdec_int8_linear(isa, torch.get_num_threads(), x.data_ptr(), tokens, width, blocks.shape[1],
                                          2 ** (bits - 1) - 1, blocks.data_ptr(), row_sums.data_ptr(),
                                          weight_scales.data_ptr(), None if bias is None else bias.data_ptr(),
                                          row_sums.shape[0], out.data_ptr())

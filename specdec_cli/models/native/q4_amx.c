@@ -11,17 +11,14 @@
    so a verify on AMX gives each token what a one-token forward (VNNI) gives it, bit for bit (tested).
 
    Why only from 9 tokens: every group has its own scales (the weights' d, the activations' s), so each group's
-   sums leave the tiles (a tile store, ~5 ns even for 2 rows) and pass through the float steps above, per token.
-   Those costs do not shrink with the tokens, and below 9 tokens the VNNI code is as fast or faster (demo target's
-   decoder, Intel Xeon AMX, AMX at every token count: 2 tokens 51.7 ms against VNNI's 41.3, 8 tokens 67.5 against
-   61.7, 16 tokens 88.9 against 101.9; benchmarks/2026-12-05-kernel-ab-amx-int8-q4-not-kept-intel.json). Tiles
-   that kept their sums across groups would need one scale for many groups: the int8 format's per-row scales, not
-   q4's.
+   sums leave the tiles (a tile store, even for 2 rows) and pass through the float steps above, per token. Those
+   costs do not shrink with the tokens, so below 9 tokens the VNNI code is as fast or faster. Tiles that kept their
+   sums across groups would need one scale for many groups: the int8 format's per-row scales, not q4's.
 
    AMX needs the kernel's leave (arch_prctl, once a process: specdec_amx_ready) and a tile configuration in each
    thread that uses the tiles (loaded at each call, since torch's oneDNN loads its own; released at its end).
 
-   A compiler or assembler without AMX (gcc before 11, binutils before 2.36) fails on this file; int8_kernel.py then
+   A compiler or assembler without AMX (gcc before 11, binutils before 2.36) fails on this file; binding.py then
    builds the library again with SPECDEC_NO_AMX, where this file only says that AMX is not there. */
 
 #ifndef SPECDEC_NO_AMX
@@ -35,6 +32,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "kernels.h"
 #include "q4_layout.h"
 
 /* gcc's _tile_loadconfig tells the compiler it reads 8 bytes of the configuration, and _tile_loadd that it reads
@@ -117,8 +115,8 @@ static inline void amx_add(const uint8_t *w, int layout, int64_t g, int64_t g_be
    (Q4_AMX_BATCH × 512 bytes) and `exact` (Q4_AMX_BATCH × Q4_AMX_TILE × 16 int32) are the thread's, 64-byte
    aligned. Q4_AMX_BATCH groups at a time, each step over all of them before the next: unpack, tile sums, float
    steps. A buffer read back right after it was written waits for the store (a tile load of bytes just stored,
-   vector loads of a tile just stored): one group at a time took twice as long (2 tokens, the demo target's layer
-   shapes). Two tile sets alternate (C 0 and 3, A 1 and 4, B 2 and 5) so that one group's sums need not wait for
+   vector loads of a tile just stored), which one group at a time would do at every group. Two tile sets alternate
+   (C 0 and 3, A 1 and 4, B 2 and 5) so that one group's sums need not wait for
    the last group's store. */
 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,f16c,fma")))
 void specdec_q4_block_amx(const uint8_t *w, int layout, const int8_t *values, const float *scales,
@@ -152,15 +150,14 @@ void specdec_q4_block_amx(const uint8_t *w, int layout, const int8_t *values, co
    last (the int8 code above stores them and takes float steps per group and token), and the weights are unpacked
    once per block for every token of the call. A row's result depends on nothing but its own activations (the same
    groups, in the same order, whatever else the call holds, down to one row: tested), unlike the bfloat16 copy's
-   oneDNN matmul (prefill.py: `row_exact`).
+   oneDNN matmul (loading/prefill.py: `row_exact`).
 
    Per thread, two blocks at a time: their 16 rows each unpacked into bfloat16 (2 × `groups` KB in tile B's layout:
    channel pairs 2p, 2p+1 of the 16 rows in row p), then for every 32 tokens four tiles of sums over all groups, 0
    and 1 the two blocks' for the first 16 tokens, 2 and 3 for the next 16 (activations: tiles 4 and 5, 16 tokens ×
    32 channels each; weights: tiles 6 and 7), so that each tile load serves two products; then stored and moved
-   into y (+ bias). One block at a time with four tiles of tokens was slower on the demo target's shapes (down
-   projection, 256 tokens, separate runs: 7.95 against 4.95 ms); unpacking the next pair between this pair's products,
-   slower too. */
+   into y (+ bias). One block at a time with four tiles of tokens was slower, and so was unpacking the next pair
+   between this pair's products. */
 
 /* 1 where the CPU has AMX-BF16 too and the tiles may be used (specdec_amx_ready), else 0. */
 int specdec_amx_bf16_ready(void) {
@@ -284,6 +281,7 @@ int specdec_q4_linear_bf16(int layout, int threads, const float *x, int64_t M, i
 
 #else /* SPECDEC_NO_AMX: never called, since isa 3 needs specdec_amx_ready */
 
+#include "kernels.h"
 #include "q4_layout.h"
 
 int specdec_amx_ready(void) { return 0; }

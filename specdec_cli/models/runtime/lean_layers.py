@@ -1,10 +1,9 @@
 """A leaner forward for the decoder layers of Llama- and Qwen2-style models quantised to int8 or q4.
 
-Why: with specdec's own matmuls a one-token forward of the 1.5B demo target spends ~18 of ~55 ms outside
-the matmuls (0.5B draft: ~10 of ~23 ms), most of it in per-call overhead: transformers' layer makes ~13
-module calls and ~60 tensor operations. Here a layer makes one matmul call for q, k and v together, one
-for gate and up together, one C call per RMSNorm (layer_kernels.c), and the rotary embedding once for q and k
-together.
+Why: with specdec's own matmuls a one-token forward spends a large part of its time outside the matmuls,
+most of it in per-call overhead: transformers' layer makes ~13 module calls and ~60 tensor operations. Here a
+layer makes one matmul call for q, k and v together, one for gate and up together, one C call per RMSNorm
+(native/layer_kernels.c), and the rotary embedding once for q and k together.
 
 The arithmetic is transformers' own, element for element: the projections are the same rows of the same
 int8/q4 weights (a fused layer's rows are computed exactly as the separate layers' rows were), and the one
@@ -15,11 +14,10 @@ positions are transformers' too, so trees, batches and caches behave as before.
 
 Where a forward is a batch of one in float32 with a causal or boolean mask (every forward of the engine's
 caches) and the C kernels run, the layer goes further: the two halves around its attention are one C call each
-(layer_kernels.c: norm, q/k/v, rotary; o, residual, norm, gate/up, SiLU, down, residual) and the attention is
-specdec's C attention (rowwise_attention.py), so a layer is three calls and the cache update instead of ~45
-torch operations (1-token forward of the 1.5B target: ~11 ms outside the matmuls before). Its SiLU takes
-exp from layer_kernels.c, not torch's, so these logits equal transformers' up to rounding (tested), and still
-each row's alone.
+(native/layer_kernels.c: norm, q/k/v, rotary; o, residual, norm, gate/up, SiLU, down, residual) and the attention is
+specdec's C attention (native/attention.c, through runtime/attention.py), so a layer is three calls and the cache
+update instead of ~45 torch operations. Its SiLU takes exp from native/vector_math.h (exp_avx2), not torch's, so
+these logits equal transformers' up to rounding (tested), and still each row's alone.
 
 A decoder (LlamaModel, Qwen2Model) all of whose layers are lean goes one step further for a batch of one over
 the engine's growing cache: its whole forward in one call into C (decoder_stack.py).
@@ -31,21 +29,20 @@ from __future__ import annotations
 
 import ctypes
 import sys
-import types
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from specdec_cli.models import int8_kernel, q4
-from specdec_cli.models.int8 import PerTokenInt8Linear
-from specdec_cli.models.q4 import Q4Linear
-from specdec_cli.models.rowwise_attention import attend_rows
+from specdec_cli.models.formats import q4
+from specdec_cli.models.formats.int8 import PerTokenInt8Linear
+from specdec_cli.models.formats.q4 import Q4Linear
+from specdec_cli.models.native import binding
+from specdec_cli.models.runtime.attention import attend_rows
 
 LEAN_CLASSES = ("LlamaDecoderLayer", "Qwen2DecoderLayer")
-STACK_CLASSES = ("LlamaModel", "Qwen2Model")  # their forward: embed, mask, rotary, the layers, norm
 
 
-def _fused(layers: list[torch.nn.Module]) -> torch.nn.Module:
+def fused(layers: list[torch.nn.Module]) -> torch.nn.Module:
     """One layer whose output rows are `layers`' rows side by side, computed the same way."""
     if all(isinstance(layer, Q4Linear) for layer in layers):
         kind, bias, width = type(layers[0]), _fused_bias(layers), layers[0].in_features
@@ -70,7 +67,7 @@ def _fused_bias(layers: list[torch.nn.Module]) -> torch.Tensor | None:
     return torch.cat([layer.bias if layer.bias is not None else torch.zeros(layer.out_features) for layer in layers])
 
 
-def _takes(layer: torch.nn.Module) -> bool:
+def takes_lean_forward(layer: torch.nn.Module) -> bool:
     if type(layer).__name__ not in LEAN_CLASSES:
         return False
     attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
@@ -82,37 +79,10 @@ def _takes(layer: torch.nn.Module) -> bool:
             and type(layer.input_layernorm).__name__.endswith("RMSNorm"))
 
 
-def use_lean_layers(model: torch.nn.Module) -> torch.nn.Module:
-    """Fuse q/k/v and gate/up and give every decoder layer that `_takes` the lean forward, in place; a decoder
-    (the layers' parent model) all of whose layers take it gets the decoder stack's forward (decoder_stack.py)."""
-    for layer in model.modules():
-        if not _takes(layer):
-            continue
-        attention, mlp = layer.self_attn, layer.mlp
-        attention.qkv_proj = _fused([attention.q_proj, attention.k_proj, attention.v_proj])
-        attention.qk_sizes = (attention.q_proj.out_features, attention.k_proj.out_features)
-        del attention.q_proj, attention.k_proj, attention.v_proj
-        mlp.gate_up_proj = _fused([mlp.gate_proj, mlp.up_proj])
-        del mlp.gate_proj, mlp.up_proj
-        layer.forward = types.MethodType(lean_forward, layer)
-    from specdec_cli.models.decoder_stack import stack_forward  # it builds on this module
-
-    for decoder in model.modules():
-        if type(decoder).__name__ in STACK_CLASSES and _all_lean(decoder):
-            decoder.forward = types.MethodType(stack_forward, decoder)
-            decoder.norm.forward = types.MethodType(lean_norm, decoder.norm)
-    return model
-
-
-def _all_lean(decoder: torch.nn.Module) -> bool:
-    layers = getattr(decoder, "layers", None)
-    return bool(layers) and all(getattr(layer.forward, "__func__", None) is lean_forward for layer in layers)
-
-
 def _rms_norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """RMSNorm in one C call (int8_kernel: ~6 µs for one token, torch's CPU rms_norm ~35 µs) where the
-    kernels run and the model computes in float32; else transformers' own module's forward."""
-    library, _, problem = int8_kernel._library()
+    """RMSNorm in one C call (through native/binding.py: a fraction of the per-call cost of torch's CPU rms_norm)
+    where the kernels run and the model computes in float32; else transformers' own module's forward."""
+    library, _, problem = binding.library()
     if problem or hidden.dtype != torch.float32 or norm.weight.dtype != torch.float32:
         return type(norm).forward(norm, hidden)  # the module's own (a decoder's norm calls this: `lean_norm`)
     hidden = hidden.contiguous()
@@ -138,7 +108,7 @@ def _rotate(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class CLinear(ctypes.Structure):
-    """One projection for layer_kernels.c (its `specdec_linear`)."""
+    """One projection for the C layers (native/kernels.h's `specdec_linear`: the same fields in order)."""
 
     _fields_ = [("kind", ctypes.c_int64), ("in_features", ctypes.c_int64), ("out_features", ctypes.c_int64),
                 ("width", ctypes.c_int64), ("limit", ctypes.c_int64), ("packed", ctypes.c_void_p),
@@ -146,7 +116,7 @@ class CLinear(ctypes.Structure):
 
 
 def _described(layer: torch.nn.Module) -> CLinear | None:
-    """`layer` as layer_kernels.c takes it, or None where it runs another way (int8 on oneDNN)."""
+    """`layer` as the C layers take it, or None where it runs another way (int8 on oneDNN)."""
     bias = None if layer.bias is None else layer.bias.data_ptr()
     if isinstance(layer, Q4Linear):
         packed = layer.packed_weight
@@ -182,7 +152,7 @@ def c_projections(layer: torch.nn.Module) -> tuple[CLinear, ...] | None:
 
 def layer_projections(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
     """A lean layer's four projections (q/k/v, o, gate/up, down), read from the modules' own dicts: nn.Module's
-    attribute lookup costs ~1 µs a name, and the decoder stack asks for them every forward."""
+    attribute lookup is slow next to a dict's, and the decoder stack asks for them every forward."""
     attention, mlp = layer._modules["self_attn"]._modules, layer._modules["mlp"]._modules
     return attention["qkv_proj"], attention["o_proj"], mlp["gate_up_proj"], mlp["down_proj"]
 
@@ -190,7 +160,7 @@ def layer_projections(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
 def address(projection: torch.nn.Module) -> int:
     """Where a projection's packed weight lies; 0 for oneDNN's (a prepacked tensor without storage, whose address
     cannot be taken; the C never reads it): an int8 layer without specdec's kernel (no C compiler, not x86-64,
-    SPECDEC_INT8_KERNEL=onednn)."""
+    SPECDEC_KERNELS=onednn)."""
     if not projection.__dict__.get("own_kernel", True):
         return 0
     return projection._buffers["packed_weight"].data_ptr()
@@ -207,13 +177,13 @@ def layer_in_c(layer: torch.nn.Module) -> bool:
     return (attention.config._attn_implementation in ("specdec_rowwise", "sdpa")
             and getattr(attention, "sliding_window", None) is None
             and layer.input_layernorm.weight.dtype == layer.post_attention_layernorm.weight.dtype == torch.float32
-            and int8_kernel._library()[2] is None)
+            and binding.library()[2] is None)
 
 
 def _forward_in_c(self, projections: tuple[CLinear, ...], hidden_states: torch.Tensor, attention_mask, cache,
                   position_embeddings, kwargs) -> torch.Tensor:
     """The layer as three C calls and the cache update (see the module): hidden (1, T, H) → (1, T, H)."""
-    library, isa, _ = int8_kernel._library()
+    library, isa, _ = binding.library()
     attention, threads = self.self_attn, torch.get_num_threads()
     tokens, width = hidden_states.shape[1:]
     hidden = hidden_states.contiguous()

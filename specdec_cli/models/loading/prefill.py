@@ -2,17 +2,15 @@
 AMX-BF16 with its own weights (`AmxPromptPath`), else with a bfloat16 copy of its decoder.
 
 Why: a prompt's forward is arithmetic, not memory. specdec's q4 and int8 matmuls multiply on the vector unit
-(VNNI), or for q4 on AMX's tiles with a float step per group of 32 and token, so a q4 target reads a 700-token prompt
-in ~4.1 s on the 2-core Intel Xeon with AMX, where oneDNN's bfloat16 matmul on AMX's tiles reads it with the same
-weights in bfloat16 in ~1.6 s; the tokens after the prompt are still decoded and verified by the quantised target,
-which is what is fast for 1-20 tokens.
+(VNNI), or for q4 on AMX's tiles with a float step per group of 32 and token, so on a CPU with AMX a q4 target reads
+a long prompt far slower than oneDNN's bfloat16 matmul on AMX's tiles reads it with the same weights in bfloat16
+(docs/cpu-runtime.md, "Reading the prompt"); the tokens after the prompt are still decoded and verified by the
+quantised target, which is what is fast for the few tokens of a decoding step.
 
 The AMX path (q4 on a CPU with AMX-BF16: `amx_reads`) needs no copy: the C decoder stack with q4_amx.c's bfloat16
 matmul (isa 4: each weight's exact value rounded to bfloat16, the matmul's inputs rounded to bfloat16, products
-summed in float32 on the tiles; norms, attention and the residual stream in float32 as the target has them).
-scripts/prompt_read_ab.py, demo target, Intel Xeon AMX (benchmarks/2026-12-06-prompt-read-ab-amx-bf16-intel-amx.json):
-24 / 64 / 256 / 700 tokens 0.13 / 0.27 / 1.31 / 4.12 s by q4 itself, 0.10 / 0.15 / 0.55 / 1.80 s this way, and the
-copy 0.20 / 0.29 / 0.56 / 1.63 s — without the copy's 2.9 GB and its load.
+summed in float32 on the tiles; norms, attention and the residual stream in float32 as the target has them). It
+reads about as fast as the copy, without the copy's memory and its load.
 
 The bfloat16 copy (an int8 target, or a CPU without AMX-BF16) is the target's own weights loaded again without
 quantisation (for a .gguf, its dequantised values), its decoder only: the embedding rows come from the quantised
@@ -29,7 +27,7 @@ loaded), where `specdec calibrate` timed the path reading a prompt at least GAIN
 machine, or, not calibrated, on a CPU with AMX-BF16; `bf16` asks for it (refused in one line where it cannot
 be); `none` keeps it off.
 Only prompt parts of `min_tokens` or more go through it: AMX_MIN_TOKENS for the AMX path, MIN_TOKENS for the copy
-(below ~100 tokens q4 reads as fast as the copy).
+(shorter parts q4 reads as fast itself).
 
 `chat` loads the copy in a thread of its own (`LoadingPath`) while the first message is typed: its start is the
 quantised pair's; a message sent before the load is done waits for it (the load and a forward never run at once:
@@ -45,13 +43,13 @@ import torch
 from specdec_cli.engine.cache_layers import new_cache
 from specdec_cli.engine.kv import PREFILL_PATH, full_attention, prefill_path
 from specdec_cli.errors import InputError, InsufficientMemoryError, ModelLoadError, SpecdecError
-from specdec_cli.models import preflight
 from specdec_cli.models.device import cpu_flags
+from specdec_cli.models.loading import preflight
 
 SETTINGS = ("auto", "bf16", "none")
-# Prompt parts shorter than this are left to the target itself. Intel Xeon AMX, q4 demo target, a decoder forward
-# of n tokens, q4 against the copy: 32: 170 vs 200 ms, 64: 321 vs 287, 128: 752 vs 425; but the copy reads all but
-# the last token, which q4 then reads alone (~40 ms): a 75-token prompt's first step took 0.40 s that way, 0.37 in q4.
+# Prompt parts shorter than this are left to the target itself: the copy's lead over q4 grows with the tokens of a
+# forward, and the copy reads all but the last token, which q4 then reads in a forward of its own, so a shorter part
+# gains nothing.
 MIN_TOKENS = 128
 DECODERS = ("LlamaModel", "Qwen2Model")
 AMX_FLAGS = {"amx_bf16", "amx_tile"}
@@ -89,9 +87,8 @@ class PrefillPath:
 
 
 AMX_ISA = 4  # the C library's isa for a prompt read: q4's bfloat16 matmul on AMX (q4_amx.c)
-AMX_MIN_TOKENS = 24  # prompts this long or more: fewer read as fast in q4 (16 tokens: ×0.9 of q4's own read)
-# Tokens a forward at most: a 700-token prompt read 512 + 188 took 1.98 s, 256 + 256 + 188 1.64 s, 128 at a time 1.73
-# (demo target, Intel Xeon AMX).
+AMX_MIN_TOKENS = 24  # prompts this long or more: fewer read as fast in q4 itself
+# Tokens a forward at most: a long prompt read in pieces of this size went faster than in larger or smaller ones.
 AMX_PIECE = 256
 
 
@@ -100,7 +97,7 @@ class AmxPromptPath:
     isa 4): each weight its exact value rounded to bfloat16, each matmul input rounded to bfloat16, their products
     summed in float32 on AMX's tiles; everything else (norms, attention, the residual stream) in float32 as the
     target computes it. No copy: no memory, nothing to load. Faster than the target's own q4 read from AMX_MIN_TOKENS
-    tokens on (demo target, Intel Xeon AMX: 32 / 64 / 256 tokens ×1.3 / ×1.7 / ×2.4). Its rows do not depend on how
+    tokens on, the more so the longer the prompt. Its rows do not depend on how
     many the forward holds, at any count (tested; attention is the target's row by row), so the rest of a prompt
     whose start is cached already reads as the whole prompt would (`row_exact`: kv.py's `prefill(fresh=True)`, how
     `run` and chat's /reset keep a shared prefix). Only where the CPU has AMX-BF16 (`amx_reads`)."""
@@ -116,7 +113,7 @@ class AmxPromptPath:
     @torch.inference_mode()
     def __call__(self, cache, new_ids: list[int]) -> None:
         """Append `new_ids`' keys and values, after the entries `cache` (the engine's) holds."""
-        from specdec_cli.models.decoder_stack import read_prompt
+        from specdec_cli.models.runtime.decoder_stack import read_prompt
 
         pieces = -(-len(new_ids) // AMX_PIECE)
         size = -(-len(new_ids) // pieces)  # even pieces: none below AMX_MIN_TOKENS where the whole is not
@@ -130,7 +127,7 @@ def reads_on_amx(quantization: str | None, flags: set[str] | None = None) -> boo
     """Whether a target in `quantization` reads its prompts on AMX with its own weights (an AmxPromptPath) rather than
     through a copy, where it reads in bfloat16 at all: q4 on a CPU with AMX-BF16 (`flags`: this CPU's where None).
     What `resolve` and `run`'s stored settings go by, before anything is loaded (`amx_reads` checks the model too)."""
-    from specdec_cli.models.quant import canonical
+    from specdec_cli.models.formats.quant import canonical
 
     return canonical(quantization) == "q4" and _has_amx(flags)
 
@@ -138,12 +135,12 @@ def reads_on_amx(quantization: str | None, flags: set[str] | None = None) -> boo
 def amx_reads(target, flags: set[str] | None = None) -> bool:
     """Whether `target` (a LoadedModel) reads its prompts through an AmxPromptPath rather than a copy: a q4 model whose
     decoder runs in C, on a CPU with AMX-BF16 (`flags`, where given, stand for this CPU's) that the library can use."""
-    from specdec_cli.models import int8_kernel
-    from specdec_cli.models.decoder_stack import stacks_in_c
+    from specdec_cli.models.native import binding
+    from specdec_cli.models.runtime.decoder_stack import stacks_in_c
 
     if not reads_on_amx(getattr(target, "quantization", None), flags):
         return False
-    library, isa, problem = int8_kernel._library()
+    library, isa, problem = binding.library()
     decoder = getattr(target.model, "model", None)
     return (problem is None and isa == 3 and bool(library.specdec_amx_bf16_ready()) and decoder is not None
             and stacks_in_c(decoder))
@@ -154,8 +151,9 @@ GAIN = 1.2  # a calibrated copy must read a prompt at least this much faster tha
 
 def _pays(model: str, quantization: str, flags: set[str] | None) -> bool:
     """Whether the copy reads prompts faster here: as `specdec calibrate` timed both on this machine (a 256-token
-    prompt), else by the CPU: with AMX-BF16 (measured: ×2-3 on an Intel Xeon), not without (not measured there)."""
-    from specdec_cli.models.calibrate import calibrated_prompt_read
+    prompt), else by the CPU: with AMX-BF16, not without (bfloat16 has no arithmetic edge over q4 without AMX's
+    tiles)."""
+    from specdec_cli.models.formats.calibration import calibrated_prompt_read
 
     measured = calibrated_prompt_read(model, quantization)
     if measured is not None:
@@ -216,7 +214,7 @@ def resolve(setting: str, device: torch.device, target: str, quantization: str |
         return setting
     from transformers import AutoConfig
 
-    from specdec_cli.models.resolve import local_config_folder
+    from specdec_cli.models.loading.resolve import local_config_folder
 
     folder = local_config_folder(target)
     if folder is None or device.type != "cpu" or quantization not in ("q4", "int8"):
@@ -264,7 +262,7 @@ def attach(target, trust_remote_code: bool = False, allow_pickle: bool = False, 
 def load_copy(target, min_tokens: int = MIN_TOKENS, trust_remote_code: bool = False, allow_pickle: bool = False,
               progress: bool = True) -> PrefillPath:
     """A PrefillPath over the target's (a LoadedModel's) weights loaded again in bfloat16, not attached."""
-    from specdec_cli.models.loaded import load_model
+    from specdec_cli.models.loading.loaded import load_model
 
     copy = load_model(target.name, device="cpu", dtype="bfloat16", quantization="none",
                       trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, progress=progress)
@@ -272,8 +270,8 @@ def load_copy(target, min_tokens: int = MIN_TOKENS, trust_remote_code: bool = Fa
 
 
 def warm(path: PrefillPath, config) -> None:
-    """One read: the copy's weights come in from the file on its first forward (~0.9 s of a 700-token read on the
-    demo target), which would otherwise land on whichever generation reads a prompt first."""
+    """One read: the copy's weights come in from the file on its first forward (a large part of that read),
+    which would otherwise land on whichever generation reads a prompt first."""
     path(new_cache(config), [0] * path.min_tokens)
 
 

@@ -1,16 +1,16 @@
 /* Two passes over a vocabulary-wide row that a sampled step makes several times (engine/sampling.py): the k best
-   scores of each row, and the ids of a distribution's nonzero entries. A sampled step of the demo pair ran
-   3.5-4.8 ms outside its forwards against greedy's 1.2-1.5, most of it torch passes over 152k-wide rows that
-   a forward had just pushed out of the caches (top-k of 3 target rows: 0.82 ms there, 0.39 ms warm; a
-   sample's torch.nonzero: 0.19 ms). Each is one read of the row here: a comparison of 32 floats at a time
-   against the k-th best so far (or zero), the rare hits handled one by one.
+   scores of each row, and the ids of a distribution's nonzero entries. In torch each is several passes over
+   vocabulary-wide rows that a forward has just pushed out of the caches; here each is one read of the row: a
+   comparison of 32 floats at a time against the k-th best so far (or zero), the rare hits handled one by one.
 
-   Built with the matmul kernels into one library by int8_kernel.py; called through ctypes (row_kernels.py).
+   Built with the matmul kernels into one library by binding.py; called through ctypes (rows.py).
    AVX2 code only: it runs on every CPU the library runs on, and a row is read at memory speed either way. */
 
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+
+#include "kernels.h"
 
 /* Put (value, id) into the k slots (best first), after every slot whose value is at least as large: among
    equal values the id seen first stays first. The caller checked value > values[k - 1]. */

@@ -5,7 +5,7 @@ that made it: a conversion bug fixed by an upgrade (or brought by one) gets a fr
 being read back from the cache for ever. One process converts a file at a time (paths.one_maker), only where
 the disk and the free RAM hold it, and a cached conversion found damaged is converted again. Each load also
 removes the conversions the one it reads supersedes (`superseded_conversions`), once they have gone unread for a
-week (KEEP_UNUSED_SECONDS): without that, every upgrade of transformers left the demo pair's 4.6 GB behind, and the
+week (KEEP_UNUSED_SECONDS): without that, every upgrade of transformers left the old conversions behind, and the
 disk filled with specdec's own dead entries."""
 
 from __future__ import annotations
@@ -25,10 +25,9 @@ from typing import Iterator
 import torch
 
 from specdec_cli.errors import InsufficientMemoryError, MissingExtraError, ModelLoadError
-from specdec_cli.models.device import dtype_name
-from specdec_cli.models.gguf_q4 import element_count
+from specdec_cli.models.device import available_memory_bytes, dtype_name, format_gib
+from specdec_cli.models.formats.gguf_q4 import element_count
 from specdec_cli.models.paths import atomic_folder, cache_dir, check_room, one_maker
-from specdec_cli.models.preflight import available_memory_bytes, format_gib
 from specdec_cli.models.progress import status
 
 
@@ -81,8 +80,8 @@ _SHARED_READERS: list[dict[Path, object]] = []
 def shared_readers() -> Iterator[None]:
     """While it lasts, every gguf.GGUFReader of one file is the same reader. A first load of a .gguf reads it
     for the memory pre-flight's config, the tokenizer, then (transformers) for the conversion's config,
-    weights and tokenizer again, and each read parses every metadata value (the vocabulary: ~150,000
-    strings), ~7 s a read of either demo file. transformers imports GGUFReader from gguf when it reads, so a
+    weights and tokenizer again, and each read parses every metadata value (the vocabulary: a string per
+    token), seconds a read. transformers imports GGUFReader from gguf when it reads, so a
     version that imports it otherwise just reads as often as before. Re-entrant; a file's reader (its numpy
     views of the metadata, its mapped weights) is let go after the file's conversion, the rest at the end."""
     if _SHARED_READERS or importlib.util.find_spec("gguf") is None:  # no gguf: reading a .gguf says what to install
@@ -157,7 +156,7 @@ def ensure_converted(path: Path, dtype: torch.dtype, identity: str | None = None
 
 # How long a superseded conversion stays unread before it goes: another install beside this one (another venv with
 # another transformers, sharing the home) still reads its own, and removing it at once made the two convert in turn
-# at every start (minutes, ~6 GB of memory for the demo target each time).
+# at every start (a long conversion holding gigabytes of memory, each time).
 KEEP_UNUSED_SECONDS = 7 * 24 * 3600
 
 
@@ -218,8 +217,8 @@ def superseded_conversions(path: Path, dtype: torch.dtype, identity: str | None 
 
 
 # What a conversion holds at its peak, in multiples of the converted weights' size: transformers keeps every
-# dequantised tensor and the model's own copy (measured, peak RSS over the process's start, the file's mapped pages
-# included: the demo target 5.4 GB for 3.55 GB of bfloat16, the draft 2.8 GB for 1.26 GB).
+# dequantised tensor and the model's own copy (read from the demo pair's conversions: peak RSS over the process's
+# start, the file's mapped pages included).
 CONVERSION_MEMORY = 1.6
 
 
@@ -235,7 +234,7 @@ def _check_memory(path: Path, needed: int) -> None:
 
 def conversion_problem(folder: Path) -> str | None:
     """What is wrong with a finished conversion folder, read from its files' sizes and safetensors headers only
-    (milliseconds): no config, no weights, a shard its index names missing, a file shorter or longer than its
+    (no tensor data is read): no config, no weights, a shard its index names missing, a file shorter or longer than its
     header says. None where nothing is."""
     if not (folder / "config.json").is_file():
         return "no config.json"
