@@ -25,7 +25,7 @@ from specdec_cli.drafters import NgramDrafter
 from specdec_cli.engine import SamplingParams
 from specdec_cli.engine.batched import BatchedDecoder, RowRequest
 from specdec_cli.models import load_model
-from specdec_cli.models.calibrate import machine
+from specdec_cli.models.formats.calibration import machine
 from specdec_cli.session import build_batched_decoder, encode_chat, eos_token_ids, forward_curve
 
 SPEC_BENCH = "../shared/prompts/spec_bench_questions.jsonl"

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from specdec_cli.models.calibrate import TOKEN_COUNTS, machine, measure_forward_costs, save_calibration
+from specdec_cli.models.calibrate import TOKEN_COUNTS, measure_forward_costs
+from specdec_cli.models.formats.calibration import machine, save_calibration
 from specdec_cli.profiles import load_profile
 
 

@@ -28,12 +28,28 @@ from pathlib import Path
 
 import torch
 
-from kernel_ab import spec_bench_prompts
 from specdec_cli.engine import SamplingParams
-from specdec_cli.models.calibrate import machine
+from specdec_cli.models.formats.calibration import machine
+from specdec_cli.session import encode_chat
 
 ENGINES = ("llama.cpp alone", "llama.cpp speculative", "specdec alone", "specdec cascade")
 NEW_TOKENS = 128
+
+
+QUESTIONS = Path(__file__).resolve().parents[1].parent / "shared/prompts/spec_bench_questions.jsonl"
+
+
+def spec_bench_prompts(tokenizer, system: str | None, count: int, per_category: int = 1) -> list[list[int]]:
+    """The first Spec-Bench question of each of the first `count` categories, as `compare` encodes them: the chat
+    template, with the profile's system prompt where it has one. per_category > 1: the first questions of every
+    category round-robin (each category's first, then each one's second, ...), `count` of them."""
+    by_category: dict[str, list[str]] = {}
+    for line in QUESTIONS.read_text().splitlines():
+        question = json.loads(line)
+        by_category.setdefault(question["category"], []).append(question["turns"][0])
+    texts = [questions[i] for i in range(per_category) for questions in by_category.values() if i < len(questions)]
+    system_turn = [{"role": "system", "content": system}] if system else []
+    return [encode_chat(tokenizer, [*system_turn, {"role": "user", "content": text}]) for text in texts[:count]]
 
 
 def main() -> None:

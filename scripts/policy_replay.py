@@ -30,19 +30,32 @@ from pathlib import Path
 import torch
 
 from specdec_cli.drafters.subset_head import draft_vocabulary, shared_subset_head
-from specdec_cli.engine import DraftOrNot, SamplingParams
+from specdec_cli.engine import SamplingParams
 from specdec_cli.engine.kv import CachedModel
 from specdec_cli.engine.policy import VerifyCost
 from specdec_cli.models import load_model
-from specdec_cli.models.calibrate import machine
+from specdec_cli.models.formats.calibration import machine
 from specdec_cli.session import (
-    AUTO_MAX_K, DRAFT_WINDOW, build_decoder, draft_rule, encode_chat, forward_curve, make_policy,
+    AUTO_MAX_K, DRAFT_WINDOW, build_decoder, encode_chat, forward_curve, make_policy,
 )
 
-from draft_levers import CutOnOdds  # the odds cut before it divided by the next token's acceptance
-from levers import spec_bench  # scripts/levers.py: Spec-Bench questions, n per category
 
 STEP_OVERHEAD = 0.0017  # seconds of the engine's own work per speculative step (scripts/step_overhead.py)
+
+
+QUESTIONS = Path(__file__).resolve().parents[1].parent / "shared/prompts/spec_bench_questions.jsonl"
+
+
+def spec_bench(n_per_category: int) -> list[tuple[str, str]]:
+    """(category, first turn) of the first `n_per_category` Spec-Bench questions of each category."""
+    taken: dict[str, int] = {}
+    prompts = []
+    for line in QUESTIONS.read_text().splitlines():
+        record = json.loads(line)
+        if taken.get(record["category"], 0) < n_per_category:
+            taken[record["category"]] = taken.get(record["category"], 0) + 1
+            prompts.append((record["category"], record["turns"][0]))
+    return prompts
 
 
 def record(target, draft, questions, max_new_tokens: int) -> list[dict]:
@@ -252,7 +265,6 @@ def main() -> None:
     target_curve = {n: one * (1 + args.verify_scale * (seconds / one - 1)) for n, seconds in target_curve.items()}
     verify = VerifyCost(target_curve)
     draft_seconds = args.draft_ms / 1000 if args.draft_ms else draft_token_seconds(draft)
-    auto = lambda policy=DraftOrNot: policy(max_k=AUTO_MAX_K, rule=draft_rule("auto"), verify_curve=target_curve)  # noqa: E731
     if args.windows:
         sizes = [None if size == "all" else int(size) for size in args.windows.split(",")]
         result = windows(sequences, draft, target, sizes, lambda: make_policy("auto", verify_curve=target_curve),
@@ -265,7 +277,6 @@ def main() -> None:
                            "step_overhead": STEP_OVERHEAD} | result, file, indent=1)
         return
     choices = {"shipped (make_policy auto)": PolicyChoice(lambda: make_policy("auto", verify_curve=target_curve)),
-               "odds cut before (no next-token acceptance)": PolicyChoice(lambda: auto(CutOnOdds)),
                **{f"fixed odds cut {cut}": FixedCut(cut) for cut in (0.3, 0.5, 0.6, 0.7, 0.8, 0.9)},
                "oracle (drafts to the first rejection)": Oracle()}
     rows = {}
