@@ -32,8 +32,8 @@ class Profile:
     description: str = ""
     dtype: str = "auto"
     device: str = "auto"
-    target_quantization: str | None = None  # None | "4bit" | "8bit" | "int8"
-    draft_quantization: str | None = None
+    target_quantization: str | None = None  # a format name ("none" too); unset: `gguf_target_format`
+    draft_quantization: str | None = "auto"  # any format that runs here: it never changes the output
     target_auto_formats: tuple[str, ...] | None = None  # what target_quantization "auto" may pick (None: none, int8)
     k: str | int = "auto"  # draft length: "auto" (adaptive) or a fixed number of tokens
     temperature: float = 0.7
@@ -183,7 +183,6 @@ def _parse(name: str, path: Path) -> Profile:
     _check_drafter(path, drafter, data.get("draft"))
     if drafter == "ngram":
         data = {**data, "draft": None, "draft_quantization": None}
-    data = {key: None if key.endswith("_quantization") and value == "none" else value for key, value in data.items()}
     if "target_auto_formats" in data:
         data["target_auto_formats"] = tuple(data["target_auto_formats"])
     for key in ("target", "draft"):
@@ -230,3 +229,32 @@ def load_profile(name: str) -> Profile:
         known = ", ".join(sorted(files)) or "none"
         raise ProfileError(f"unknown profile {name!r}", f"known profiles: {known}; add one in {user_profiles_dir()}")
     return _parse(name, files[name])
+
+
+# llama.cpp's names for files whose layers are mostly 4-bit blocks q4 keeps as they are (Q4_0, Q4_1, Q4_K_S, Q4_K_M, Q4_K_L):
+# a file's name, or a hub tag, carries it (the demo pair's files too); IQ4 and 5-to-8-bit types are not among them.
+_FOUR_BIT_GGUF = re.compile(r"(?:^|[^a-z0-9])q4_(?:0|1|k(?:_[sml])?)(?:\.gguf)?$", re.IGNORECASE)
+
+
+def four_bit_gguf(spec: str) -> bool:
+    """Whether `spec` names a .gguf of 4-bit layers by its quantisation tag: a local file's name, a hub repository's
+    file by tag (`org/name:Q4_K_M`), or a demo model."""
+    from specdec_cli.models.loading.demo import DEMO_MODELS, DEMO_PREFIX
+    from specdec_cli.models.loading.hub import gguf_tag
+
+    demo = DEMO_MODELS.get(spec.removeprefix(DEMO_PREFIX)) if spec.startswith(DEMO_PREFIX) else None
+    tagged = gguf_tag(spec)
+    name = demo.file_name if demo else tagged[2] if tagged else Path(spec).name if spec.lower().endswith(".gguf") else ""
+    return _FOUR_BIT_GGUF.search(name) is not None
+
+
+def gguf_target_format(spec: str, device: str) -> str | None:
+    """A target's format where nothing names one: q4 for a .gguf of 4-bit layers on a CPU where q4 runs (it keeps the
+    file's blocks: the weights the user chose), else None (any other model runs as it is given)."""
+    if not four_bit_gguf(spec):
+        return None
+    from specdec_cli.models.device import resolve_device
+    from specdec_cli.models.formats.q4 import kernel_problem
+
+    on_cpu = device == "cpu" or (device == "auto" and resolve_device("auto").type == "cpu")
+    return "q4" if on_cpu and kernel_problem() is None else None

@@ -15,7 +15,7 @@ from specdec_cli.errors import InputError
 from specdec_cli.models import LoadedModel, load_model, load_pair, row_kernels
 from specdec_cli.models.device import dtype_name, resolve_device, resolve_dtype
 from specdec_cli.models.formats.quant import canonical, resolve_auto
-from specdec_cli.profiles import DEFAULT_PROFILE, DRAFTERS, Profile, load_profile
+from specdec_cli.profiles import DEFAULT_PROFILE, DRAFTERS, Profile, gguf_target_format, load_profile
 
 MAX_K = 16
 
@@ -121,10 +121,10 @@ def _drafter_and_draft(base: Profile, draft: str | None, drafter: str | None) ->
 
 
 def _quantizations(base: Profile, flags: ModelOverrides) -> tuple[str | None, str | None]:
-    """Each model's format: its --target-quant / --draft-quant, else what the older flags ask, else the profile's."""
+    """Each model's format: its --target-quant / --draft-quant, else the older flags', the profile's, or the default."""
     older_target, older_draft = _older_quantization_flags(flags)
     target = (_explicit("target", flags.target_quant, older_target is not None) or older_target
-              or base.target_quantization)
+              or base.target_quantization or gguf_target_format(flags.target or base.target, flags.device or base.device))
     draft = (_explicit("draft", flags.draft_quant, older_draft is not None) or older_draft
              or _profile_draft(base, flags))
     return target, draft
@@ -148,7 +148,7 @@ def _older_quantization_flags(flags: ModelOverrides) -> tuple[str | None, str | 
 
 
 def _profile_draft(base: Profile, flags: ModelOverrides) -> str | None:
-    """The profile's draft format, but for an int8 one that --no-draft-int8 drops."""
+    """The profile's draft format (auto where it names none), but for an int8 one that --no-draft-int8 drops."""
     return None if flags.draft_int8 is False and base.draft_quantization == "int8" else base.draft_quantization
 
 
@@ -200,7 +200,7 @@ def load_choice(choice: ModelChoice, console: Printer | None = None,
     console.print(draft.describe("draft") if draft else "draft: n-gram lookup", markup=False)
     if choice.drafter == "tree" and draft is not None:
         say_tree_note(target, draft, console)
-    for note in (*dtype_notes(choice, target, draft), kernels_note(target, draft)):
+    for note in (*dtype_notes(choice, target, draft), kernels_note(target, draft), float_target_note(choice, target)):
         if note:
             console.print(note, markup=False)
     return target, draft
@@ -235,6 +235,29 @@ def kernels_note(target: LoadedModel, draft: LoadedModel | None) -> str | None:
         return None
     return (f"note: {problem}, so int8 runs on torch's oneDNN matmul, several times slower, and q4 cannot run — "
             "install a C compiler (gcc) or set CC to one, then start again")
+
+
+def float_target_note(choice: ModelChoice, target: LoadedModel) -> str | None:
+    """The line for a target left float (no flag or profile asked) on a CPU where a quantised format runs."""
+    if target.device.type != "cpu" or target.quantization or choice.target_quantization is not None:
+        return None
+    from specdec_cli.models.formats.calibration import auto_score, calibrated_seconds
+    from specdec_cli.models.native import binding
+
+    faster = resolve_auto("target", target.device, target.name, target.dtype, ("int8", "q4"))
+    floating, (_, isa, problem) = dtype_name(target.dtype), binding.library()
+    seconds = [calibrated_seconds(target.name, name, floating) for name in (None, faster)]
+    # How much faster than bfloat16 by ISA: the demo target's auto scores, rounded down: AMD EPYC (AVX512-VNNI) ×4.1 q4,
+    # ×3.7 int8 (benchmarks/2026-12-01-forward-costs-avx512-q4-lean.json); Intel Xeon with AMX ×3.8 q4, ×2.4 int8
+    # (benchmarks/2026-12-05-forward-costs-intel-amx.json); none measured on an AVX2-only CPU (1).
+    by_kind = {2: {"q4": "4", "int8": "3.5"}, 3: {"q4": "3.5", "int8": "2"}}
+    figure = None if problem else by_kind.get(isa, {}).get(faster)
+    how_much = f"×{figure} faster here (on this CPU kind)" if figure else "several times faster here"
+    if all(seconds):  # calibrated: no line where it found the format no faster
+        ratio = auto_score("target", seconds[0]) / auto_score("target", seconds[1])
+        how_much = f"×{ratio:.1f} faster here (calibrated)" if ratio >= 1.1 else None
+    return faster and how_much and (f"note: the target runs in {floating}; {faster} runs {how_much} — add --target-quant "
+                                    f"{faster} for that speed (its output may differ slightly from the {floating} weights')")
 
 
 def _read_prompts(choice: ModelChoice, target: LoadedModel, draft: LoadedModel | None, console: Printer,

@@ -33,7 +33,7 @@ def test_the_ngram_profile_has_no_draft():
 
 def test_the_4bit_profile_quantises_the_target_only():
     profile = load_profile("qwen2.5-7b-4bit")
-    assert (profile.target_quantization, profile.draft_quantization) == ("4bit", None)
+    assert (profile.target_quantization, profile.draft_quantization) == ("4bit", "auto")  # a draft unnamed: auto
 
 
 def test_a_user_profile_is_added(specdec_home):
@@ -149,8 +149,8 @@ def test_every_quantisation_name_is_accepted(specdec_home, quantization):
     _user_profile(specdec_home, "q", f'target = "org/big"\ndraft = "org/small"\ntarget_quantization = "{quantization}"\n'
                                      f'draft_quantization = "{quantization}"\n')
     profile = load_profile("q")
-    expected = None if quantization == "none" else quantization  # "none" reads as no quantisation
-    assert (profile.target_quantization, profile.draft_quantization) == (expected, expected)
+    # "none" stays "none": float asked for, which a default (a 4-bit .gguf's q4, the draft's auto) does not replace
+    assert (profile.target_quantization, profile.draft_quantization) == (quantization, quantization)
 
 
 def test_good_values_at_the_edges_are_accepted(specdec_home):

@@ -78,7 +78,8 @@ def test_load_choice_says_once_what_was_chosen(tmp_path):
 
     build_tiny_model(tmp_path / "tiny")
     console = Console(record=True, width=200)
-    target, draft = load_choice(choose(target=str(tmp_path / "tiny"), device="cpu", dtype="float32"), console)
+    target, draft = load_choice(choose(target=str(tmp_path / "tiny"), device="cpu", dtype="float32", target_quant="none"),
+                                console)
     assert draft is None and target.vocab_size == 300
     assert console.export_text().splitlines() == [f"target: {tmp_path / 'tiny'} · cpu · float32", "draft: n-gram lookup"]
 

@@ -18,7 +18,7 @@ def test_profiles_list_shows_every_profile_with_its_pair_and_estimate():
     rows = {line.split("│")[1].strip(): [cell.strip() for cell in line.split("│")[2:6]] for line in result.stdout.splitlines() if line.startswith("│")}
     assert rows["demo (default)"][:2] == ["demo:qwen2.5-coder-1.5b", "demo:qwen2.5-coder-0.5b (+ n-gram)"]
     assert rows["demo-ngram"][1] == "(n-gram)"
-    assert rows["qwen2.5-7b-4bit"] == ["Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct", "target 4bit", "~6.6 GB"]
+    assert rows["qwen2.5-7b-4bit"] == ["Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct", "target 4bit, draft auto", "~6.6 GB"]
     assert rows["llama-3.1-8b"][0] == "meta-llama/Llama-3.1-8B-Instruct"
 
 
@@ -131,3 +131,23 @@ def test_a_profile_whose_local_config_is_broken_still_lists(specdec_home, tmp_pa
     assert_exited(result, 0)
     assert _list_estimate("broken") == "?" and "demo (default)" in result.stdout
     assert _show_estimate("broken") == "?"
+
+
+def test_profiles_list_says_which_profiles_fit_this_machines_free_memory(specdec_home, monkeypatch):
+    """With 10 GiB free: the nf4 7B pair (~6.6 GB) fits, the bf16 one (~16.2 GB) does not, and a profile whose
+    weights cannot be estimated here (no config on this machine, no hint) is unknown."""
+    from specdec_cli.models import device
+
+    monkeypatch.setattr(device, "available_memory_bytes", lambda where: 10 * 1024**3)
+    (specdec_home / "profiles").mkdir(parents=True)
+    (specdec_home / "profiles" / "unsized.toml").write_text('target = "org/not-here"\n')
+    result = run("profiles", "list")
+    assert_exited(result, 0)
+    fits = {line.split("│")[1].strip(): line.split("│")[6].strip() for line in result.stdout.splitlines()
+            if line.startswith("│")}
+    assert fits["qwen2.5-7b-4bit"] == "yes (~6.1 GiB of 10.0 GiB free)"
+    assert fits["qwen2.5-7b"] == "no (needs ~15.1 GiB, 10.0 GiB free)"
+    assert fits["unsized"] == "unknown"
+    shown = run("profiles", "show", "qwen2.5-7b")
+    assert [line.split(None, 2)[2].strip() for line in shown.stdout.splitlines() if line.strip().startswith("fits here")] \
+        == ["no (needs ~15.1 GiB, 10.0 GiB free)"]

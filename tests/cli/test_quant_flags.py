@@ -68,7 +68,7 @@ def test_run_with_an_int8_target_writes_records_naming_nothing_new(tiny_pair, tm
 @pytest.mark.parametrize(("flags", "notes"), [
     (["--target-quant", "int4", "--dtype", "float32"],
      ["note: the target computes in bfloat16, not the float32 asked for: int4 always computes in bfloat16"]),
-    (["--draft-quant", "int8", "--dtype", "bfloat16"],
+    (["--draft-quant", "int8", "--dtype", "bfloat16", "--target-quant", "none"],  # float asked for: no format hint
      ["note: the draft computes in float32, not the bfloat16 asked for: int8 always computes in float32"]),
     (["--target-quant", "int8", "--dtype", "float32"], []),  # honoured: nothing to say
 ])
