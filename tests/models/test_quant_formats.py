@@ -198,7 +198,7 @@ def test_profiles_take_the_new_names_and_none(specdec_home):
     (folder / "cpu.toml").write_text('target = "org/big"\ndraft = "org/small"\n'
                                      'target_quantization = "int4"\ndraft_quantization = "none"\n')
     profile = load_profile("cpu")
-    assert (profile.target_quantization, profile.draft_quantization) == ("int4", None)
+    assert (profile.target_quantization, profile.draft_quantization) == ("int4", "none")
 
 
 @needs_torchao
