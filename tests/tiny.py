@@ -162,22 +162,30 @@ def build_tiny_gguf(path: Path, seed: int = 0):
 
 
 def random_blocks(kind: str, rows: int, width: int, generator):
-    """(rows, width/block · block bytes) uint8: random ggml blocks of `kind` (Q4_0, Q4_1 or Q4_K: any levels and
-    6-bit scales), their float16 steps and minimums those of a sane tiny model (|w| < 0.3)."""
+    """(rows, width/block · block bytes) uint8: random ggml blocks of `kind` (Q4_0, Q4_1, Q4_K, Q5_0, Q8_0 or Q6_K: any
+    levels and scales), their float16 steps (and minimums) those of a sane tiny model (|w| < 0.3)."""
     import numpy as np
 
-    channels, size = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}[kind]
+    channels, size = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q5_0": (32, 22), "Q8_0": (32, 34),
+                      "Q6_K": (256, 210)}[kind]
     blocks = generator.integers(0, 256, size=(rows * width // channels, size), dtype=np.uint8)
-    ranges = {"Q4_0": [(0.005, 0.02)], "Q4_1": [(0.005, 0.015), (-0.1, 0.0)], "Q4_K": [(1e-4, 3e-4)] * 2}[kind]
-    for index, (low, high) in enumerate(ranges):  # d; then m (Q4_1) or dmin (Q4_K)
-        blocks[:, 2 * index:2 * index + 2] = generator.uniform(low, high, (len(blocks), 1)).astype(np.float16).view(np.uint8)
+    # (byte offset, low, high) of each float16 in a block: d first (Q6_K: last), then m (Q4_1) or dmin (Q4_K)
+    halves = {"Q4_0": [(0, 0.005, 0.02)], "Q4_1": [(0, 0.005, 0.015), (2, -0.1, 0.0)],
+              "Q4_K": [(0, 1e-4, 3e-4), (2, 1e-4, 3e-4)], "Q5_0": [(0, 0.002, 0.01)], "Q8_0": [(0, 1e-4, 1e-3)],
+              "Q6_K": [(208, 1e-5, 5e-5)]}[kind]
+    for offset, low, high in halves:
+        blocks[:, offset:offset + 2] = generator.uniform(low, high, (len(blocks), 1)).astype(np.float16).view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
-def build_4bit_gguf(path: Path, arch: str = "qwen2", kind: str = "Q4_K", seed: int = 0) -> dict:
+def build_4bit_gguf(path: Path, arch: str = "qwen2", kind: str = "Q4_K", seed: int = 0, kinds: dict | None = None,
+                    split_max_tensors: int = 0, sizes: tuple[int, int, int] | None = None) -> dict:
     """A tiny random `arch` model (hidden 256: Q4_K needs rows of 256) written as a `.gguf` whose Linear weights are
     random `kind` blocks (Q4_0, Q4_1 or Q4_K, as most of a Q4_K_M file's are), the rest F32. llama's q/k rows are
-    stored as written, so transformers' reordering of them on load moves them. Returns {gguf tensor name: bytes}."""
+    stored as written, so transformers' reordering of them on load moves them. Returns {gguf tensor name: bytes}.
+    kinds: {a piece of a gguf tensor name ("ffn_down"): its kind instead}; split_max_tensors: write a split set of
+    parts of that many tensors (`path`'s name then gets -00001-of-0000N); sizes: (hidden, intermediate, layers)
+    instead of (256, 512, the tiny config's)."""
     import gguf
     import numpy as np
     from transformers import AutoModelForCausalLM
@@ -185,12 +193,16 @@ def build_4bit_gguf(path: Path, arch: str = "qwen2", kind: str = "Q4_K", seed: i
     tokenizer = build_tokenizer()
     config = tiny_config(arch, len(tokenizer), tokenizer)
     config.hidden_size, config.intermediate_size = 256, 512
+    if sizes is not None:
+        config.hidden_size, config.intermediate_size, config.num_hidden_layers = sizes
+        if getattr(config, "layer_types", None):
+            config.layer_types = config.layer_types[:1] * config.num_hidden_layers
     config.head_dim = config.hidden_size // config.num_attention_heads
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
     names = gguf.get_tensor_name_map({"qwen2": gguf.MODEL_ARCH.QWEN2, "llama": gguf.MODEL_ARCH.LLAMA}[arch],
                                      config.num_hidden_layers)
-    writer = gguf.GGUFWriter(str(path), arch)
+    writer = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     _add_gguf_config(writer, config)
     _add_gguf_tokenizer(writer, tokenizer)
     generator, blocks = np.random.default_rng(seed), {}
@@ -198,8 +210,9 @@ def build_4bit_gguf(path: Path, arch: str = "qwen2", kind: str = "Q4_K", seed: i
         base, _, suffix = hf_name.rpartition(".")
         name = f"{names.get_name(base)}.{suffix}"
         if tensor.dim() == 2 and base != "model.embed_tokens":
-            blocks[name] = random_blocks(kind, *tensor.shape, generator)
-            writer.add_tensor(name, blocks[name], raw_dtype=gguf.GGMLQuantizationType[kind])
+            chosen = next((other for piece, other in (kinds or {}).items() if piece in name), kind)
+            blocks[name] = random_blocks(chosen, *tensor.shape, generator)
+            writer.add_tensor(name, blocks[name], raw_dtype=gguf.GGMLQuantizationType[chosen])
         else:
             writer.add_tensor(name, tensor.float().numpy())
     writer.write_header_to_file()

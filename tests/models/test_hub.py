@@ -102,7 +102,7 @@ def test_a_gguf_repository_file_is_named_by_its_tag_as_llama_cpp_does(gguf_repo,
     assert pinned.source == str(gguf_repo / "tiny-llama-q8_0.gguf")
 
 
-def test_a_gguf_tag_the_repository_lacks_or_holds_in_parts_is_one_line(gguf_repo, tiny_gguf):
+def test_a_gguf_tag_the_repository_lacks_is_one_line_and_one_it_holds_in_parts_is_read_in_place(gguf_repo, tiny_gguf):
     from specdec_cli.errors import ModelLoadError
 
     with pytest.raises(ModelNotFoundError) as raised:
@@ -112,9 +112,12 @@ def test_a_gguf_tag_the_repository_lacks_or_holds_in_parts_is_one_line(gguf_repo
         "files (hf download tiny-org/tiny-llama-GGUF --include '*.gguf' --dry-run lists them), e.g. :Q4_K_M")
     for part in (1, 2):
         shutil.copy(tiny_gguf[0], gguf_repo / f"tiny-llama-f16-0000{part}-of-00002.gguf")
-    with pytest.raises(ModelLoadError) as raised:
-        load_model("tiny-org/tiny-llama-GGUF:F16", progress=False)
-    assert raised.value.one_line().startswith("tiny-org/tiny-llama-GGUF's F16 .gguf is split into 2 parts")
+    with pytest.raises(ModelLoadError) as raised:  # a split set: read in place, in q4 only
+        load_model("tiny-org/tiny-llama-GGUF:F16", dtype="float32", progress=False)
+    assert raised.value.one_line().startswith("tiny-org/tiny-llama-GGUF:F16 is a split .gguf set, which specdec reads "
+                                              "in place in q4 only")
+    split = load_model("tiny-org/tiny-llama-GGUF:F16", dtype="float32", quantization="q4", progress=False)
+    assert split.source == str(gguf_repo / "tiny-llama-f16-00001-of-00002.gguf")
     with pytest.raises(ModelNotFoundError) as raised:
         load_model("tiny-org/not-downloaded-GGUF:Q4_K_M", progress=False)
     assert raised.value.one_line().startswith("tiny-org/not-downloaded-GGUF is not in the local Hugging Face cache")

@@ -38,17 +38,20 @@ _CODE = ("q4.py", "gguf_q4.py", "int8.py")  # the formats' code beside this modu
 NOTE = "_specdec_q4_from_gguf"  # a model's note on its layers that an entry keeps (q4: taken from the .gguf, of all)
 
 
-def entry_key(model_files: Path, gguf_path: Path | None, dtype: torch.dtype, quantization: str) -> str | None:
+def entry_key(model_files: Path | None, gguf_path: Path | list[Path] | None, dtype: torch.dtype,
+              quantization: str) -> str | None:
     """The key of the `quantization` layers of the model in folder `model_files` (loaded at `dtype`, with its
-    4-bit layers from `gguf_path` where given); None where a file cannot be read (then nothing is stored)."""
+    4-bit layers from `gguf_path` where given: a file, or a split set's parts; a .gguf read in place has no folder);
+    None where a file cannot be read (then nothing is stored)."""
     bits = int8.activation_bits() if quantization == "int8" else None
     digest = hashlib.sha256(f"specdec stored layers {FORMAT} {quantization} {bits} {dtype}".encode())
     try:
         here = Path(__file__).parent
         for path in (*(here / name for name in _CODE), Path(binding.__file__), *binding.SOURCES, *binding.HEADERS):
             digest.update(path.read_bytes())
-        files = sorted(path for path in Path(model_files).iterdir() if path.is_file())
-        for path in files + ([Path(gguf_path)] if gguf_path is not None else []):
+        files = [] if model_files is None else sorted(path for path in Path(model_files).iterdir() if path.is_file())
+        gguf_files = [] if gguf_path is None else [gguf_path] if isinstance(gguf_path, (str, Path)) else gguf_path
+        for path in files + [Path(gguf_file) for gguf_file in gguf_files]:
             stat = path.stat()
             digest.update(f"{path.resolve()} {stat.st_size} {stat.st_mtime_ns}\n".encode())
     except OSError:

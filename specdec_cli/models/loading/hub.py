@@ -9,7 +9,7 @@ import os
 import re
 from pathlib import Path
 
-from specdec_cli.errors import ModelLoadError, ModelNotFoundError
+from specdec_cli.errors import ModelNotFoundError
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 
@@ -47,7 +47,8 @@ def gguf_tag(spec: str) -> tuple[str, str | None, str] | None:
 
 def download_gguf(spec: str) -> Path:
     """The .gguf file of `org/name[@revision]:TAG` (its name ends in TAG, in any case, as llama.cpp's -hf picks it),
-    downloaded into the HF cache (offline: found there); one line where the repository has none or one in parts."""
+    downloaded into the HF cache (offline: found there), or the first part of a split set (every part downloaded);
+    one line where the repository has none, or several."""
     repo_id, revision, tag = gguf_tag(spec)
     variants = {tag, tag.lower(), tag.upper()}
     patterns = [f"*[-_.]{variant}{part}.gguf" for variant in variants for part in ("", "-*-of-*")]
@@ -58,10 +59,8 @@ def download_gguf(spec: str) -> Path:
         raise ModelNotFoundError(f"{repo_id} has no .gguf file whose name ends in {tag}",
                                  f"check the tag against the repository's files (hf download {repo_id} --include "
                                  "'*.gguf' --dry-run lists them), e.g. :Q4_K_M")
-    if any(_SPLIT.search(path.stem) for path in found):
-        raise ModelLoadError(f"{repo_id}'s {tag} .gguf is split into {len(found)} parts, which transformers cannot "
-                             "read", "join them with llama.cpp's llama-gguf-split --merge FIRST-PART OUT.gguf and pass "
-                             "OUT.gguf")
+    if found and all(_SPLIT.search(path.stem) for path in found):
+        return found[0]  # a split set, all its parts downloaded: its first part names it (loading/gguf_model.py)
     if len(found) > 1:
         names = ", ".join(path.name for path in found[:4])
         raise ModelNotFoundError(f"{repo_id} has {len(found)} .gguf files ending in {tag} ({names})",

@@ -19,11 +19,11 @@ from specdec_cli.models.device import dtype_name, resolve_device, resolve_dtype
 from specdec_cli.models.formats import stored_layers
 from specdec_cli.models.formats.quant import (check_quantization, compute_dtype, precision, quantization_config,
                                               resolve_auto)
-from specdec_cli.models.loading import preflight
+from specdec_cli.models.loading import gguf_model, preflight
 from specdec_cli.models.loading.gguf import require_gguf, shared_readers
 from specdec_cli.models.loading.resolve import ModelSource, check_weight_format, resolve, weights_folder
 from specdec_cli.models.progress import library_bars, status
-from specdec_cli.models.runtime.quantize import quantize
+from specdec_cli.models.runtime.quantize import quantize, quantized_in_place
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -55,6 +55,11 @@ class LoadedModel:
         taken, layers = getattr(self.model, "_specdec_q4_from_gguf", (0, 0))
         if taken:
             parts.append(f"{taken} of {layers} layers kept as the .gguf's 4-bit blocks")
+        requantised = getattr(self.model, "_specdec_requantised", {})
+        if requantised:  # a type q4 has no kernel for: said, with what specdec did instead
+            kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(requantised.items()))
+            which = "those types" if len(requantised) > 1 else "that type"
+            parts.append(f"{kinds} requantised to q4 (no kernel for {which} yet)")
         from specdec_cli.engine.kv import prefill_path
 
         if prefill_path(self.model) is not None:
@@ -216,6 +221,18 @@ def output_rows(model) -> int:
 
 
 def _load_weights(plan: _Plan, tokenizer) -> LoadedModel:
+    if plan.source.kind == "gguf" and plan.quantization == "q4":  # read in place: no whole-model float conversion
+        with library_bars(False), status(f"loading {plan.source.spec} in q4 ...", plan.progress):
+            parts = gguf_model.split_parts(plan.source.gguf_path)
+            key = stored_layers.entry_key(None, parts, plan.dtype, "q4")
+            model = gguf_model.load_q4(plan.source.gguf_path, _load_config(plan),
+                                       None if key is None else (key, plan.source.spec))
+            model = quantized_in_place(model, exact_rows=plan.role == "target")
+        return _loaded(plan, model, tokenizer)
+    if plan.source.kind == "gguf" and gguf_model.split_parts(plan.source.gguf_path) != [plan.source.gguf_path]:
+        raise ModelLoadError(f"{plan.source.spec} is a split .gguf set, which specdec reads in place in q4 only",
+                             "add --target-quant q4 (or --draft-quant q4), or merge the parts with llama.cpp's "
+                             "llama-gguf-split --merge FIRST-PART OUT.gguf")
     with library_bars(plan.progress):  # downloads and a GGUF conversion take minutes: their bars, but not with -q
         folder = weights_folder(plan.source, plan.dtype, plan.allow_pickle, plan.progress)
     # Reading the folder takes seconds: specdec's spinner, not transformers' "Loading weights" bar under it
@@ -224,7 +241,11 @@ def _load_weights(plan: _Plan, tokenizer) -> LoadedModel:
     if plan.quantization in ("int8", "int4", "q4"):
         with status(f"quantising {plan.source.spec} to {plan.quantization} ...", plan.progress):
             model = quantize(model, plan.quantization, exact_rows=plan.role == "target",
-                             gguf_path=plan.source.gguf_path, store=_store(plan, folder))
+                             store=_store(plan, folder))
+    return _loaded(plan, model, tokenizer)
+
+
+def _loaded(plan: _Plan, model, tokenizer) -> LoadedModel:
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

@@ -4,13 +4,11 @@ row by row where verifying k tokens must give k one-token forwards' logits bit f
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 
 from specdec_cli.engine.kv import prefill_path
 from specdec_cli.models.formats import stored_layers
-from specdec_cli.models.formats.gguf_q4 import gguf_q4_source
 from specdec_cli.models.formats.int4 import quantize_int4
 from specdec_cli.models.formats.int8 import PerTokenInt8Linear, replace_linears
 from specdec_cli.models.formats.q4 import Q4Linear
@@ -20,12 +18,11 @@ from specdec_cli.models.runtime.attention import NAME, use_rowwise_attention
 
 
 def quantize(model: torch.nn.Module, quantization: str | None, exact_rows: bool = True,
-             gguf_path: Path | None = None, store: tuple[str, str] | None = None) -> torch.nn.Module:
+             store: tuple[str, str] | None = None) -> torch.nn.Module:
     """Apply int8, int4 or q4 to a loaded model in place (the others are applied while loading). exact_rows: also
     compute attention row by row, so a k-token forward gives k one-token forwards' logits bit for bit — what
     a target needs for speculation to reproduce it; a draft does not (the target checks every draft token),
     and row-wise attention makes its multi-token catch-up forwards dearer.
-    gguf_path: the `.gguf` the model was loaded from, whose 4-bit layers q4 then takes as they are (formats/gguf_q4.py);
     store: (key, label) of the model's stored int8 or q4 layers (formats/stored_layers.py), read or made and stored."""
     name = canonical(quantization)
     if name == "int8":
@@ -33,8 +30,14 @@ def quantize(model: torch.nn.Module, quantization: str | None, exact_rows: bool 
     if name == "int4":
         return _rows(quantize_int4(model), exact_rows)
     if name == "q4":
-        return _rows(decoder_stack.use_lean_layers(quantize_q4(model, gguf_path, store)), exact_rows)
+        return _rows(decoder_stack.use_lean_layers(quantize_q4(model, store)), exact_rows)
     return model
+
+
+def quantized_in_place(model: torch.nn.Module, exact_rows: bool = True) -> torch.nn.Module:
+    """A model whose Linear layers were made q4 as it loaded (loading/gguf_model.py): the lean layers and the decoder
+    stack where they run, and attention row by row when `exact_rows`, as `quantize` gives a q4 model."""
+    return _rows(decoder_stack.use_lean_layers(model), exact_rows)
 
 
 def quantize_int8_dynamic(model: torch.nn.Module, exact_rows: bool = True,
@@ -68,24 +71,8 @@ def quantize_int8(model: torch.nn.Module, store: tuple[str, str] | None = None) 
                                                 lambda whole: replace_linears(whole, PerTokenInt8Linear.from_linear))
 
 
-def quantize_q4(model: torch.nn.Module, gguf_path=None, store: tuple[str, str] | None = None) -> torch.nn.Module:
-    """Every nn.Linear (the output layer too) to `Q4Linear`, in place (formats/int8.py's replace_linears). With
-    the `.gguf` file the model was loaded from, a layer that is Q4_0, Q4_1 or Q4_K there keeps the file's 4-bit values
-    (formats/gguf_q4.py; Q4_K as a Q4KLinear); the count of such layers goes to `model._specdec_q4_from_gguf` (taken,
-    of all linears). store: (key, label) of the model's entry in formats/stored_layers.py: its layers where it has
-    them, else made and stored."""
-    return stored_layers.replace_linears_stored(model, store, lambda whole: _quantize_q4(whole, gguf_path))
-
-
-def _quantize_q4(model: torch.nn.Module, gguf_path) -> torch.nn.Module:
-    source = gguf_q4_source(gguf_path, model)
-    if source is None:
-        return replace_linears(model, Q4Linear.from_linear)
-    names = {id(module): name for name, module in model.named_modules()}
-
-    def quantised(linear: torch.nn.Linear) -> Q4Linear:
-        return source.layer(names[id(linear)], linear) or Q4Linear.from_linear(linear)
-
-    model = replace_linears(model, quantised)
-    model._specdec_q4_from_gguf = (source.taken, sum(isinstance(module, Q4Linear) for module in model.modules()))
-    return model
+def quantize_q4(model: torch.nn.Module, store: tuple[str, str] | None = None) -> torch.nn.Module:
+    """Every nn.Linear (the output layer too) to `Q4Linear`, in place (int8.replace_linears). store: (key, label) of
+    the model's entry in formats/stored_layers.py: its layers where it has them, else made and stored. (A .gguf's
+    own 4-bit blocks are taken as it loads in place: loading/gguf_model.py.)"""
+    return stored_layers.replace_linears_stored(model, store, lambda whole: replace_linears(whole, Q4Linear.from_linear))

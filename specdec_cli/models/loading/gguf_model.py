@@ -1,0 +1,203 @@
+"""A `.gguf` read in place for q4: the model is built from the file's metadata with its weights on the meta device,
+then filled one tensor at a time from the memory-mapped file. A Linear layer whose tensor is Q4_0, Q4_1 or Q4_K
+becomes q4 straight from those blocks (formats/gguf_q4.py: the file's own 4-bit values); any other Linear tensor is
+dequantised alone and quantised to q4 from its exact values; the other tensors (embeddings, norms, biases) are
+dequantised alone into float32. No whole-model float copy is made, in memory or on disk: what a load holds at its
+peak is the finished model and one tensor in float32.
+
+Split sets (`name-00001-of-00003.gguf`, as publishers ship large files) are read part by part: the first part holds
+the metadata, every part holds tensors. Names and row orders are transformers' own (its GGUF name map and tensor
+processors), so the model is the one transformers would build from the same file."""
+
+from __future__ import annotations
+
+import re
+import struct
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specdec_cli.errors import ModelLoadError
+from specdec_cli.models.formats import stored_layers
+from specdec_cli.models.formats.gguf_q4 import BLOCKS, Q4_K, block_parts
+from specdec_cli.models.formats.q4 import Q4KLinear, Q4Linear, quantize_packed
+
+SPLIT = re.compile(r"^(?P<stem>.+)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def split_parts(path: Path) -> list[Path]:
+    """Every part of the split set `path` belongs to, in order (`path` alone where it is no part of one); a
+    ModelLoadError naming the first missing part where the set is not whole."""
+    found = SPLIT.match(path.name)
+    if found is None:
+        return [path]
+    count = int(found["count"])
+    parts = [path.with_name(f"{found['stem']}-{index:05d}-of-{count:05d}.gguf") for index in range(1, count + 1)]
+    missing = [part for part in parts if not part.is_file()]
+    if missing:
+        raise ModelLoadError(f"{path.name} is part {int(found['part'])} of {count}, and {missing[0].name} is not "
+                             f"beside it", f"download every part of the set into {path.parent}")
+    return parts
+
+
+class _Tensors:
+    """The tensors of a file or split set, by name: (its part's reader tensor) through gguf's memory-mapped reader."""
+
+    def __init__(self, parts: list[Path]) -> None:
+        from gguf import GGUFReader
+
+        self.by_name = {}
+        for part in parts:
+            try:
+                readable = GGUFReader(str(part), "r").tensors
+            except (ValueError, OSError, struct.error, EOFError) as error:  # a part cut short or damaged
+                why = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                raise ModelLoadError(f"cannot read the weights of {part.name}: {why}",
+                                     "download the .gguf again (a cut or damaged file reads this way)") from None
+            for tensor in readable:
+                self.by_name[tensor.name] = tensor
+
+    @staticmethod
+    def values(tensor) -> np.ndarray:
+        """The tensor's values in float32, rows first as numpy and torch hold them (one tensor: the only float copy)."""
+        from gguf import dequantize
+
+        return dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+
+    @staticmethod
+    def blocks(tensor) -> np.ndarray | None:
+        """A Q4_0/Q4_1/Q4_K tensor's bytes (rows, row bytes) straight from the map, else None."""
+        kind = int(tensor.tensor_type)
+        if kind not in BLOCKS or tensor.data.ndim != 2:
+            return None
+        return np.asarray(tensor.data)
+
+
+def _processor(config):
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    architecture = {"qwen2": "qwen2", "llama": "llama", "mistral": "llama"}.get(config.model_type, config.model_type)
+    return TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
+
+
+def _row_order(processor, name: str, rows: int) -> np.ndarray | None:
+    """Which row of the file each of transformers' rows is (its processing applied to a column of row numbers);
+    None where that processing does more than reorder rows."""
+    numbers = np.arange(rows, dtype=np.float64)[:, None]
+    moved = processor.process(weights=numbers, name=name, tensor_key_mapping={}, parsed_parameters={"tensors": {}})
+    order = getattr(moved, "weights", None)
+    if not isinstance(order, np.ndarray) or order.shape != numbers.shape:
+        return None
+    order = order[:, 0]
+    return order.astype(np.int64) if np.array_equal(np.sort(order), numbers[:, 0]) else None
+
+
+def _skeleton(config):
+    """The model of `config` with its parameters on the meta device (its buffers, rotary tables among them, real)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _linear_names(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+    return {name: module for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+
+
+def _q4_layer(tensor, processor, linear: torch.nn.Linear, bias: torch.Tensor | None) -> tuple[Q4Linear, bool]:
+    """(the q4 layer of `linear` from the file's `tensor`, whether it keeps the file's 4-bit values)."""
+    raw = _Tensors.blocks(tensor)
+    kind = int(tensor.tensor_type)
+    order = None if raw is None else _row_order(processor, tensor.name, raw.shape[0])
+    shape_fits = raw is not None and linear.in_features % BLOCKS[kind][0] == 0 and raw.shape[0] == linear.out_features
+    if order is not None and shape_fits:
+        parts = block_parts(raw if np.array_equal(order, np.arange(len(order))) else raw[order], kind)
+        if kind == Q4_K:
+            return Q4KLinear.from_k_parts(*parts, bias, linear.in_features), True
+        return Q4Linear.from_parts(*parts, bias, linear.in_features), True
+    weight = _processed(tensor, processor)
+    return Q4Linear(quantize_packed(weight), bias, linear.in_features, linear.out_features), False
+
+
+def _processed(tensor, processor) -> torch.Tensor:
+    """The tensor's float32 values as transformers would load them (rows reordered where it reorders them)."""
+    result = processor.process(weights=_Tensors.values(tensor), name=tensor.name, tensor_key_mapping={},
+                               parsed_parameters={"tensors": {}})
+    values = np.ascontiguousarray(result.weights)
+    return torch.from_numpy(values if values.flags.writeable else values.copy())  # an F32 tensor is the map itself
+
+
+def _set(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    owner_name, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    expected = getattr(owner, leaf)
+    if tuple(expected.shape) != tuple(value.shape):
+        raise ModelLoadError(f"the .gguf's tensor for {name} has the shape {tuple(value.shape)}, where the model its "
+                             f"metadata describes has {tuple(expected.shape)}", "the file is damaged or mislabelled")
+    owner._parameters[leaf] = torch.nn.Parameter(value.to(torch.float32), requires_grad=False)
+
+
+def load_q4(path: Path, config, store: tuple[str, str] | None = None) -> torch.nn.Module:
+    """The q4 model of the `.gguf` at `path` (or the split set it starts), its Linear layers Q4Linear/Q4KLinear and
+    everything else float32; `model._specdec_q4_from_gguf` = (layers kept as the file's blocks, all linears),
+    `model._specdec_requantised` = {a type q4 has no kernel for: how many layers of it were made q4 from their
+    values}. store: (key, label) of its stored layers (formats/stored_layers.py), read or made and stored."""
+    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
+
+    tensors = _Tensors(split_parts(path))
+    model = _skeleton(config)
+    processor = _processor(config)
+    names = get_gguf_hf_weights_map(model, processor)  # gguf tensor name -> the model's parameter name
+    linears = _linear_names(model)
+    in_linears = {f"{name}.{leaf}" for name in linears for leaf in ("weight", "bias")}
+    for gguf_name, hf_name in names.items():
+        if hf_name not in in_linears and gguf_name in tensors.by_name:
+            _set(model, hf_name, _processed(tensors.by_name[gguf_name], processor))
+    by_module = {hf_name.rpartition(".")[0]: gguf_name for gguf_name, hf_name in names.items()
+                 if hf_name in in_linears and hf_name.endswith(".weight")}
+    model = stored_layers.replace_linears_stored(
+        model, store, lambda whole: _linears_from_file(whole, linears, by_module, tensors, processor))
+    kept, total, *requantised = getattr(model, stored_layers.NOTE)
+    model._specdec_q4_from_gguf = (kept, total)
+    model._specdec_requantised = requantised[0] if requantised else {}
+    missing = [name for name, parameter in model.named_parameters() if parameter.is_meta]
+    if missing:
+        raise ModelLoadError(f"{path.name} holds no tensor for {missing[0]} (and {len(missing) - 1} more) of the model "
+                             "its metadata describes", "the file is damaged, or a part of a split set is missing")
+    return model.eval()
+
+
+def _linears_from_file(model: torch.nn.Module, linears: dict, by_module: dict, tensors: _Tensors,
+                       processor) -> torch.nn.Module:
+    """Every Linear of `model` to q4 from the file, in place (the note: kept, all, {type: requantised})."""
+    layers, kept, requantised = {}, 0, {}
+    for module_name, linear in linears.items():
+        tensor = tensors.by_name.get(by_module.get(module_name, ""))
+        if tensor is None:
+            continue  # a tied output layer: made below from the embedding
+        bias_tensor = tensors.by_name.get(tensor.name[: -len("weight")] + "bias")
+        bias = None if linear.bias is None or bias_tensor is None else _processed(bias_tensor, processor)
+        layers[module_name], from_file = _q4_layer(tensor, processor, linear, bias)
+        kept += from_file
+        if not from_file:
+            requantised[tensor.tensor_type.name] = requantised.get(tensor.tensor_type.name, 0) + 1
+    _tie_output(model, linears, layers)
+    for module_name, layer in layers.items():
+        parent_name, _, child = module_name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, layer)
+    setattr(model, stored_layers.NOTE, (kept, len(layers), requantised))
+    return model
+
+
+def _tie_output(model: torch.nn.Module, linears: dict, layers: dict) -> None:
+    """A tied output layer (no tensor of its own in the file) gets its own q4 copy of the input embedding."""
+    output = model.get_output_embeddings()
+    name = next((name for name, linear in linears.items() if linear is output), None)
+    if name is None or name in layers:
+        return
+    embedding = model.get_input_embeddings().weight
+    if embedding.is_meta:
+        return  # said as a missing tensor by the caller
+    layers[name] = Q4Linear(quantize_packed(embedding.detach()), None, output.in_features, output.out_features)

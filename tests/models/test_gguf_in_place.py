@@ -1,0 +1,135 @@
+"""A `.gguf` loaded in place for q4 (loading/gguf_model.py): the model transformers' conversion gave, without the
+conversion — the same logits bit for bit, a split set as its whole file, no whole-model float copy at the peak, and
+one line for what it cannot do."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec_cli.errors import ModelLoadError
+from specdec_cli.models import load_model
+from specdec_cli.models.loading import gguf_model
+from specdec_cli.models.loading import loaded as loading
+from specdec_cli.models.loading.gguf import existing_conversions
+from specdec_cli.models.formats.q4 import Q4Linear, quantize_packed
+from specdec_cli.models.native import binding
+from tests.tiny import build_4bit_gguf
+
+pytestmark = pytest.mark.skipif(binding.library()[0] is None, reason=f"no q4 kernel: {binding.library()[2]}")
+IDS = torch.tensor([[1, 5, 9, 22, 7, 3, 11, 40, 2]])
+
+
+def _converted(path: Path) -> torch.nn.Module:
+    """transformers' own float32 conversion of the file: the file's values, dequantised by the gguf package."""
+    plan = loading._plan(str(path), "cpu", "float32", None, False, False, False)
+    return loading._from_pretrained(plan, loading.weights_folder(plan.source, plan.dtype, False, False)).eval()
+
+
+def _differences(in_place: torch.nn.Module, converted: torch.nn.Module, requantised: tuple[str, ...] = ()) -> list[str]:
+    """The parameters where the model read in place is not the converted one: a 4-bit layer must hold the file's
+    values exactly, a layer of another type the q4 of the file's values, everything else the values themselves."""
+    wrong = []
+    for name, reference in converted.named_modules():
+        if isinstance(reference, torch.nn.Linear):
+            layer = in_place.get_submodule(name)
+            expected = reference.weight.detach()
+            if name.rpartition(".")[2] in requantised:
+                expected = Q4Linear(quantize_packed(expected), None, *expected.shape[::-1]).dequantized_weight()
+            bias_equal = (layer.bias is None) == (reference.bias is None) and (
+                layer.bias is None or torch.equal(layer.bias, reference.bias))
+            if not (torch.equal(layer.dequantized_weight(), expected) and bias_equal):
+                wrong.append(name)
+    linears = {name for name, module in converted.named_modules() if isinstance(module, torch.nn.Linear)}
+    for name, reference in converted.named_parameters():
+        if name.rpartition(".")[0] not in linears and not torch.equal(in_place.get_parameter(name), reference):
+            wrong.append(name)
+    return wrong
+
+
+def _read_in_place(path: Path) -> torch.nn.Module:
+    plan = loading._plan(str(path), "cpu", "float32", "q4", False, False, False)
+    return gguf_model.load_q4(path, loading._load_config(plan))
+
+
+@pytest.mark.parametrize(("arch", "kind"), [("qwen2", "Q4_K"), ("llama", "Q4_0"), ("llama", "Q4_1")])
+def test_a_4_bit_gguf_read_in_place_is_the_files_model_without_a_conversion(tmp_path, specdec_home, arch, kind):
+    path = tmp_path / f"{arch}.gguf"
+    build_4bit_gguf(path, arch=arch, kind=kind)
+    in_place = load_model(str(path), quantization="q4", dtype="float32", progress=False)
+    assert existing_conversions(path) == []  # nothing converted, on disk or in memory
+    assert _differences(_read_in_place(path), _converted(path)) == []
+    layers = sum(isinstance(module, torch.nn.Linear) for module in in_place.model.modules())
+    taken, total = in_place.model._specdec_q4_from_gguf
+    assert layers == 0 and taken == total == 15  # every Linear q4, each from the file's blocks
+    assert torch.isfinite(in_place.model(IDS).logits).all()
+
+
+def test_a_type_q4_has_no_kernel_for_is_requantised_and_said(tmp_path, specdec_home):
+    path = tmp_path / "mixed.gguf"
+    build_4bit_gguf(path, kinds={"ffn_down": "Q6_K", "attn_v": "Q8_0"})
+    in_place = load_model(str(path), quantization="q4", dtype="float32", progress=False)
+    assert _differences(_read_in_place(path), _converted(path), requantised=("down_proj", "v_proj")) == []
+    assert in_place.model._specdec_requantised == {"Q6_K": 2, "Q8_0": 2}
+    assert in_place.describe("target").endswith(" · 11 of 15 layers kept as the .gguf's 4-bit blocks · 2 Q6_K, 2 Q8_0 "
+                                                "requantised to q4 (no kernel for those types yet)")
+
+
+def test_a_split_set_reads_as_its_whole_file(tmp_path, specdec_home):
+    whole, split = tmp_path / "whole" / "m.gguf", tmp_path / "split" / "m.gguf"
+    for path, parts in ((whole, 0), (split, 7)):
+        path.parent.mkdir()
+        build_4bit_gguf(path, kinds={"ffn_down": "Q6_K"}, split_max_tensors=parts)
+    parts = sorted(split.parent.glob("*.gguf"))
+    assert [part.name for part in parts] == [f"m-0000{index}-of-00004.gguf" for index in range(1, 5)]
+    first = load_model(str(parts[0]), quantization="q4", dtype="float32", progress=False)
+    reference = load_model(str(whole), quantization="q4", dtype="float32", progress=False)
+    assert torch.equal(first.model(IDS).logits, reference.model(IDS).logits)
+
+
+def test_a_part_cut_short_is_one_line_saying_to_download_it_again(tmp_path, specdec_home):
+    """The first part holds the metadata and reads; the last one, cut, is found as its tensors are read."""
+    build_4bit_gguf(tmp_path / "m.gguf", split_max_tensors=7)
+    parts = sorted(tmp_path.glob("m-*.gguf"))
+    data = parts[-1].read_bytes()
+    parts[-1].write_bytes(data[: len(data) - 1000])
+    with pytest.raises(ModelLoadError) as cut:
+        load_model(str(parts[0]), quantization="q4", dtype="float32", progress=False)
+    assert cut.value.one_line().startswith(f"cannot read the weights of {parts[-1].name}: ")
+    assert cut.value.one_line().endswith(" — download the .gguf again (a cut or damaged file reads this way)")
+
+
+PEAK = """
+import json, sys
+from specdec_cli.models import load_model
+
+def peak_kib():  # VmHWM: this process's own peak (ru_maxrss keeps the parent's across exec)
+    return int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0])
+
+before = peak_kib()
+loaded = load_model(sys.argv[1], quantization="q4", dtype="float32", progress=False)
+after = peak_kib()
+linears = [module for module in loaded.model.modules() if hasattr(module, "packed_weight")]
+print(json.dumps({"before": before, "after": after,
+                  "float_bytes": sum(4 * layer.in_features * layer.out_features for layer in linears)}))
+"""
+
+
+@pytest.mark.slow
+def test_loading_in_place_holds_no_whole_model_float_copy_at_its_peak(tmp_path, specdec_home):
+    """Linear layers of 4 layers x 2048 x 8192 (~1 GiB in float32, a seventh of it in q4): the load's peak growth —
+    the file's mapped pages (~0.2 GiB), the q4 layers and one tensor's temporaries — stays well under the
+    whole-model float copy that the conversion made (a load that dequantised every tensor first would pass it)."""
+    path = tmp_path / "wide.gguf"
+    build_4bit_gguf(path, kinds={"ffn_down": "Q6_K"}, sizes=(2048, 8192, 4))
+    run = subprocess.run([sys.executable, "-c", PEAK, str(path)], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "SPECDEC_HOME": str(specdec_home)}, check=True)
+    peak = json.loads(run.stdout.splitlines()[-1])
+    grown = (peak["after"] - peak["before"]) * 1024
+    assert peak["float_bytes"] > 0.9 * 2**30 and grown < 0.6 * peak["float_bytes"], peak
