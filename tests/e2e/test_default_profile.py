@@ -59,6 +59,10 @@ def check_models_line(stderr: str) -> None:
             # q4 keeps the demo files' Q4_K layers as they are (gguf_q4.py), and says how many
             kept = {"target": " · 168 of 197", "draft": " · 12 of 169"}[role] if expected == "q4" else ""
             ending = f" · {precision(expected, '')}" + (f"{kept} layers kept as the .gguf's 4-bit blocks" if kept else "")
+            # read in place (loading/gguf_model.py): the layers of types q4 has no kernel for are said
+            ending += {"target": " · 29 Q6_K requantised to q4 (no kernel for that type yet)",
+                       "draft": " · 133 Q5_0, 12 Q6_K, 12 Q8_0 requantised to q4 (no kernel for those types yet)"}[role] \
+                if expected == "q4" else ""
             # the draft too where the target does and it reads on AMX with its own q4 weights
             reads = read == "bf16" and (role == "target" or prefill.reads_on_amx(expected))
             ending += " · prompts read in bfloat16 (--prefill)" if reads else ""
