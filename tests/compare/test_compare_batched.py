@@ -21,7 +21,8 @@ NAMES = ["target alone ×3", "model k=2 ×3", "ngram k=2 ×3", "HF generate, pad
 def batched(tiny_pair, folder, *extra):
     """4 prompts at batch size 3 (a full batch, then one row), 8 new tokens, the target's own copy as the draft."""
     return invoke(
-        "--target", tiny_pair.target, "--draft", tiny_pair.same, "--dtype", "float32", "--device", "cpu",
+        "--target", tiny_pair.target, "--draft", tiny_pair.same, "--draft-quant", "none", "--dtype", "float32",
+        "--device", "cpu",
         "--prompts", spec_bench_file(folder / "q.jsonl"), "--drafter", "model,ngram", "--k", "2",
         "--max-new-tokens", "8", "--batch-size", "3", "--json", folder / "out.json", *extra,
         env={"SPECDEC_HOME": str(folder / "home")},
