@@ -80,14 +80,13 @@ def run_input(tmp_path_factory):
     return folder, alone
 
 
-# At the default batch size `run` answers "Explain in three sentences why the sky is blue." differently from batch size
-# 1 with --k 0 too (no drafting at all): the batched engine's q4 target does not give batch size 1's greedy tokens
-# (seen 2026-12-07: "...scattering of blue light by the atmosphere." at 1, "...scattering of light by tiny
-# particles..." batched). A product bug, reported; strict, so that the fix makes this test say so.
-BATCHED_DIFFERS = pytest.mark.xfail(strict=True, reason="run's batched q4 target differs from batch size 1 (issue 61)")
+# At the default batch size `run` once answered "Explain in three sentences why the sky is blue." differently from batch
+# size 1 with --k 0 (no drafting at all), with the demo's Q6_K layers requantised from their bfloat16 conversion; since
+# a .gguf is read in place (its Q6_K layers quantised from their exact values) the records are identical here. Not
+# understood: if this case fails again, the batched q4 target differs from batch size 1 (see the issue 61 note).
 
 
-@pytest.mark.parametrize("options", [pytest.param((), id="default_batch_size", marks=BATCHED_DIFFERS),
+@pytest.mark.parametrize("options", [pytest.param((), id="default_batch_size"),
                                      pytest.param(("--batch-size", "1"), id="batch_size_1")])
 def test_run_is_the_target_alone(run_input, options):
     folder, alone = run_input

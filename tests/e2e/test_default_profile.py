@@ -61,7 +61,7 @@ def check_models_line(stderr: str) -> None:
             ending = f" · {precision(expected, '')}" + (f"{kept} layers kept as the .gguf's 4-bit blocks" if kept else "")
             # read in place (loading/gguf_model.py): the layers of types q4 has no kernel for are said
             ending += {"target": " · 29 Q6_K requantised to q4 (no kernel for that type yet)",
-                       "draft": " · 133 Q5_0, 12 Q6_K, 12 Q8_0 requantised to q4 (no kernel for those types yet)"}[role] \
+                       "draft": " · 132 Q5_0, 12 Q6_K, 13 Q8_0 requantised to q4 (no kernel for those types yet)"}[role] \
                 if expected == "q4" else ""
             # the draft too where the target does and it reads on AMX with its own q4 weights
             reads = read == "bf16" and (role == "target" or prefill.reads_on_amx(expected))

@@ -96,4 +96,4 @@ def test_the_installed_wheel_builds_specdecs_int8_matmul(installed, tmp_path):
                            "from specdec_cli.models.formats.int8 import matmul_name; print(matmul_name())", cwd=tmp_path)
     assert built.stdout.strip() == expected
     if expected != "oneDNN":
-        assert list((tmp_path / "home" / "kernels").glob("int8-*/libspecdec_int8.so"))
+        assert list((tmp_path / "home" / "kernels").glob("native-*/libspecdec_kernels.so"))
