@@ -91,11 +91,40 @@ def tiny_causal_lm(arch: str = "llama", vocab_size: int = VOCAB, seed: int = 0, 
         model = LlamaForCausalLM(LlamaConfig(**common))
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=False))
+    elif arch in OTHER_ARCHITECTURES:
+        model = _other_architecture(arch, common)
     else:
         raise ValueError(arch)
     with torch.no_grad():
         model.lm_head.weight.mul_(logit_scale)
     return model.eval()
+
+
+# Architectures beside Llama and Qwen2 (tests/models/test_architectures.py): model_type → (class name, config
+# changes from `common`). Each as its popular checkpoints configure it, where that matters to the fast path.
+OTHER_ARCHITECTURES = {
+    "qwen3": ("Qwen3ForCausalLM", {"head_dim": 16}),  # q/k norms per head
+    "mistral": ("MistralForCausalLM", {"sliding_window": None}),  # Mistral 7B v0.2 on: no window
+    "phi3": ("Phi3ForCausalLM", {"sliding_window": None}),  # fused qkv and gate_up
+    "llama3": ("LlamaForCausalLM", {"rope_parameters": {  # Llama 3.1's rope scaling
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    "gemma2": ("Gemma2ForCausalLM", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
+                                     "attn_logit_softcapping": 0.5, "final_logit_softcapping": 3.0,
+                                     "hidden_activation": "gelu_pytorch_tanh"}),
+    "gemma3": ("Gemma3ForCausalLM", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
+                                     "hidden_activation": "gelu_pytorch_tanh"}),
+}
+
+
+def _other_architecture(arch: str, common: dict) -> torch.nn.Module:
+    import transformers
+
+    name, changes = OTHER_ARCHITECTURES[arch]
+    model_class = getattr(transformers, name)
+    config = model_class.config_class(**{**common, **changes})
+    config._attn_implementation = "eager"  # Gemma 2's soft-capping runs in eager only; the others give the same
+    return model_class(config)
 
 
 @pytest.fixture(scope="session")

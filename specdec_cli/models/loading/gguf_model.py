@@ -77,7 +77,8 @@ class _Tensors:
 def _processor(config):
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-    architecture = {"qwen2": "qwen2", "llama": "llama", "mistral": "llama"}.get(config.model_type, config.model_type)
+    # the file's architecture name, which transformers' processors are keyed by (llama.cpp writes Mistral as llama)
+    architecture = {"mistral": "llama", "gemma3_text": "gemma3"}.get(config.model_type, config.model_type)
     return TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
 
 

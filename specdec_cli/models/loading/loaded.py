@@ -23,6 +23,7 @@ from specdec_cli.models.loading import gguf_model, preflight
 from specdec_cli.models.loading.gguf import require_gguf, shared_readers
 from specdec_cli.models.loading.resolve import ModelSource, check_weight_format, resolve, weights_folder
 from specdec_cli.models.progress import library_bars, status
+from specdec_cli.models.runtime.decoder_stack import slow_path
 from specdec_cli.models.runtime.quantize import quantize, quantized_in_place
 
 if TYPE_CHECKING:
@@ -60,6 +61,8 @@ class LoadedModel:
             kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(requantised.items()))
             which = "those types" if len(requantised) > 1 else "that type"
             parts.append(f"{kinds} requantised to q4 (no kernel for {which} yet)")
+        if self.quantization in ("int8", "q4") and (reason := slow_path(self.model)):
+            parts.append(reason)  # an architecture or setting the fast path does not compute: slower, said
         from specdec_cli.engine.kv import prefill_path
 
         if prefill_path(self.model) is not None:

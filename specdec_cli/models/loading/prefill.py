@@ -22,10 +22,10 @@ entries are not the ones q4 would make, but they are the same for the target alo
 engine reads a prompt through the path in one way: kv.py's `prefill`), so speculation stays exact against that
 target.
 
-Where: `auto` takes it for a q4 or int8 Llama/Qwen2 target (the copy: where it fits in memory beside what is
-loaded), where `specdec calibrate` timed the path reading a prompt at least GAIN times as fast as the target on this
-machine, or, not calibrated, on a CPU with AMX-BF16; `bf16` asks for it (refused in one line where it cannot
-be); `none` keeps it off.
+Where: `auto` takes it for a q4 or int8 target on the fast path (runtime/architectures.py; the copy: where it fits in
+memory beside what is loaded), where `specdec calibrate` timed the path reading a prompt at least GAIN times as fast
+as the target on this machine, or, not calibrated, on a CPU with AMX-BF16; `bf16` asks for it (refused in one line
+where it cannot be); `none` keeps it off.
 Only prompt parts of `min_tokens` or more go through it: AMX_MIN_TOKENS for the AMX path, MIN_TOKENS for the copy
 (shorter parts q4 reads as fast itself).
 
@@ -45,13 +45,13 @@ from specdec_cli.engine.kv import PREFILL_PATH, full_attention, prefill_path
 from specdec_cli.errors import InputError, InsufficientMemoryError, ModelLoadError, SpecdecError
 from specdec_cli.models.device import cpu_flags
 from specdec_cli.models.loading import preflight
+from specdec_cli.models.runtime.architectures import DECODER_CLASSES, slow_path_reason
 
 SETTINGS = ("auto", "bf16", "none")
 # Prompt parts shorter than this are left to the target itself: the copy's lead over q4 grows with the tokens of a
 # forward, and the copy reads all but the last token, which q4 then reads in a forward of its own, so a shorter part
 # gains nothing.
 MIN_TOKENS = 128
-DECODERS = ("LlamaModel", "Qwen2Model")
 AMX_FLAGS = {"amx_bf16", "amx_tile"}
 
 
@@ -62,7 +62,7 @@ class PrefillPath:
     row_exact = False  # oneDNN's matmul and SDPA round a row by what else the forward holds: a cache kept is read anew
 
     def __init__(self, decoder: torch.nn.Module, embedding: torch.nn.Module, min_tokens: int = MIN_TOKENS) -> None:
-        self.decoder = decoder  # LlamaModel / Qwen2Model in bfloat16, without its embedding
+        self.decoder = decoder  # a fast-path decoder (LlamaModel, Qwen2Model, ...) in bfloat16, without its embedding
         self.embedding = embedding  # the quantised model's
         self.min_tokens = min_tokens
         self.dtype = next(decoder.parameters()).dtype
@@ -173,8 +173,8 @@ def why_not(target) -> str | None:
     if target.quantization not in ("q4", "int8"):
         return "it is for a q4 or int8 target (this one reads its prompts at its own precision already)"
     decoder = getattr(target.model, "model", None)
-    if type(decoder).__name__ not in DECODERS:
-        return f"it takes Llama and Qwen2 decoders, not {type(decoder).__name__}"
+    if type(decoder).__name__ not in DECODER_CLASSES:
+        return f"it takes the decoders of the fast path ({', '.join(DECODER_CLASSES)}), not {type(decoder).__name__}"
     if not full_attention(target.model.config):
         return "it takes full-attention layers only"
     return None
@@ -220,7 +220,7 @@ def resolve(setting: str, device: torch.device, target: str, quantization: str |
     if folder is None or device.type != "cpu" or quantization not in ("q4", "int8"):
         return "none"
     config = AutoConfig.from_pretrained(folder)
-    takes = config.model_type in ("llama", "qwen2") and full_attention(config)
+    takes = slow_path_reason(config) is None and full_attention(config)
     if not takes or not _pays(target, quantization, flags):
         return "none"
     if reads_on_amx(quantization, flags):

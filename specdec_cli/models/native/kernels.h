@@ -27,6 +27,8 @@ typedef struct {
     const float *input_norm, *post_norm; /* RMSNorm weights (H,) */
     float input_eps, post_eps;
     specdec_linear qkv, o, gate_up, down;
+    const float *q_norm, *k_norm;        /* per-head RMSNorm weights (dim,) of q and k (Qwen3), or NULL */
+    float qk_eps;
 } specdec_layer;
 
 /* Which instructions run (int8_gemm.c, q4_amx.c). */
@@ -60,8 +62,9 @@ int specdec_attention(int threads, const float *q, const float *k, const float *
                       float scale, float *out);
 void specdec_rms_norm(const float *x, const float *weight, float eps, int64_t M, int64_t K, float *y);
 int specdec_lean_qkv(int isa, int threads, const float *x, int64_t T, int64_t H, const float *norm_weight,
-                     float eps, const specdec_linear *qkv, const float *cos, const float *sin, int64_t heads,
-                     int64_t kv_heads, int64_t dim, float *q, float *k, float *v);
+                     float eps, const specdec_linear *qkv, const float *q_norm, const float *k_norm, float qk_eps,
+                     const float *cos, const float *sin, int64_t heads, int64_t kv_heads, int64_t dim, float *q,
+                     float *k, float *v);
 int specdec_lean_mlp(int isa, int threads, const float *attention, const float *residual, int64_t T, int64_t H,
                      const specdec_linear *o, const float *norm_weight, float eps, const specdec_linear *gate_up,
                      const specdec_linear *down, float *out);

@@ -1,7 +1,7 @@
-/* The two halves of a Llama/Qwen2 decoder layer around its attention, each in one call, for int8 and q4 models
-   (lean_layers.py), and the decoder stack that runs every layer in one call (decoder_stack.py). Outside its
-   matmuls a layer is dozens of small torch operations, whose fixed costs add up at a few tokens; here a layer is
-   three calls into C (these two and the attention, attention.c) and the cache update.
+/* The two halves of a Llama-style decoder layer (Llama, Qwen2, Qwen3, Mistral, Phi-3) around its attention, each
+   in one call, for int8 and q4 models (lean_layers.py), and the decoder stack that runs every layer in one call
+   (decoder_stack.py). Outside its matmuls a layer is dozens of small torch operations, whose fixed costs add up at
+   a few tokens; here a layer is three calls into C (these two and the attention, attention.c) and the cache update.
 
    Every step works on one row (token) at a time with the same float steps whatever the number of rows, so a
    k-token verify still gives each token its one-token forward's numbers bit for bit. The steps are
@@ -55,30 +55,45 @@ static void rotate(const float *x, const float *cos, const float *sin, int64_t d
     }
 }
 
-/* x (T, H) → RMSNorm → q/k/v projection (one fused layer) → rotary on q and k:
-   q (T, heads, dim), k and v (kv_heads, T, dim) (the cache's layout). cos, sin (T, dim).
-   Returns 0, or 1 when a buffer could not be allocated. */
+/* One head of one row, RMSNorm'd over the head (q_norm / k_norm: Qwen3's; NULL: none) into `scratch`, then
+   rotated into `out`. */
+static void norm_and_rotate(const float *x, const float *norm, float eps, const float *cos, const float *sin,
+                            int64_t dim, float *scratch, float *out) {
+    if (norm) {
+        specdec_rms_norm(x, norm, eps, 1, dim, scratch);
+        x = scratch;
+    }
+    rotate(x, cos, sin, dim, out);
+}
+
+/* x (T, H) → RMSNorm → q/k/v projection (one fused layer) → per-head RMSNorm of q and k where q_norm and k_norm
+   are given (dim,) (else NULL) → rotary on q and k: q (T, heads, dim), k and v (kv_heads, T, dim) (the cache's
+   layout). cos, sin (T, dim). Returns 0, or 1 when a buffer could not be allocated. */
 int specdec_lean_qkv(int isa, int threads, const float *x, int64_t T, int64_t H, const float *norm_weight,
-                     float eps, const specdec_linear *qkv, const float *cos, const float *sin, int64_t heads,
-                     int64_t kv_heads, int64_t dim, float *q, float *k, float *v) {
+                     float eps, const specdec_linear *qkv, const float *q_norm, const float *k_norm, float qk_eps,
+                     const float *cos, const float *sin, int64_t heads, int64_t kv_heads, int64_t dim, float *q,
+                     float *k, float *v) {
     int64_t width = qkv->out_features;
     float *normed = malloc((size_t)(T * H) * sizeof(float)), *states = malloc((size_t)(T * width) * sizeof(float));
-    int failed = !normed || !states;
+    float *scratch = malloc((size_t)dim * sizeof(float));
+    int failed = !normed || !states || !scratch;
     if (!failed) {
         specdec_rms_norm(x, norm_weight, eps, T, H, normed);
         failed = linear(isa, threads, qkv, normed, T, states);
     }
     for (int64_t t = 0; !failed && t < T; t++) {
         const float *row = states + t * width, *c = cos + t * dim, *s = sin + t * dim;
-        for (int64_t h = 0; h < heads; h++) rotate(row + h * dim, c, s, dim, q + (t * heads + h) * dim);
+        for (int64_t h = 0; h < heads; h++)
+            norm_and_rotate(row + h * dim, q_norm, qk_eps, c, s, dim, scratch, q + (t * heads + h) * dim);
         for (int64_t h = 0; h < kv_heads; h++) {
-            rotate(row + (heads + h) * dim, c, s, dim, k + (h * T + t) * dim);
+            norm_and_rotate(row + (heads + h) * dim, k_norm, qk_eps, c, s, dim, scratch, k + (h * T + t) * dim);
             const float *value = row + (heads + kv_heads + h) * dim;
             for (int64_t d = 0; d < dim; d++) v[(h * T + t) * dim + d] = value[d];
         }
     }
     free(normed);
     free(states);
+    free(scratch);
     return failed;
 }
 
@@ -156,8 +171,9 @@ static int specdec_decoder_stack(int isa, int threads, const specdec_layer *laye
     int failed = !q || !attended || !k || !v || !out;
     for (int64_t i = 0; !failed && i < count; i++) {
         const specdec_layer *layer = layers + i;
-        failed = specdec_lean_qkv(isa, threads, hidden, T, H, layer->input_norm, layer->input_eps, &layer->qkv, cos,
-                                  sin, heads, kv_heads, dim, q, k, v);
+        failed = specdec_lean_qkv(isa, threads, hidden, T, H, layer->input_norm, layer->input_eps, &layer->qkv,
+                                  layer->q_norm, layer->k_norm, layer->qk_eps, cos, sin, heads, kv_heads, dim, q, k,
+                                  v);
         if (failed) break;
         for (int64_t h = 0; h < kv_heads; h++) { /* (kv_heads, T, dim) → the cache's rows cached.. */
             memcpy(keys[i] + (h * capacity[i] + cached) * dim, k + h * T * dim, (size_t)(T * dim) * sizeof(float));
@@ -178,7 +194,7 @@ static int specdec_decoder_stack(int isa, int threads, const specdec_layer *laye
     return failed;
 }
 
-/* A Llama/Qwen2 decoder's whole forward for a batch of one (decoder_stack.stack_forward): the embedding rows of
+/* A Llama-style decoder's whole forward for a batch of one (decoder_stack.stack_forward): the embedding rows of
    `ids`, every layer (specdec_decoder_stack, the same arguments), the final RMSNorm (specdec_rms_norm, as the
    decoder's norm module calls it on the layered path: lean_layers.lean_norm), into `normed` (T, H). One call
    instead of three: the embedding's and the norm's torch calls would run with cold caches after the layers' weights

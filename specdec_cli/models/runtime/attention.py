@@ -13,7 +13,9 @@ cost is k SDPA calls per layer instead of one, and a copy of the keys each row s
 feels and a short one hardly does. Batch size 1 only (the engine's); other batches, or masks that are not
 boolean, fall back to transformers' SDPA. A token tree's 4D mask comes boolean (engine/kv.py makes the
 form the attention's mask builder, sdpa_mask, makes), so each node attends to exactly the keys that
-one-token decoding along its path would see, in the same order: a tree verify is bit-identical too."""
+one-token decoding along its path would see, in the same order: a tree verify is bit-identical too.
+Gemma 2 soft-caps its scores (tanh(s / cap) · cap), which neither SDPA nor the C attention does: its rows are
+computed in torch as transformers' eager attention computes them, each row on its own."""
 
 from __future__ import annotations
 
@@ -69,9 +71,13 @@ def rowwise_attention_forward(module, query, key, value, attention_mask, dropout
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     library, _, problem = binding.library()
-    if problem is None and query.dtype == key.dtype == value.dtype == torch.float32:
+    softcap = kwargs.get("softcap")
+    if softcap is None and problem is None and query.dtype == key.dtype == value.dtype == torch.float32:
         return _attention_in_c(library, query, key, value, attention_mask, scaling), None
     rows, keys = query.shape[2], key.shape[2]
+    if softcap is not None:
+        return _softcapped_rows(query, key, value, _LastMask.visible_keys(attention_mask, rows, keys), scaling,
+                                softcap), None
     outputs = []
     for row, visible in enumerate(_LastMask.visible_keys(attention_mask, rows, keys)):
         # contiguous, as a cache holds them in a one-token forward (a no-op for a whole contiguous cache)
@@ -81,6 +87,23 @@ def rowwise_attention_forward(module, query, key, value, attention_mask, dropout
             enable_gqa=query.shape[1] != key.shape[1],
         ))  # (1, heads, 1, dim)
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _softcapped_rows(query, key, value, visible_keys: list, scaling: float | None, softcap: float) -> torch.Tensor:
+    """Gemma 2's attention, each row on its own: scores·scaling soft-capped (tanh(s / cap) · cap, as transformers'
+    eager attention does; SDPA and the C attention have no soft-capping), softmax in float32, then the values.
+    query (1, heads, rows, dim); key, value (1, kv heads, keys, dim) → (1, rows, heads, dim)."""
+    scaling = query.shape[3] ** -0.5 if scaling is None else scaling
+    groups = query.shape[1] // key.shape[1]
+    outputs = []
+    for row, visible in enumerate(visible_keys):
+        row_key = key[0, :, visible].repeat_interleave(groups, dim=0)  # (heads, n, dim)
+        row_value = value[0, :, visible].repeat_interleave(groups, dim=0)
+        scores = torch.matmul(query[0, :, row:row + 1], row_key.transpose(1, 2)) * scaling  # (heads, 1, n)
+        scores = torch.tanh(scores / softcap) * softcap
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        outputs.append(torch.matmul(weights, row_value))  # (heads, 1, dim)
+    return torch.cat(outputs, dim=1).unsqueeze(0).transpose(1, 2).contiguous()
 
 
 def _attention_in_c(library, query, key, value, attention_mask, scaling) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""A Llama/Qwen2 decoder's whole forward in one call into C, for a batch of one over the engine's growing cache
+"""A Llama-style decoder's whole forward in one call into C, for a batch of one over the engine's growing cache
 (engine/kv.py), where all of its layers are lean (lean_layers.py) and the C kernels run.
 
 native/layer_kernels.c's specdec_decoder_forward gathers the embedding rows, runs every layer (per layer the
@@ -17,8 +17,10 @@ import types
 import torch
 
 from specdec_cli.models.native import binding
-from specdec_cli.models.runtime.lean_layers import (CLinear, Held, address, c_projections, fused, layer_in_c,
-                                                    layer_projections, lean_forward, lean_norm, takes_lean_forward)
+from specdec_cli.models.runtime.architectures import DECODER_CLASSES, slow_path_reason
+from specdec_cli.models.runtime.lean_layers import (CLinear, Held, address, c_head_norms, c_projections, fused,
+                                                    gate_up_parts, head_norms, layer_in_c, layer_projections,
+                                                    lean_forward, lean_norm, qkv_parts, takes_lean_forward)
 
 
 class _Layer(ctypes.Structure):
@@ -26,7 +28,7 @@ class _Layer(ctypes.Structure):
 
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("input_eps", ctypes.c_float),
                 ("post_eps", ctypes.c_float), ("qkv", CLinear), ("o", CLinear), ("gate_up", CLinear),
-                ("down", CLinear)]
+                ("down", CLinear), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("qk_eps", ctypes.c_float)]
 
 
 def _stack_layers(decoder: torch.nn.Module):
@@ -45,20 +47,21 @@ def _stack_layers(decoder: torch.nn.Module):
             array = (_Layer * len(described))(*(
                 _Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                        layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon,
-                       *projections)
+                       *projections, *c_head_norms(layer.self_attn))
                 for layer, projections in zip(layers, described)))
         decoder._c_stack = held = Held((where, array))
     return held[1]
 
 
 def _stack_where(decoder: torch.nn.Module) -> tuple[int, ...]:
-    """The address of every weight tensor the C stack reads (each layer's four projections and two norms)."""
+    """The address of every weight tensor the C stack reads (each layer's four projections and its norms)."""
     where = []
     for layer in decoder._modules["layers"]._modules.values():
         parts = layer._modules
         where.extend(address(projection) for projection in layer_projections(layer))
         where.append(parts["input_layernorm"]._parameters["weight"].data_ptr())
         where.append(parts["post_attention_layernorm"]._parameters["weight"].data_ptr())
+        where.extend(norm._parameters["weight"].data_ptr() for norm in head_norms(parts["self_attn"]) or ())
     return tuple(where)
 
 
@@ -79,7 +82,7 @@ def _stack_declines(decoder: torch.nn.Module, input_ids, inputs_embeds, cache, k
 def stack_forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                   position_ids: torch.Tensor | None = None, cache=None, inputs_embeds: torch.Tensor | None = None,
                   use_cache: bool | None = None, past_key_values=None, **kwargs):
-    """A Llama/Qwen2 decoder's forward (transformers' signature and result) in one call into C (see the module)
+    """A Llama-style decoder's forward (transformers' signature and result) in one call into C (see the module)
     where it can; else transformers' forward."""
     from transformers.masking_utils import create_causal_mask
     from transformers.modeling_outputs import BaseModelOutputWithPast
@@ -183,27 +186,50 @@ def _stack_in_c(decoder: torch.nn.Module, layers, cache, input_ids: torch.Tensor
     return normed
 
 
-STACK_CLASSES = ("LlamaModel", "Qwen2Model")  # their forward: embed, mask, rotary, the layers, norm
+SLOW_PATH = "_specdec_slow_path"  # the attribute, on a model use_lean_layers left to transformers, saying why
 
 
 def use_lean_layers(model: torch.nn.Module) -> torch.nn.Module:
-    """Fuse q/k/v and gate/up and give every decoder layer that `takes_lean_forward` the lean forward, in place; a decoder
-    (the layers' parent model) all of whose layers take it gets the decoder stack's forward (decoder_stack.py)."""
+    """Fuse q/k/v and gate/up and give every decoder layer that `takes_lean_forward` the lean forward, in place; a
+    decoder (the layers' parent model) all of whose layers take it gets the decoder stack's forward (decoder_stack.py).
+    A model whose architecture or configuration the fast path does not compute (architectures.slow_path_reason) keeps
+    transformers' layers, and the reason is kept on it (SLOW_PATH) for its load line."""
+    config = getattr(model, "config", None)
+    reason = slow_path_reason(config) if config is not None else None
+    if reason is not None:
+        model.__dict__[SLOW_PATH] = reason
+        return model
     for layer in model.modules():
         if not takes_lean_forward(layer):
             continue
-        attention, mlp = layer.self_attn, layer.mlp
-        attention.qkv_proj = fused([attention.q_proj, attention.k_proj, attention.v_proj])
-        attention.qk_sizes = (attention.q_proj.out_features, attention.k_proj.out_features)
-        del attention.q_proj, attention.k_proj, attention.v_proj
-        mlp.gate_up_proj = fused([mlp.gate_proj, mlp.up_proj])
-        del mlp.gate_proj, mlp.up_proj
+        _fuse(layer.self_attn, layer.mlp, layer.self_attn.config)
         layer.forward = types.MethodType(lean_forward, layer)
     for decoder in model.modules():
-        if type(decoder).__name__ in STACK_CLASSES and _all_lean(decoder):
+        if type(decoder).__name__ in DECODER_CLASSES and _all_lean(decoder):
             decoder.forward = types.MethodType(stack_forward, decoder)
             decoder.norm.forward = types.MethodType(lean_norm, decoder.norm)
     return model
+
+
+def _fuse(attention: torch.nn.Module, mlp: torch.nn.Module, config) -> None:
+    """q/k/v into one layer `qkv_proj` and gate/up into `gate_up_proj` (Phi-3's are fused already: kept)."""
+    parts = qkv_parts(attention)
+    if len(parts) == 1:  # Phi-3's: q's rows, k's, v's
+        head_dim = attention.head_dim
+        attention.qk_sizes = (config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim)
+    else:
+        attention.qk_sizes = (parts[0].out_features, parts[1].out_features)
+        attention.qkv_proj = fused(parts)
+        del attention.q_proj, attention.k_proj, attention.v_proj
+    parts = gate_up_parts(mlp)
+    if len(parts) > 1:
+        mlp.gate_up_proj = fused(parts)
+        del mlp.gate_proj, mlp.up_proj
+
+
+def slow_path(model: torch.nn.Module) -> str | None:
+    """Why `use_lean_layers` left `model` on transformers' layers, in a few words; None where it did not."""
+    return model.__dict__.get(SLOW_PATH)
 
 
 def _all_lean(decoder: torch.nn.Module) -> bool:

@@ -1,4 +1,5 @@
-"""A leaner forward for the decoder layers of Llama- and Qwen2-style models quantised to int8 or q4.
+"""A leaner forward for the decoder layers of Llama-style models quantised to int8 or q4 (Llama, Qwen2, Qwen3,
+Mistral, Phi-3: architectures.py).
 
 Why: with specdec's own matmuls a one-token forward spends a large part of its time outside the matmuls,
 most of it in per-call overhead: transformers' layer makes ~13 module calls and ~60 tensor operations. Here a
@@ -19,11 +20,12 @@ specdec's C attention (native/attention.c, through runtime/attention.py), so a l
 update instead of ~45 torch operations. Its SiLU takes exp from native/vector_math.h (exp_avx2), not torch's, so
 these logits equal transformers' up to rounding (tested), and still each row's alone.
 
-A decoder (LlamaModel, Qwen2Model) all of whose layers are lean goes one step further for a batch of one over
+A decoder (LlamaModel, Qwen3Model, ...) all of whose layers are lean goes one step further for a batch of one over
 the engine's growing cache: its whole forward in one call into C (decoder_stack.py).
 
-Only the exact classes named in LEAN_CLASSES with SiLU MLPs are changed; other models keep transformers'
-layers."""
+Only the exact classes named in architectures.LAYER_CLASSES with SiLU MLPs are changed; other models keep
+transformers' layers. Qwen3's RMSNorm over each head of q and k runs between the projection and the rotary embedding
+(the same C norm, per head); Phi-3's q/k/v and gate/up come fused already and are kept as they are."""
 
 from __future__ import annotations
 
@@ -37,9 +39,8 @@ from specdec_cli.models.formats import q4
 from specdec_cli.models.formats.int8 import PerTokenInt8Linear
 from specdec_cli.models.formats.q4 import Q4Linear
 from specdec_cli.models.native import binding
+from specdec_cli.models.runtime.architectures import LAYER_CLASSES
 from specdec_cli.models.runtime.attention import attend_rows
-
-LEAN_CLASSES = ("LlamaDecoderLayer", "Qwen2DecoderLayer")
 
 
 def fused(layers: list[torch.nn.Module]) -> torch.nn.Module:
@@ -68,15 +69,37 @@ def _fused_bias(layers: list[torch.nn.Module]) -> torch.Tensor | None:
 
 
 def takes_lean_forward(layer: torch.nn.Module) -> bool:
-    if type(layer).__name__ not in LEAN_CLASSES:
+    if type(layer).__name__ not in LAYER_CLASSES or getattr(layer.forward, "__func__", None) is lean_forward:
         return False
     attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    projections = [getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj")]
-    projections += [getattr(mlp, name, None) for name in ("gate_proj", "up_proj")]
+    projections = qkv_parts(attention) + gate_up_parts(mlp)
     kinds = {Q4Linear if isinstance(projection, Q4Linear) else type(projection) for projection in projections}
+    activation = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)  # Phi-3's name
     return (len(kinds) == 1 and kinds <= {Q4Linear, PerTokenInt8Linear}
-            and getattr(mlp.act_fn, "__class__", None).__name__ in ("SiLU", "SiLUActivation")
+            and type(activation).__name__ in ("SiLU", "SiLUActivation")
             and type(layer.input_layernorm).__name__.endswith("RMSNorm"))
+
+
+def qkv_parts(attention: torch.nn.Module) -> list:
+    """The q/k/v projections to fuse: Phi-3's one fused layer as it is, else q, k and v."""
+    if hasattr(attention, "qkv_proj"):
+        return [attention.qkv_proj]
+    return [getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj")]
+
+
+def gate_up_parts(mlp: torch.nn.Module) -> list:
+    """The gate/up projections to fuse: Phi-3's one fused layer as it is, else gate and up."""
+    if hasattr(mlp, "gate_up_proj"):
+        return [mlp.gate_up_proj]
+    return [getattr(mlp, name, None) for name in ("gate_proj", "up_proj")]
+
+
+def head_norms(attention: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """Qwen3's RMSNorms over each head of q and of k, None where the attention has none."""
+    modules = attention._modules
+    if "q_norm" not in modules:
+        return None
+    return modules["q_norm"], modules["k_norm"]
 
 
 def _rms_norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -174,10 +197,19 @@ def _runs_in_c(layer: torch.nn.Module, hidden_states: torch.Tensor, attention_ma
 def layer_in_c(layer: torch.nn.Module) -> bool:
     """What `_runs_in_c` asks of the layer itself, whatever the input."""
     attention = layer.self_attn
+    norms = [layer.input_layernorm, layer.post_attention_layernorm, *(head_norms(attention) or ())]
     return (attention.config._attn_implementation in ("specdec_rowwise", "sdpa")
             and getattr(attention, "sliding_window", None) is None
-            and layer.input_layernorm.weight.dtype == layer.post_attention_layernorm.weight.dtype == torch.float32
+            and all(norm.weight.dtype == torch.float32 for norm in norms)
             and binding.library()[2] is None)
+
+
+def c_head_norms(attention: torch.nn.Module) -> tuple[int | None, int | None, float]:
+    """(q norm's weight address, k norm's, their epsilon) for the C layers; (None, None, 0.0) without them."""
+    norms = head_norms(attention)
+    if norms is None:
+        return None, None, 0.0
+    return norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), norms[0].variance_epsilon
 
 
 def _forward_in_c(self, projections: tuple[CLinear, ...], hidden_states: torch.Tensor, attention_mask, cache,
@@ -185,6 +217,7 @@ def _forward_in_c(self, projections: tuple[CLinear, ...], hidden_states: torch.T
     """The layer as three C calls and the cache update (see the module): hidden (1, T, H) → (1, T, H)."""
     library, isa, _ = binding.library()
     attention, threads = self.self_attn, torch.get_num_threads()
+    q_norm, k_norm, qk_eps = c_head_norms(attention)
     tokens, width = hidden_states.shape[1:]
     hidden = hidden_states.contiguous()
     head_dim, (q_size, k_size) = attention.head_dim, attention.qk_sizes
@@ -196,8 +229,9 @@ def _forward_in_c(self, projections: tuple[CLinear, ...], hidden_states: torch.T
     qkv, o_proj, gate_up, down = projections
     norm = self.input_layernorm
     failed = library.specdec_lean_qkv(isa, threads, hidden.data_ptr(), tokens, width, norm.weight.data_ptr(),
-                                      norm.variance_epsilon, ctypes.byref(qkv), cos.data_ptr(), sin.data_ptr(),
-                                      heads, kv_heads, head_dim, query.data_ptr(), key.data_ptr(), value.data_ptr())
+                                      norm.variance_epsilon, ctypes.byref(qkv), q_norm, k_norm, qk_eps,
+                                      cos.data_ptr(), sin.data_ptr(), heads, kv_heads, head_dim, query.data_ptr(),
+                                      key.data_ptr(), value.data_ptr())
     if failed:
         raise MemoryError(f"specdec's layer kernels could not allocate their buffers for {tokens} tokens")
     if cache is not None:
@@ -226,7 +260,11 @@ def lean_forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor
     head_dim = attention.head_dim
     q_size, k_size = attention.qk_sizes
     qkv = attention.qkv_proj(_rms_norm(self.input_layernorm, hidden_states))  # (B, T, q + k + v)
-    qk = qkv[..., :q_size + k_size].view(batch, tokens, -1, head_dim).transpose(1, 2)  # (B, heads + kv, T, D)
+    qk = qkv[..., :q_size + k_size].view(batch, tokens, -1, head_dim)  # (B, T, heads + kv, D)
+    if (norms := head_norms(attention)) is not None:
+        heads = q_size // head_dim
+        qk = torch.cat([_rms_norm(norms[0], qk[:, :, :heads]), _rms_norm(norms[1], qk[:, :, heads:])], dim=2)
+    qk = qk.transpose(1, 2)  # (B, heads + kv, T, D)
     cos, sin = position_embeddings  # (B, T, D)
     qk = _rotate(qk, cos.unsqueeze(1), sin.unsqueeze(1))
     query, key = qk[:, : q_size // head_dim], qk[:, q_size // head_dim:]

@@ -1,0 +1,145 @@
+"""Popular architectures beside Llama and Qwen2 (runtime/architectures.py), each a tiny random model of its
+transformers class built here (tests/conftest.py's OTHER_ARCHITECTURES), its norms' weights drawn at random so that a
+norm applied in the wrong place shows.
+
+On the fast path (Qwen3's per-head q/k norms, Mistral, Phi-3's fused projections, Llama 3's rope scaling): an int8 or
+q4 model's logits, prefill and then token by token over the engine's cache through the C decoder stack, are
+transformers' own forward's on the same weights up to rounding; a verify gives the one-token logits bit for bit; and
+speculative greedy decoding is the target alone's. Gemma 2 and 3 (and a Mistral whose sliding window is shorter than
+its context) keep transformers' layers: their logits are transformers' (Gemma 2's soft-capped attention and logits
+included), verify is one-token decoding bit for bit, and the load line says so in one part."""
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from specdec_cli.drafters import DraftModelDrafter
+from specdec_cli.engine import FixedK, SamplingParams, SpeculativeDecoder
+from specdec_cli.engine.kv import CachedModel
+from specdec_cli.models.loading.loaded import LoadedModel
+from specdec_cli.models.runtime import decoder_stack
+from specdec_cli.models.runtime.quantize import quantize
+
+from tests.conftest import hf_greedy, tiny_causal_lm
+
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.kernels]
+
+FAST = ["qwen3", "mistral", "phi3", "llama3"]
+SLOW = {  # architecture → what its load line says
+    "gemma2": "transformers' layers (no fast path for gemma2)",
+    "gemma3": "transformers' layers (no fast path for gemma3_text)",
+    "mistral-window": "transformers' layers (its sliding window of 8 tokens is shorter than its context of 512)",
+}
+IDS = [1] + [(7 * i + 2) % 90 + 3 for i in range(40)]
+PROMPT = 30  # tokens read in one forward before the rest go one at a time
+
+
+def _model(arch: str, seed: int = 0, hidden: int = 64) -> torch.nn.Module:
+    model = tiny_causal_lm(arch.removesuffix("-window"), seed=seed, layers=2, hidden=hidden, logit_scale=8.0)
+    if arch == "mistral-window":
+        model.config.sliding_window = 8
+    generator = torch.Generator().manual_seed(seed)
+    gemma = arch.startswith("gemma")  # its norms scale by 1 + weight
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if "norm" in name:
+                weight.copy_(torch.rand(weight.shape, generator=generator) - (0.5 if gemma else -0.5))
+    return model
+
+
+def _fast_and_transformers(arch: str, quantization: str, monkeypatch) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(the model as specdec runs it, the same weights in transformers' own layers and eager attention)."""
+    model = _model(arch)
+    fast = quantize(copy.deepcopy(model), quantization)
+    with monkeypatch.context() as patch:
+        patch.setattr(decoder_stack, "use_lean_layers", lambda model: model)
+        plain = quantize(copy.deepcopy(model), quantization, exact_rows=False)
+    assert plain.config._attn_implementation == "eager"
+    return fast, plain
+
+
+def _prefill_then_steps(fast: torch.nn.Module, plain: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(V,) logits after IDS[:PROMPT] and after each token past it: (the engine's cache, transformers' own), each
+    (len(IDS) - PROMPT + 1, V)."""
+    runner = CachedModel(fast)
+    ours = [runner.extend(IDS[:end], 1)[0] for end in range(PROMPT, len(IDS) + 1)]
+    cache = DynamicCache(config=plain.config)
+    with torch.no_grad():
+        theirs = [plain(input_ids=torch.tensor([IDS[:PROMPT]]), cache=cache).logits[0, -1]]
+        theirs += [plain(input_ids=torch.tensor([[token]]), cache=cache).logits[0, -1] for token in IDS[PROMPT:]]
+    return torch.stack(ours), torch.stack(theirs)
+
+
+def _verify_and_decode(model: torch.nn.Module, rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of IDS' last `rows` positions: (one verify forward after the rest, one forward per token)."""
+    verifier, decoder = CachedModel(model), CachedModel(model)
+    verifier.extend(IDS[:-rows], 1)
+    verified = verifier.extend(IDS, rows)
+    decoder.extend(IDS[:-rows], 1)
+    decoded = [decoder.extend(IDS[:end], 1)[0] for end in range(len(IDS) - rows + 1, len(IDS) + 1)]
+    return verified, torch.stack(decoded)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "q4"])
+@pytest.mark.parametrize("arch", FAST)
+def test_the_fast_path_gives_transformers_logits(arch, quantization, monkeypatch):
+    fast, plain = _fast_and_transformers(arch, quantization, monkeypatch)
+    assert fast.model.forward.__func__ is decoder_stack.stack_forward and decoder_stack.slow_path(fast) is None
+    ours, theirs = _prefill_then_steps(fast, plain)
+    assert fast.model._c_stack[1] is not None  # the whole decoder ran in C
+    # up to rounding (the C norm's double sum, SiLU's exp): ~1e-6 on these models (a rotary embedding without Llama
+    # 3's scaling is 0.03 off), though a last-bit difference can move an int8 activation a whole step (~0.01)
+    assert torch.allclose(ours, theirs, atol=2e-3), (ours - theirs).abs().max()
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+    rows = torch.tensor([IDS[:20], IDS[20:40]])  # a batch of two: the lean layers in torch
+    with torch.no_grad():
+        ours, theirs = fast(rows).logits, plain(rows).logits
+    assert torch.allclose(ours, theirs, atol=0.05), (ours - theirs).abs().max()  # here one such step: 0.012
+
+
+@pytest.mark.parametrize("arch", SLOW)
+def test_transformers_layers_give_transformers_logits(arch, monkeypatch):
+    """A model the fast path does not compute keeps transformers' layers, with attention row by row (Gemma 2's
+    soft-capped in torch): transformers' eager logits up to rounding."""
+    fast, plain = _fast_and_transformers(arch, "q4", monkeypatch)
+    ours, theirs = _prefill_then_steps(fast, plain)
+    assert torch.allclose(ours, theirs, atol=1e-4), (ours - theirs).abs().max()
+    assert not hasattr(fast.model.layers[0].self_attn, "qkv_proj")  # transformers' layers
+
+
+@pytest.mark.parametrize("quantization", ["int8", "q4"])
+@pytest.mark.parametrize("arch", FAST + list(SLOW))
+def test_a_verify_gives_the_one_token_logits_bit_for_bit(arch, quantization):
+    verified, decoded = _verify_and_decode(quantize(_model(arch), quantization))
+    assert torch.equal(verified, decoded)
+
+
+# The engine's cache keeps transformers' DynamicSlidingWindowLayer for a sliding-window layer (engine/cache_layers.py's
+# new_cache), which drops the keys that fall out of the window, so cutting the cache back after a rejected draft leaves
+# the wrong keys: speculation over a model with a sliding window is not the target alone. A bug of the engine's, left
+# to it: strict, so its fix is seen here.
+SLIDING_CACHE_BUG = pytest.mark.xfail(strict=True, reason="engine/cache_layers.py: a sliding-window cache layer "
+                                                         "cannot be cut back after a rejection")
+
+
+@pytest.mark.parametrize("arch", FAST + [pytest.param(arch, marks=SLIDING_CACHE_BUG) for arch in SLOW])
+def test_speculative_greedy_is_the_q4_target_alone(arch):
+    target = quantize(_model(arch), "q4")
+    draft = quantize(_model(arch, seed=1, hidden=32), "q4", exact_rows=False)
+    result = SpeculativeDecoder(target, DraftModelDrafter(draft), FixedK(3)).generate(IDS[:20], SamplingParams(), 16)
+    assert result.tokens == hf_greedy(target, IDS[:20], 16)
+
+
+@pytest.mark.parametrize("arch, says", list(SLOW.items()) + [("qwen3", None)])
+def test_the_load_line_says_when_transformers_layers_run(arch, says):
+    model = quantize(_model(arch), "q4")
+    loaded = LoadedModel(model=model, tokenizer=None, name="m", source="m", device=torch.device("cpu"),
+                         dtype=torch.float32, quantization="q4", eos_token_ids=(2,), vocab_size=96)
+    line = loaded.describe("target")
+    assert "\n" not in line
+    if says is None:
+        assert "transformers' layers" not in line
+    else:
+        assert line.endswith(" · " + says), line
