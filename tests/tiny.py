@@ -50,9 +50,9 @@ def build_tokenizer(path: Path | None = None, corpus: list[str] | None = None, v
 
 
 def tiny_config(arch: str, vocab_size: int, tokenizer):
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
     return config_class(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -180,9 +180,11 @@ def random_blocks(kind: str, rows: int, width: int, generator):
 
 def build_4bit_gguf(path: Path, arch: str = "qwen2", kind: str = "Q4_K", seed: int = 0, kinds: dict | None = None,
                     split_max_tensors: int = 0, sizes: tuple[int, int, int] | None = None) -> dict:
-    """A tiny random `arch` model (hidden 256: Q4_K needs rows of 256) written as a `.gguf` whose Linear weights are
-    random `kind` blocks (Q4_0, Q4_1 or Q4_K, as most of a Q4_K_M file's are), the rest F32. llama's q/k rows are
-    stored as written, so transformers' reordering of them on load moves them. Returns {gguf tensor name: bytes}.
+    """A tiny random `arch` model (llama, qwen2 or qwen3; hidden 256: Q4_K needs rows of 256; qwen3's heads must be
+    transformers' default 128 wide, its GGUF config leaves them out: sizes=(512, ...)) written as a `.gguf` whose
+    Linear weights are random `kind` blocks (Q4_0, Q4_1 or Q4_K, as most of a Q4_K_M file's are), the rest F32.
+    llama's q/k rows are stored as written, so transformers' reordering of them on load moves them. Returns {gguf
+    tensor name: bytes}.
     kinds: {a piece of a gguf tensor name ("ffn_down"): its kind instead}; split_max_tensors: write a split set of
     parts of that many tensors (`path`'s name then gets -00001-of-0000N); sizes: (hidden, intermediate, layers)
     instead of (256, 512, the tiny config's)."""
@@ -200,8 +202,7 @@ def build_4bit_gguf(path: Path, arch: str = "qwen2", kind: str = "Q4_K", seed: i
     config.head_dim = config.hidden_size // config.num_attention_heads
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
-    names = gguf.get_tensor_name_map({"qwen2": gguf.MODEL_ARCH.QWEN2, "llama": gguf.MODEL_ARCH.LLAMA}[arch],
-                                     config.num_hidden_layers)
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), config.num_hidden_layers)
     writer = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     _add_gguf_config(writer, config)
     _add_gguf_tokenizer(writer, tokenizer)

@@ -143,3 +143,20 @@ def test_the_load_line_says_when_transformers_layers_run(arch, says):
         assert "transformers' layers" not in line
     else:
         assert line.endswith(" · " + says), line
+
+
+def test_a_qwen3_gguf_read_in_place_runs_the_fast_path(tmp_path, specdec_home):
+    """A Qwen3 `.gguf` in q4 (its 4-bit blocks kept, its q/k norms among the float tensors) is transformers' own
+    conversion of the file and runs the whole decoder in C, a verify the one-token logits bit for bit."""
+    from specdec_cli.models import load_model
+
+    from tests.models.test_gguf_in_place import _converted, _differences, _read_in_place
+    from tests.tiny import build_4bit_gguf
+
+    path = tmp_path / "qwen3.gguf"
+    build_4bit_gguf(path, arch="qwen3", kind="Q4_K", sizes=(512, 512, 2))
+    assert _differences(_read_in_place(path), _converted(path)) == []
+    loaded = load_model(str(path), quantization="q4", dtype="float32", progress=False)
+    assert "transformers' layers" not in loaded.describe("target")
+    verified, decoded = _verify_and_decode(loaded.model)
+    assert loaded.model.model._c_stack[1] is not None and torch.equal(verified, decoded)
