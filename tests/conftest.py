@@ -113,7 +113,10 @@ OTHER_ARCHITECTURES = {
                                      "attn_logit_softcapping": 0.5, "final_logit_softcapping": 3.0,
                                      "hidden_activation": "gelu_pytorch_tanh"}),
     "gemma3": ("Gemma3ForCausalLM", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
-                                     "hidden_activation": "gelu_pytorch_tanh"}),
+                                     "hidden_activation": "gelu_pytorch_tanh",
+                                     "layer_types": ["sliding_attention", "full_attention"]}),
+    "phi3-partial": ("Phi3ForCausalLM", {"sliding_window": None, "partial_rotary_factor": 0.5}),  # Phi-4-mini's kind
+    "granite": ("GraniteForCausalLM", {}),  # an architecture without a fast path
 }
 
 

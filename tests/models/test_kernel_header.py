@@ -35,7 +35,7 @@ HAND_WRITTEN = {
     "specdec_decoder_forward": (I, [I, I, P, L, P, P, L, P, P, P, L, P, L, L, P, P, P, L, L, L, F, P, F, P]),
     "specdec_top_k_rows": (L, [P, L, L, L, P, P]),
     "specdec_support": (L, [P, L, P]),
-    "specdec_lean_mlp": (I, [I, I, P, P, L, L, P, P, F, P, P, P]),
+    "specdec_lean_mlp": (I, [I, I, P, P, L, L, P, P, P, F, P, L, P, P, F, P]),
 }
 
 

@@ -27,8 +27,11 @@ typedef struct {
     const float *input_norm, *post_norm; /* RMSNorm weights (H,) */
     float input_eps, post_eps;
     specdec_linear qkv, o, gate_up, down;
-    const float *q_norm, *k_norm;        /* per-head RMSNorm weights (dim,) of q and k (Qwen3), or NULL */
+    const float *q_norm, *k_norm;        /* per-head RMSNorm weights (dim,) of q and k (Qwen3, Gemma 3), or NULL */
     float qk_eps;
+    const float *attention_out_norm, *mlp_out_norm; /* Gemma's norms of o's and down's outputs, or NULL */
+    float out_eps;
+    int64_t activation;                  /* 0: SiLU, 1: GELU's tanh form (Gemma) */
 } specdec_layer;
 
 /* Which instructions run (int8_gemm.c, q4_amx.c). */
@@ -66,8 +69,9 @@ int specdec_lean_qkv(int isa, int threads, const float *x, int64_t T, int64_t H,
                      const float *cos, const float *sin, int64_t heads, int64_t kv_heads, int64_t dim, float *q,
                      float *k, float *v);
 int specdec_lean_mlp(int isa, int threads, const float *attention, const float *residual, int64_t T, int64_t H,
-                     const specdec_linear *o, const float *norm_weight, float eps, const specdec_linear *gate_up,
-                     const specdec_linear *down, float *out);
+                     const specdec_linear *o, const float *attention_out_norm, const float *norm_weight, float eps,
+                     const specdec_linear *gate_up, int64_t activation, const specdec_linear *down,
+                     const float *mlp_out_norm, float out_eps, float *out);
 int specdec_decoder_forward(int isa, int threads, const float *embed, int64_t rows, const int64_t *ids,
                             const specdec_layer *layers, int64_t count, float *const *keys, float *const *values,
                             const int64_t *capacity, int64_t cached, float *hidden, int64_t T, int64_t H,

@@ -1,4 +1,4 @@
-/* The two halves of a Llama-style decoder layer (Llama, Qwen2, Qwen3, Mistral, Phi-3) around its attention, each
+/* The two halves of a Llama-style decoder layer (Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma) around its attention, each
    in one call, for int8 and q4 models (lean_layers.py), and the decoder stack that runs every layer in one call
    (decoder_stack.py). Outside its matmuls a layer is dozens of small torch operations, whose fixed costs add up at
    a few tokens; here a layer is three calls into C (these two and the attention, attention.c) and the cache update.
@@ -97,11 +97,23 @@ int specdec_lean_qkv(int isa, int threads, const float *x, int64_t T, int64_t H,
     return failed;
 }
 
-/* acted (T, inner) = silu(gate) · up for gates (T, 2·inner) = [gate | up] per row: silu(x) = x / (1 + exp(-x)),
-   8 channels at a time (exp_avx2) and the row's tail past a multiple of 8 with the same vector steps on a
-   padded copy, so every element takes the same steps wherever it sits. */
+/* GELU's tanh form, as transformers' gelu_pytorch_tanh (Gemma): 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), the
+   tanh as 1 - 2 / (exp(2u) + 1) (exp_avx2: ±1 where exp saturates). */
 __attribute__((target("avx2,fma")))
-static void silu_times(int threads, const float *gates, int64_t T, int64_t inner, float *acted) {
+static inline __m256 gelu_tanh_avx2(__m256 x) {
+    const __m256 one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f), half = _mm256_set1_ps(0.5f);
+    __m256 cube = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+    __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
+                             _mm256_add_ps(x, _mm256_mul_ps(_mm256_set1_ps(0.044715f), cube)));
+    __m256 tanh = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(exp_avx2(_mm256_mul_ps(two, u)), one)));
+    return _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, tanh));
+}
+
+/* acted (T, inner) = act(gate) · up for gates (T, 2·inner) = [gate | up] per row, act SiLU (activation 0:
+   x / (1 + exp(-x))) or GELU's tanh form (1), 8 channels at a time (exp_avx2) and the row's tail past a multiple of
+   8 with the same vector steps on a padded copy, so every element takes the same steps wherever it sits. */
+__attribute__((target("avx2,fma")))
+static void act_times(int threads, int64_t activation, const float *gates, int64_t T, int64_t inner, float *acted) {
     int64_t steps = (inner + 7) / 8;
     const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
 #pragma omp parallel for num_threads(threads) schedule(static) collapse(2) if (T * inner > 32768)
@@ -117,33 +129,39 @@ static void silu_times(int threads, const float *gates, int64_t T, int64_t inner
                 gate_from = gate_part, up_from = up_part, to = result;
             }
             __m256 gate = _mm256_loadu_ps(gate_from), up = _mm256_loadu_ps(up_from);
-            __m256 silu = _mm256_div_ps(gate, _mm256_add_ps(one, exp_avx2(_mm256_xor_ps(gate, sign))));
-            _mm256_storeu_ps(to, _mm256_mul_ps(silu, up));
+            __m256 acted_gate = activation
+                                    ? gelu_tanh_avx2(gate)
+                                    : _mm256_div_ps(gate, _mm256_add_ps(one, exp_avx2(_mm256_xor_ps(gate, sign))));
+            _mm256_storeu_ps(to, _mm256_mul_ps(acted_gate, up));
             for (int64_t j = 0; count < 8 && j < count; j++) acted[t * inner + i + j] = result[j];
         }
     }
 }
 
-/* The rest of the layer: h = residual + o(attention); out = h + down(silu(gate) · up), gate and up from one
-   fused projection of RMSNorm(h). attention (T, heads·dim), residual and out (T, H).
-   Returns 0, or 1 when a buffer could not be allocated. */
+/* The rest of the layer: h = residual + o(attention); out = h + down(act(gate) · up), gate and up from one
+   fused projection of RMSNorm(h), act as act_times takes `activation`. Gemma's norms of o's output
+   (attention_out_norm) and of down's (mlp_out_norm, both with out_eps) where given, else NULL.
+   attention (T, heads·dim), residual and out (T, H). Returns 0, or 1 when a buffer could not be allocated. */
 int specdec_lean_mlp(int isa, int threads, const float *attention, const float *residual, int64_t T, int64_t H,
-                     const specdec_linear *o, const float *norm_weight, float eps, const specdec_linear *gate_up,
-                     const specdec_linear *down, float *out) {
+                     const specdec_linear *o, const float *attention_out_norm, const float *norm_weight, float eps,
+                     const specdec_linear *gate_up, int64_t activation, const specdec_linear *down,
+                     const float *mlp_out_norm, float out_eps, float *out) {
     int64_t inner = gate_up->out_features / 2;
     float *hidden = malloc((size_t)(T * H) * sizeof(float)), *normed = malloc((size_t)(T * H) * sizeof(float));
     float *gates = malloc((size_t)(T * 2 * inner) * sizeof(float)), *acted = malloc((size_t)(T * inner) * sizeof(float));
     int failed = !hidden || !normed || !gates || !acted;
     if (!failed) failed = linear(isa, threads, o, attention, T, hidden);
     if (!failed) {
+        if (attention_out_norm) specdec_rms_norm(hidden, attention_out_norm, out_eps, T, H, hidden); /* in place */
         for (int64_t i = 0; i < T * H; i++) hidden[i] = residual[i] + hidden[i];
         specdec_rms_norm(hidden, norm_weight, eps, T, H, normed);
         failed = linear(isa, threads, gate_up, normed, T, gates);
     }
     if (!failed) {
-        silu_times(threads, gates, T, inner, acted);
+        act_times(threads, activation, gates, T, inner, acted);
         failed = linear(isa, threads, down, acted, T, out);
     }
+    if (!failed && mlp_out_norm) specdec_rms_norm(out, mlp_out_norm, out_eps, T, H, out);
     if (!failed)
         for (int64_t i = 0; i < T * H; i++) out[i] = hidden[i] + out[i];
     free(hidden);
@@ -182,8 +200,9 @@ static int specdec_decoder_stack(int isa, int threads, const specdec_layer *laye
         failed = specdec_attention(threads, q, keys[i], values[i], visible, T, heads, kv_heads, cached + T, dim,
                                    capacity[i] * dim, scale, attended);
         if (!failed)
-            failed = specdec_lean_mlp(isa, threads, attended, hidden, T, H, &layer->o, layer->post_norm,
-                                      layer->post_eps, &layer->gate_up, &layer->down, out);
+            failed = specdec_lean_mlp(isa, threads, attended, hidden, T, H, &layer->o, layer->attention_out_norm,
+                                      layer->post_norm, layer->post_eps, &layer->gate_up, layer->activation,
+                                      &layer->down, layer->mlp_out_norm, layer->out_eps, out);
         if (!failed) memcpy(hidden, out, (size_t)(T * H) * sizeof(float));
     }
     free(q);

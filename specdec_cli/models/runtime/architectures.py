@@ -1,12 +1,18 @@
 """Which architectures an int8 or q4 model runs on the fast path (the lean layers, the layers in C and the decoder
 stack), and in one line why a model does not.
 
-The fast path computes a Llama-style layer: RMSNorm, q/k/v, the rotary embedding over the whole head, attention over
-every earlier key, o, RMSNorm, SiLU-gated MLP. Qwen2 adds q/k/v biases, Qwen3 an RMSNorm over each head of q and k,
-Mistral is Llama's layer with a sliding window, Phi-3 keeps q/k/v and gate/up fused already. A model of another
-architecture, or one with something the fast path does not compute (a sliding window that can cut the context, a
-rotary embedding over part of a head), keeps transformers' layers, which give the same logits slower; its load
-line says so (`slow_path_reason`)."""
+The fast path computes a Llama-style layer: RMSNorm, q/k/v, the rotary embedding over the whole head, attention, o,
+RMSNorm, a gated MLP. Qwen2 adds q/k/v biases, Qwen3 an RMSNorm over each head of q and k, Mistral is Llama's layer
+(with a sliding window in some), Phi-3 keeps q/k/v and gate/up fused already. Gemma 2 and 3 add norms of the
+attention's and the MLP's outputs, RMSNorms that scale by 1 + weight, a GELU (tanh form), Gemma 3 Qwen3's q/k norms
+and Gemma 2 soft-capped attention scores; their embedding scaling, per-layer rotary tables and soft-capped logits stay
+in transformers' decoder and head around the layers. A sliding window is in the masks transformers' decoder forward
+makes for each layer, which the layers apply as they are: such a model runs its layers lean, one by one, not the
+decoder stack (whose forward makes one mask for every layer; DECODER_CLASSES are the decoders it runs).
+
+A model of another architecture, or one with something the fast path does not compute (a rotary embedding over part
+of a head, another activation, attention that is not causal), keeps transformers' layers, which give the same logits
+slower; its load line says so (`slow_path_reason`)."""
 
 from __future__ import annotations
 
@@ -17,9 +23,12 @@ FAST_ARCHITECTURES = {
     "qwen3": ("Qwen3DecoderLayer", "Qwen3Model"),
     "mistral": ("MistralDecoderLayer", "MistralModel"),
     "phi3": ("Phi3DecoderLayer", "Phi3Model"),
+    "gemma2": ("Gemma2DecoderLayer", None),  # every released Gemma 2 and 3 has sliding-window layers: no stack
+    "gemma3_text": ("Gemma3DecoderLayer", None),
 }
 LAYER_CLASSES = tuple(layer for layer, _ in FAST_ARCHITECTURES.values())
-DECODER_CLASSES = tuple(decoder for _, decoder in FAST_ARCHITECTURES.values())
+DECODER_CLASSES = tuple(decoder for _, decoder in FAST_ARCHITECTURES.values() if decoder is not None)
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the C layers' two (lean_layers.ACTIVATIONS)
 
 
 def slow_path_reason(config) -> str | None:
@@ -28,14 +37,13 @@ def slow_path_reason(config) -> str | None:
     model_type = getattr(config, "model_type", None)
     if model_type not in FAST_ARCHITECTURES:
         return f"transformers' layers (no fast path for {model_type})"
-    window = sliding_window(config)
-    context = getattr(config, "max_position_embeddings", None)
-    if window is not None and (context is None or window < context):
-        return f"transformers' layers (its sliding window of {window} tokens is shorter than its context of {context})"
     if float(getattr(config, "partial_rotary_factor", None) or 1.0) != 1.0:
         return "transformers' layers (its rotary embedding covers part of each head)"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"transformers' layers (its {config.hidden_act} MLP has no fast path)"
+    activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")  # Gemma's name
+    if activation not in ACTIVATIONS:
+        return f"transformers' layers (its {activation} MLP has no fast path)"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "transformers' layers (its attention is not causal)"
     return None
 
 

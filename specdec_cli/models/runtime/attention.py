@@ -67,6 +67,8 @@ def rowwise_attention_forward(module, query, key, value, attention_mask, dropout
     Returns ((1, rows, heads, dim), None), as transformers' attention functions do. A one-token forward
     takes the same path (rows = 1), so its arithmetic is the same call as a verify row's."""
     if query.shape[0] != 1 or (attention_mask is not None and attention_mask.dtype != torch.bool):
+        if kwargs.get("softcap") is not None:  # SDPA has none
+            return _softcapped(query, key, value, attention_mask, scaling, kwargs["softcap"]), None
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
@@ -104,6 +106,35 @@ def _softcapped_rows(query, key, value, visible_keys: list, scaling: float | Non
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
         outputs.append(torch.matmul(weights, row_value))  # (heads, 1, dim)
     return torch.cat(outputs, dim=1).unsqueeze(0).transpose(1, 2).contiguous()
+
+
+def _softcapped(query, key, value, attention_mask, scaling: float | None, softcap: float) -> torch.Tensor:
+    """Soft-capped attention of a whole batch as transformers' eager attention computes it, under a boolean or
+    additive mask (or none: causal). query (B, heads, T, dim); key, value (B, kv heads, keys, dim) → (B, T, heads,
+    dim)."""
+    scaling = query.shape[3] ** -0.5 if scaling is None else scaling
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, heads, T, keys)
+    scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is None:
+        rows, keys = scores.shape[-2:]
+        attention_mask = torch.ones(rows, keys, dtype=torch.bool).tril(keys - rows)
+    if attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+    else:
+        scores = scores + attention_mask[..., -scores.shape[-1]:]
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous()
+
+
+def attend_rows_softcapped(library, queries: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: torch.Tensor | None, scaling: float, softcap: float) -> torch.Tensor:
+    """`attend_rows`' arguments and result for a soft-capped attention (Gemma 2), in torch (`_softcapped_rows`)."""
+    rows, keys = queries.shape[0], key.shape[2]
+    visible = _LastMask.visible_keys(attention_mask, rows, keys)
+    query = queries.transpose(0, 1).unsqueeze(0)  # (1, heads, rows, dim)
+    return _softcapped_rows(query, key, value, visible, scaling, softcap)[0]
 
 
 def _attention_in_c(library, query, key, value, attention_mask, scaling) -> torch.Tensor:

@@ -17,9 +17,11 @@ import types
 import torch
 
 from specdec_cli.models.native import binding
-from specdec_cli.models.runtime.architectures import DECODER_CLASSES, slow_path_reason
-from specdec_cli.models.runtime.lean_layers import (CLinear, Held, address, c_head_norms, c_projections, fused,
-                                                    gate_up_parts, head_norms, layer_in_c, layer_projections,
+from specdec_cli.models.runtime.architectures import DECODER_CLASSES, sliding_window, slow_path_reason
+from specdec_cli.models.runtime.lean_layers import (CLinear, Held, activation_kind, address, c_head_norms,
+                                                    c_mlp_norms, c_projections, fused, gate_up_parts, head_norms,
+                                                    layer_in_c, layer_projections, mlp_norms, norm_weight,
+                                                    prepare_norms,
                                                     lean_forward, lean_norm, qkv_parts, takes_lean_forward)
 
 
@@ -28,7 +30,9 @@ class _Layer(ctypes.Structure):
 
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("input_eps", ctypes.c_float),
                 ("post_eps", ctypes.c_float), ("qkv", CLinear), ("o", CLinear), ("gate_up", CLinear),
-                ("down", CLinear), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("qk_eps", ctypes.c_float)]
+                ("down", CLinear), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("qk_eps", ctypes.c_float),
+                ("attention_out_norm", ctypes.c_void_p), ("mlp_out_norm", ctypes.c_void_p), ("out_eps", ctypes.c_float),
+                ("activation", ctypes.c_int64)]
 
 
 def _stack_layers(decoder: torch.nn.Module):
@@ -45,12 +49,17 @@ def _stack_layers(decoder: torch.nn.Module):
         array = None
         if None not in described and all(layer_in_c(layer) for layer in layers):
             array = (_Layer * len(described))(*(
-                _Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                       layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon,
-                       *projections, *c_head_norms(layer.self_attn))
+                _layer(layer, projections)
                 for layer, projections in zip(layers, described)))
         decoder._c_stack = held = Held((where, array))
     return held[1]
+
+
+def _layer(layer: torch.nn.Module, projections: tuple[CLinear, ...]) -> _Layer:
+    before, norm, norm_eps, after, out_eps = c_mlp_norms(layer)
+    first = layer.input_layernorm
+    return _Layer(norm_weight(first).data_ptr(), norm, first.variance_epsilon, norm_eps, *projections,
+                  *c_head_norms(layer.self_attn), before, after, out_eps, activation_kind(layer.mlp))
 
 
 def _stack_where(decoder: torch.nn.Module) -> tuple[int, ...]:
@@ -59,9 +68,8 @@ def _stack_where(decoder: torch.nn.Module) -> tuple[int, ...]:
     for layer in decoder._modules["layers"]._modules.values():
         parts = layer._modules
         where.extend(address(projection) for projection in layer_projections(layer))
-        where.append(parts["input_layernorm"]._parameters["weight"].data_ptr())
-        where.append(parts["post_attention_layernorm"]._parameters["weight"].data_ptr())
-        where.extend(norm._parameters["weight"].data_ptr() for norm in head_norms(parts["self_attn"]) or ())
+        norms = (parts["input_layernorm"], *mlp_norms(layer), *(head_norms(parts["self_attn"]) or ()))
+        where.extend(norm_weight(norm).data_ptr() for norm in norms if norm is not None)
     return tuple(where)
 
 
@@ -203,9 +211,11 @@ def use_lean_layers(model: torch.nn.Module) -> torch.nn.Module:
         if not takes_lean_forward(layer):
             continue
         _fuse(layer.self_attn, layer.mlp, layer.self_attn.config)
+        prepare_norms(layer)
         layer.forward = types.MethodType(lean_forward, layer)
     for decoder in model.modules():
-        if type(decoder).__name__ in DECODER_CLASSES and _all_lean(decoder):
+        # A sliding window is in the masks transformers' forward makes per layer: no stack (it builds one mask).
+        if type(decoder).__name__ in DECODER_CLASSES and sliding_window(config) is None and _all_lean(decoder):
             decoder.forward = types.MethodType(stack_forward, decoder)
             decoder.norm.forward = types.MethodType(lean_norm, decoder.norm)
     return model

@@ -1,5 +1,5 @@
 """A leaner forward for the decoder layers of Llama-style models quantised to int8 or q4 (Llama, Qwen2, Qwen3,
-Mistral, Phi-3: architectures.py).
+Mistral, Phi-3, Gemma 2 and 3: architectures.py).
 
 Why: with specdec's own matmuls a one-token forward spends a large part of its time outside the matmuls,
 most of it in per-call overhead: transformers' layer makes ~13 module calls and ~60 tensor operations. Here a
@@ -25,12 +25,16 @@ the engine's growing cache: its whole forward in one call into C (decoder_stack.
 
 Only the exact classes named in architectures.LAYER_CLASSES with SiLU MLPs are changed; other models keep
 transformers' layers. Qwen3's RMSNorm over each head of q and k runs between the projection and the rotary embedding
-(the same C norm, per head); Phi-3's q/k/v and gate/up come fused already and are kept as they are."""
+(the same C norm, per head); Phi-3's q/k/v and gate/up come fused already and are kept as they are. Gemma's layer
+adds norms of o's and down's outputs (`mlp_norms`), its norms scale by 1 + weight (kept once: `prepare_norms`), its
+MLP takes GELU's tanh form, and Gemma 2's soft-capped attention scores are computed in torch, row by row
+(attention.py)."""
 
 from __future__ import annotations
 
 import ctypes
 import sys
+from functools import partial
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -40,7 +44,7 @@ from specdec_cli.models.formats.int8 import PerTokenInt8Linear
 from specdec_cli.models.formats.q4 import Q4Linear
 from specdec_cli.models.native import binding
 from specdec_cli.models.runtime.architectures import LAYER_CLASSES
-from specdec_cli.models.runtime.attention import attend_rows
+from specdec_cli.models.runtime.attention import attend_rows, attend_rows_softcapped
 
 
 def fused(layers: list[torch.nn.Module]) -> torch.nn.Module:
@@ -74,10 +78,39 @@ def takes_lean_forward(layer: torch.nn.Module) -> bool:
     attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     projections = qkv_parts(attention) + gate_up_parts(mlp)
     kinds = {Q4Linear if isinstance(projection, Q4Linear) else type(projection) for projection in projections}
-    activation = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)  # Phi-3's name
-    return (len(kinds) == 1 and kinds <= {Q4Linear, PerTokenInt8Linear}
-            and type(activation).__name__ in ("SiLU", "SiLUActivation")
+    return (len(kinds) == 1 and kinds <= {Q4Linear, PerTokenInt8Linear} and activation_kind(mlp) is not None
             and type(layer.input_layernorm).__name__.endswith("RMSNorm"))
+
+
+ACTIVATIONS = {"SiLU": 0, "SiLUActivation": 0, "GELUTanh": 1, "PytorchGELUTanh": 1}  # the C's `activation`
+
+
+def activation_kind(mlp: torch.nn.Module) -> int | None:
+    """The MLP's activation as the C layers take it (0: SiLU, 1: GELU's tanh form), None for another."""
+    activation = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)  # Phi-3's name
+    return ACTIVATIONS.get(type(activation).__name__)
+
+
+def mlp_norms(layer: torch.nn.Module) -> tuple[torch.nn.Module | None, torch.nn.Module, torch.nn.Module | None]:
+    """(the norm of o's output, the norm before the MLP, the norm of down's output): Gemma's four-norm layer has the
+    first and last (its post_attention_layernorm is the first); every other layer only the middle one."""
+    parts = layer._modules
+    if "pre_feedforward_layernorm" in parts:
+        return (parts["post_attention_layernorm"], parts["pre_feedforward_layernorm"],
+                parts["post_feedforward_layernorm"])
+    return None, parts["post_attention_layernorm"], None
+
+
+def prepare_norms(layer: torch.nn.Module) -> None:
+    """Gemma's RMSNorms scale by 1 + weight (in float32): that sum once, kept beside each (`norm_weight`)."""
+    for norm in layer.modules():
+        if type(norm).__name__.startswith("Gemma") and type(norm).__name__.endswith("RMSNorm"):
+            norm.__dict__["lean_weight"] = (1.0 + norm.weight.detach().float()).contiguous()
+
+
+def norm_weight(norm: torch.nn.Module) -> torch.Tensor:
+    """What the RMSNorm multiplies by: its weight, or Gemma's 1 + weight (`prepare_norms`)."""
+    return norm.__dict__.get("lean_weight", norm._parameters["weight"])
 
 
 def qkv_parts(attention: torch.nn.Module) -> list:
@@ -106,13 +139,18 @@ def _rms_norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """RMSNorm in one C call (through native/binding.py: a fraction of the per-call cost of torch's CPU rms_norm)
     where the kernels run and the model computes in float32; else transformers' own module's forward."""
     library, _, problem = binding.library()
-    if problem or hidden.dtype != torch.float32 or norm.weight.dtype != torch.float32:
+    weight = norm_weight(norm)
+    if problem or hidden.dtype != torch.float32 or weight.dtype != torch.float32:
         return type(norm).forward(norm, hidden)  # the module's own (a decoder's norm calls this: `lean_norm`)
     hidden = hidden.contiguous()
     out = torch.empty_like(hidden)
-    library.specdec_rms_norm(hidden.data_ptr(), norm.weight.data_ptr(), norm.variance_epsilon,
+    library.specdec_rms_norm(hidden.data_ptr(), weight.data_ptr(), _epsilon(norm),
                              hidden.numel() // hidden.shape[-1], hidden.shape[-1], out.data_ptr())
     return out
+
+
+def _epsilon(norm: torch.nn.Module) -> float:
+    return norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps  # Gemma's is `eps`
 
 
 def lean_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -197,10 +235,10 @@ def _runs_in_c(layer: torch.nn.Module, hidden_states: torch.Tensor, attention_ma
 def layer_in_c(layer: torch.nn.Module) -> bool:
     """What `_runs_in_c` asks of the layer itself, whatever the input."""
     attention = layer.self_attn
-    norms = [layer.input_layernorm, layer.post_attention_layernorm, *(head_norms(attention) or ())]
+    norms = [layer.input_layernorm, *mlp_norms(layer), *(head_norms(attention) or ())]
+    # A sliding-window layer's window is in the mask transformers made for it, which the C attention applies.
     return (attention.config._attn_implementation in ("specdec_rowwise", "sdpa")
-            and getattr(attention, "sliding_window", None) is None
-            and all(norm.weight.dtype == torch.float32 for norm in norms)
+            and all(norm is None or norm_weight(norm).dtype == torch.float32 for norm in norms)
             and binding.library()[2] is None)
 
 
@@ -209,7 +247,16 @@ def c_head_norms(attention: torch.nn.Module) -> tuple[int | None, int | None, fl
     norms = head_norms(attention)
     if norms is None:
         return None, None, 0.0
-    return norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), norms[0].variance_epsilon
+    return norm_weight(norms[0]).data_ptr(), norm_weight(norms[1]).data_ptr(), _epsilon(norms[0])
+
+
+def c_mlp_norms(layer: torch.nn.Module) -> tuple[int | None, int, float, int | None, float]:
+    """(o's output norm's weight address or None, the MLP's norm's, its epsilon, down's output norm's or None, the
+    epsilon of those two) for the C layers (`mlp_norms`)."""
+    before, norm, after = mlp_norms(layer)
+    address_of = (lambda module: None if module is None else norm_weight(module).data_ptr())
+    return (address_of(before), norm_weight(norm).data_ptr(), _epsilon(norm), address_of(after),
+            _epsilon(before) if before is not None else 0.0)
 
 
 def _forward_in_c(self, projections: tuple[CLinear, ...], hidden_states: torch.Tensor, attention_mask, cache,
@@ -228,20 +275,22 @@ def _forward_in_c(self, projections: tuple[CLinear, ...], hidden_states: torch.T
     key, value = (torch.empty(1, kv_heads, tokens, head_dim, dtype=torch.float32) for _ in range(2))
     qkv, o_proj, gate_up, down = projections
     norm = self.input_layernorm
-    failed = library.specdec_lean_qkv(isa, threads, hidden.data_ptr(), tokens, width, norm.weight.data_ptr(),
-                                      norm.variance_epsilon, ctypes.byref(qkv), q_norm, k_norm, qk_eps,
+    failed = library.specdec_lean_qkv(isa, threads, hidden.data_ptr(), tokens, width, norm_weight(norm).data_ptr(),
+                                      _epsilon(norm), ctypes.byref(qkv), q_norm, k_norm, qk_eps,
                                       cos.data_ptr(), sin.data_ptr(), heads, kv_heads, head_dim, query.data_ptr(),
                                       key.data_ptr(), value.data_ptr())
     if failed:
         raise MemoryError(f"specdec's layer kernels could not allocate their buffers for {tokens} tokens")
     if cache is not None:
         key, value = cache.update(key, value, attention.layer_idx, kwargs=kwargs)
-    attended = attend_rows(library, query, key, value, attention_mask, attention.scaling)  # (T, heads, head dim)
+    softcap = getattr(attention, "attn_logit_softcapping", None)  # Gemma 2's: computed in torch, row by row
+    attend = attend_rows if softcap is None else partial(attend_rows_softcapped, softcap=softcap)
+    attended = attend(library, query, key, value, attention_mask, attention.scaling)  # (T, heads, head dim)
     out = torch.empty_like(hidden)
-    norm = self.post_attention_layernorm
+    before, norm, norm_eps, after, out_eps = c_mlp_norms(self)
     failed = library.specdec_lean_mlp(isa, threads, attended.data_ptr(), hidden.data_ptr(), tokens, width,
-                                                ctypes.byref(o_proj), norm.weight.data_ptr(), norm.variance_epsilon,
-                                                ctypes.byref(gate_up), ctypes.byref(down), out.data_ptr())
+                                      ctypes.byref(o_proj), before, norm, norm_eps, ctypes.byref(gate_up),
+                                      activation_kind(self.mlp), ctypes.byref(down), after, out_eps, out.data_ptr())
     if failed:
         raise MemoryError(f"specdec's layer kernels could not allocate their buffers for {tokens} tokens")
     return out
@@ -274,9 +323,14 @@ def lean_forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor
     eager = sys.modules[type(attention).__module__].eager_attention_forward
     attend = ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation, eager)
     extra = {"sliding_window": attention.sliding_window} if hasattr(attention, "sliding_window") else {}
+    if getattr(attention, "attn_logit_softcapping", None) is not None:  # Gemma 2
+        extra["softcap"] = attention.attn_logit_softcapping
     out, _ = attend(attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling,
                     **extra, **kwargs)
-    hidden_states = hidden_states + attention.o_proj(out.reshape(batch, tokens, -1))
-    gate_up = self.mlp.gate_up_proj(_rms_norm(self.post_attention_layernorm, hidden_states))
-    gate, up = gate_up.chunk(2, dim=-1)
-    return hidden_states + self.mlp.down_proj(torch.nn.functional.silu(gate) * up)
+    before, norm, after = mlp_norms(self)
+    attended = attention.o_proj(out.reshape(batch, tokens, -1))
+    hidden_states = hidden_states + (attended if before is None else _rms_norm(before, attended))
+    gate, up = self.mlp.gate_up_proj(_rms_norm(norm, hidden_states)).chunk(2, dim=-1)
+    acted = torch.nn.functional.silu(gate) if activation_kind(self.mlp) == 0 else self.mlp.act_fn(gate)
+    mlp_out = self.mlp.down_proj(acted * up)
+    return hidden_states + (mlp_out if after is None else _rms_norm(after, mlp_out))
