@@ -162,17 +162,18 @@ def build_tiny_gguf(path: Path, seed: int = 0):
 
 
 def random_blocks(kind: str, rows: int, width: int, generator):
-    """(rows, width/block · block bytes) uint8: random ggml blocks of `kind` (Q4_0, Q4_1, Q4_K, Q5_0, Q8_0 or Q6_K: any
-    levels and scales), their float16 steps (and minimums) those of a sane tiny model (|w| < 0.3)."""
+    """(rows, width/block · block bytes) uint8: random ggml blocks of `kind` (Q4_0, Q4_1, Q4_K, Q5_0, Q8_0, Q6_K, Q5_K
+    or Q2_K: any levels and scales), their float16 steps (and minimums) those of a sane tiny model (|w| < 0.3)."""
     import numpy as np
 
     channels, size = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q5_0": (32, 22), "Q8_0": (32, 34),
-                      "Q6_K": (256, 210)}[kind]
+                      "Q6_K": (256, 210), "Q5_K": (256, 176), "Q2_K": (256, 84)}[kind]
     blocks = generator.integers(0, 256, size=(rows * width // channels, size), dtype=np.uint8)
     # (byte offset, low, high) of each float16 in a block: d first (Q6_K: last), then m (Q4_1) or dmin (Q4_K)
     halves = {"Q4_0": [(0, 0.005, 0.02)], "Q4_1": [(0, 0.005, 0.015), (2, -0.1, 0.0)],
               "Q4_K": [(0, 1e-4, 3e-4), (2, 1e-4, 3e-4)], "Q5_0": [(0, 0.002, 0.01)], "Q8_0": [(0, 1e-4, 1e-3)],
-              "Q6_K": [(208, 1e-5, 5e-5)]}[kind]
+              "Q6_K": [(208, 1e-5, 5e-5)], "Q5_K": [(0, 5e-5, 1.5e-4), (2, 1e-4, 3e-4)],
+              "Q2_K": [(80, 1e-4, 3e-4), (82, 1e-4, 3e-4)]}[kind]
     for offset, low, high in halves:
         blocks[:, offset:offset + 2] = generator.uniform(low, high, (len(blocks), 1)).astype(np.float16).view(np.uint8)
     return blocks.reshape(rows, -1)

@@ -1,5 +1,6 @@
 """The one binding to specdec's native CPU kernels: the int8 matmul (int8_gemm.c) of the `int8` format, the q4
-matmul (q4_gemm.c, q4_avx2.c, q4_amx.c; load time: q4_pack.c) of the `q4` format, the attention (attention.c), the
+matmul (q4_gemm.c, q4_avx2.c, q4_amx.c; load time: q4_pack.c) of the `q4` format, the levels matmul (levels_gemm.c,
+levels_avx2.c) that holds a .gguf's Q8_0, Q6_K, Q5_0 and Q5_K tensors in q4 models, the attention (attention.c), the
 RMSNorm, layer halves and decoder stack around them (layer_kernels.c) and the sampled step's row passes
 (sampling_kernels.c), built into one library once per machine with the system C compiler, kept under the specdec
 home, called through ctypes with the types that kernels.h declares (`prototypes`). Every other module reaches the
@@ -38,10 +39,11 @@ from specdec_cli.models.native.rows import CRowKernels
 from specdec_cli.models.paths import atomic_folder, cache_dir, one_maker
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in (
-    "int8_gemm.c", "q4_gemm.c", "q4_avx2.c", "q4_amx.c", "q4_pack.c", "attention.c", "layer_kernels.c",
-    "sampling_kernels.c"))  # one library
+    "int8_gemm.c", "q4_gemm.c", "q4_avx2.c", "q4_amx.c", "q4_pack.c", "levels_gemm.c", "levels_avx2.c", "attention.c",
+    "layer_kernels.c", "sampling_kernels.c"))  # one library
 PUBLIC_HEADER = Path(__file__).with_name("kernels.h")  # every function Python calls: `_declare` reads it
-HEADERS = (PUBLIC_HEADER, *(Path(__file__).with_name(name) for name in ("q4_layout.h", "vector_math.h")))
+HEADERS = (PUBLIC_HEADER, *(Path(__file__).with_name(name)
+                            for name in ("q4_layout.h", "levels_layout.h", "vector_math.h")))
 # the headers are included by the sources: part of the build's key
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off")  # no contraction: the exact float steps
 ISA_NAMES = {3: "AVX512-VNNI + AMX", 2: "AVX512-VNNI", 1: "AVX2"}

@@ -10,12 +10,13 @@
 
 #include <stdint.h>
 
-/* One projection of a layer: an int8 (int8_gemm.c) or q4 (q4_gemm.c) weight as the matmuls take it. */
+/* One projection of a layer: an int8 (int8_gemm.c), q4 (q4_gemm.c) or levels (levels_gemm.c) weight as the
+   matmuls take it. */
 typedef struct {
-    int64_t kind;            /* 1: int8, 2: q4, 3: q4 in layout 1 (a .gguf's Q4_K blocks) */
+    int64_t kind;            /* 1: int8, 2: q4, 3: q4 in layout 1 (a .gguf's Q4_K blocks), 4: levels */
     int64_t in_features, out_features;
-    int64_t width;           /* int8: input width in 4-byte steps (K4); q4: groups of 32 */
-    int64_t limit;           /* int8: the activation limit (127 or 63) */
+    int64_t width;           /* int8: input width in 4-byte steps (K4); q4 and levels: groups of 32 */
+    int64_t limit;           /* int8: the activation limit (127 or 63); levels: its form (levels_layout.h) */
     const void *packed;
     const int32_t *row_sums; /* int8 only */
     const float *scales;     /* int8 only */
@@ -39,7 +40,7 @@ int specdec_isa(void);
 int specdec_amx_ready(void);
 int specdec_amx_bf16_ready(void);
 
-/* The matmuls of a layer (int8_gemm.c, q4_gemm.c). */
+/* The matmuls of a layer (int8_gemm.c, q4_gemm.c, levels_gemm.c). */
 int specdec_int8_linear(int isa, int threads, const float *x, int64_t M, int64_t K, int64_t K4, int limit,
                         const int8_t *w_packed, const int32_t *row_sums, const float *weight_scales,
                         const float *bias, int64_t N, float *y);
@@ -49,6 +50,8 @@ void specdec_q4_pair_up_to(int tokens);
 int specdec_q4_pairs(void);
 int specdec_q4_linear(int isa, int layout, int threads, const float *x, int64_t M, int64_t K, int64_t groups,
                       const uint8_t *w_packed, const float *bias, int64_t N, float *y);
+int specdec_levels_linear(int isa, int form, int threads, const float *x, int64_t M, int64_t K, int64_t groups,
+                          const uint8_t *w_packed, const float *bias, int64_t N, float *y);
 
 /* Load time: quantising and packing weights, picking a q4 layer's rows (int8_gemm.c, q4_pack.c). */
 void specdec_int8_quantize(int threads, const void *weight, int dtype, int64_t N, int64_t K, int64_t stride,

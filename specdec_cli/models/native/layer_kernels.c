@@ -40,6 +40,9 @@ static int linear(int isa, int threads, const specdec_linear *l, const float *x,
     if (l->kind == 2 || l->kind == 3)
         return specdec_q4_linear(isa, l->kind == 3, threads, x, M, l->in_features, l->width, l->packed, l->bias,
                                  l->out_features, y);
+    if (l->kind == 4)
+        return specdec_levels_linear(isa, (int)l->limit, threads, x, M, l->in_features, l->width, l->packed, l->bias,
+                                     l->out_features, y);
     return specdec_int8_linear(isa, threads, x, M, l->in_features, l->width, (int)l->limit, l->packed, l->row_sums,
                                l->scales, l->bias, l->out_features, y);
 }

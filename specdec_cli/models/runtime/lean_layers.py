@@ -39,16 +39,21 @@ from functools import partial
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from specdec_cli.models.formats import q4
+from specdec_cli.models.formats import levels, q4
 from specdec_cli.models.formats.int8 import PerTokenInt8Linear
+from specdec_cli.models.formats.levels import LevelsLinear
 from specdec_cli.models.formats.q4 import Q4Linear
 from specdec_cli.models.native import binding
 from specdec_cli.models.runtime.architectures import LAYER_CLASSES
 from specdec_cli.models.runtime.attention import attend_rows, attend_rows_softcapped
 
+Q4_FAMILY = (Q4Linear, LevelsLinear)  # a .gguf's layers in q4: the 4-bit ones and those of the types q4 cannot hold
+
 
 def fused(layers: list[torch.nn.Module]) -> torch.nn.Module:
     """One layer whose output rows are `layers`' rows side by side, computed the same way."""
+    if any(isinstance(layer, LevelsLinear) for layer in layers):
+        return levels.fused(layers, _fused_bias(layers))
     if all(isinstance(layer, Q4Linear) for layer in layers):
         kind, bias, width = type(layers[0]), _fused_bias(layers), layers[0].in_features
         if all(type(layer) is kind for layer in layers):
@@ -77,7 +82,7 @@ def takes_lean_forward(layer: torch.nn.Module) -> bool:
         return False
     attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     projections = qkv_parts(attention) + gate_up_parts(mlp)
-    kinds = {Q4Linear if isinstance(projection, Q4Linear) else type(projection) for projection in projections}
+    kinds = {Q4Linear if isinstance(projection, Q4_FAMILY) else type(projection) for projection in projections}
     return (len(kinds) == 1 and kinds <= {Q4Linear, PerTokenInt8Linear} and activation_kind(mlp) is not None
             and type(layer.input_layernorm).__name__.endswith("RMSNorm"))
 
@@ -183,6 +188,10 @@ def _described(layer: torch.nn.Module) -> CLinear | None:
         packed = layer.packed_weight
         return CLinear(2 + layer.layout, layer.in_features, layer.out_features, q4.packed_groups(packed, layer.layout),
                        0, packed.data_ptr(), None, None, bias)
+    if isinstance(layer, LevelsLinear):
+        packed = layer.packed_weight
+        return CLinear(4, layer.in_features, layer.out_features, packed.shape[1], layer.form, packed.data_ptr(), None,
+                       None, bias)
     if isinstance(layer, PerTokenInt8Linear) and layer.own_kernel:
         packed = layer.packed_weight
         return CLinear(1, layer.in_features, layer.out_features, packed.shape[1], 2 ** (layer.bits - 1) - 1,

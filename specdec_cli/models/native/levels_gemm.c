@@ -1,0 +1,184 @@
+/* specdec's levels matmul: weights as small unsigned integer levels with a float32 step (and minimum) per row and
+   group of channels, × int8 activations quantised per token and group of 32 as q4's are (specdec_q8_groups). It holds
+   a .gguf's Q8_0, Q6_K, Q5_0 and Q5_K tensors with the file's weights bit for bit (formats/gguf_levels.py), and any
+   mix of them with Q4_0, Q4_1 and Q4_K in one fused layer.
+
+   W: per output row and input channel a level u in 0..255 (a byte); per row and group of 32 channels, for each half
+   of it (a form with two halves: 16 channels each; else the whole group) a float32 step, and where the form has them
+   a float32 minimum; the form's offset o (0 or a power of two): w = step·(u − o) + minimum. Each weight is then the
+   file's exactly: Q8_0 u = q + 128, o = 128, step d; Q5_0 o = 16, step d; Q6_K two halves, o = 32, step d·sc (an
+   exact float32 product); Q5_K step d·sc and minimum −dmin·m per 32 (exact products), o = 0.
+   Packed in blocks of 16 rows; a block's group is (levels_layout.h's LvForm.group_bytes):
+   - 512 bytes of levels: 8 chunks of 64, chunk t holding 16 rows × channels 4t..4t+3 (the layout vpdpbusd takes);
+   - halves × 16 float32 steps (half h's 16 rows at 512 + 64h), then as many minimums where the form has them.
+   Bits a weight: 9 (Q8_0, Q5_0: one half, no minimums), 10 (Q6_K, Q5_K), 12 (a fused mix: two halves, minimums).
+
+   Per group, token and half h (channels H):  Σ_H w·x ≈ s·step·X_h − s·o·step·Σ_H a + s·minimum·Σ_H a, where
+   X_h = Σ_H u·a is exact (uint8 × int8 in int32) and the float steps after it are the same for every token whatever
+   the number of tokens in the call:
+       sum = fma(float(X_h), step·s, sum);  sum = fma(step·(−o), s·Σa, sum);  sum = fma(minimum, s·Σa, sum)
+   (the second where o is not 0, the third where there are minimums; halves in order, groups in order; then + bias).
+   step·(−o) is exact (o a power of two). So a token's output never depends on its neighbours, a k-token verify gives
+   each token what a one-token forward gives it, and the VNNI and AVX2 code (levels_avx2.c), with the same integers
+   and float steps, agree bit for bit (tested). AMX CPUs and a prompt read (isa 3, 4) run the VNNI code.
+
+   Built with the other kernels into one library by binding.py; called through ctypes. */
+
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "kernels.h"
+#include "levels_layout.h"
+
+/* One token's group into its 16 rows' total: `low` and `high` the exact sums over the group's first and last 16
+   channels, then the float steps at the top, halves in order. */
+__attribute__((target("avx512f,fma")))
+static inline __m512 lv_add_group_vnni(__m512 total, __m512i low, __m512i high, const uint8_t *p, LvForm f,
+                                       float scale, const float *half_sums) {
+    __m512i exact[2] = {f.halves == 2 ? low : _mm512_add_epi32(low, high), high};
+    for (int h = 0; h < f.halves; h++) {
+        __m512 step = _mm512_loadu_ps((const float *)(p + LV_VALUE_BYTES) + 16 * h);
+        total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact[h]), _mm512_mul_ps(step, _mm512_set1_ps(scale)), total);
+        if (f.offset != 0.0f)
+            total = _mm512_fmadd_ps(_mm512_mul_ps(step, _mm512_set1_ps(-f.offset)), _mm512_set1_ps(half_sums[h]),
+                                    total);
+        if (f.mins) {
+            __m512 minimum = _mm512_loadu_ps((const float *)(p + LV_VALUE_BYTES) + 16 * (f.halves + h));
+            total = _mm512_fmadd_ps(minimum, _mm512_set1_ps(half_sums[h]), total);
+        }
+    }
+    return total;
+}
+
+/* Group g of the block (w) for T tokens into TOTAL: the levels as they lie, the integer sums of each token (chunks
+   0-3 into `low`, 4-7 into `high`: the group's two halves), the float steps. A macro: the totals stay in registers. */
+#define LV_VNNI_GROUP(T)                                                                                      \
+    do {                                                                                                      \
+        const uint8_t *p = w + g * f.group_bytes;                                                             \
+        lv_prefetch_ahead(p, f.group_bytes);                                                                  \
+        __m512i v[8];                                                                                         \
+        for (int c = 0; c < 8; c++) v[c] = _mm512_loadu_si512((const void *)(p + 64 * c));                    \
+        for (int j = 0; j < T; j++) {                                                                         \
+            const int32_t *a4 = x.values + (j * x.groups + g) * 8;                                            \
+            __m512i low = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], _mm512_set1_epi32(a4[0]));        \
+            __m512i high = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[4], _mm512_set1_epi32(a4[4]));       \
+            low = _mm512_dpbusd_epi32(low, v[1], _mm512_set1_epi32(a4[1]));                                   \
+            high = _mm512_dpbusd_epi32(high, v[5], _mm512_set1_epi32(a4[5]));                                 \
+            low = _mm512_dpbusd_epi32(low, v[2], _mm512_set1_epi32(a4[2]));                                   \
+            high = _mm512_dpbusd_epi32(high, v[6], _mm512_set1_epi32(a4[6]));                                 \
+            low = _mm512_dpbusd_epi32(low, v[3], _mm512_set1_epi32(a4[3]));                                   \
+            high = _mm512_dpbusd_epi32(high, v[7], _mm512_set1_epi32(a4[7]));                                 \
+            total[j] = lv_add_group_vnni(total[j], low, high, p, f, x.scales[j * x.groups + g],               \
+                                         x.half_sums + (j * x.groups + g) * f.halves);                        \
+        }                                                                                                     \
+    } while (0)
+
+#define LV_CASE(T)                                                                                            \
+    case T:                                                                                                   \
+        for (int64_t g = g_begin; g < g_end; g++) LV_VNNI_GROUP(T);                                           \
+        break;
+
+/* One block of 16 rows (w), groups [g_begin, g_end), up to LV_TILE tokens (x: the tile's first token's); `sums`
+   (LV_TILE, 16) added to when `accumulate`, else started from 0; with `out` (the block's last groups) the sums go
+   to y (+ bias) instead, masked past the last row. */
+__attribute__((target("avx512f,avx512bw,avx512vnni,fma")))
+static void lv_block_vnni(const uint8_t *w, LvForm f, LvTokens x, int64_t g_begin, int64_t g_end, int64_t m_count,
+                          float *sums, int accumulate, const LvOut *out) {
+    __m512 total[LV_TILE];
+    for (int j = 0; j < LV_TILE; j++)
+        total[j] = accumulate && j < m_count ? _mm512_loadu_ps(sums + j * LV_ROWS) : _mm512_setzero_ps();
+    switch (m_count) {
+        LV_CASE(1) LV_CASE(2) LV_CASE(3) LV_CASE(4) LV_CASE(5) LV_CASE(6) LV_CASE(7) LV_CASE(8)
+    }
+    if (out) {
+        __mmask16 lanes = (__mmask16)((1u << out->lanes) - 1u);
+        __m512 bias = out->bias ? _mm512_maskz_loadu_ps(lanes, out->bias) : _mm512_setzero_ps();
+        for (int j = 0; j < m_count; j++)
+            _mm512_mask_storeu_ps(out->y + j * out->stride, lanes,
+                                  out->bias ? _mm512_add_ps(total[j], bias) : total[j]);
+    } else
+        for (int j = 0; j < m_count; j++) _mm512_storeu_ps(sums + j * LV_ROWS, total[j]);
+}
+#undef LV_CASE
+#undef LV_VNNI_GROUP
+
+/* y (M, N) = x · Wᵀ (+ bias), x as `tokens` holds it, W packed (ceil(N/16) blocks × groups × group_bytes). Up to a
+   tile of tokens: one pass over each block's weights. More: LV_CHUNK groups at a time, so a block's chunk stays in L1
+   while every tile of tokens passes over it (each sum still takes its groups in order: the same result). Blocks are
+   dealt to the threads guided, as q4's; a block is one thread's whole work. Returns 0, or 1 when a buffer could not
+   be allocated. */
+static int lv_gemm(int isa, LvForm f, int threads, LvTokens tokens, int64_t M, const uint8_t *w_packed,
+                   const float *bias, int64_t N, float *y) {
+    int64_t tile = isa >= 2 ? LV_TILE : LV_AVX2_TILE, groups = tokens.groups;
+    int64_t blocks = (N + LV_ROWS - 1) / LV_ROWS, tiles = (M + tile - 1) / tile;
+    int64_t chunk = M <= tile ? groups : LV_CHUNK, block_bytes = groups * f.group_bytes;
+    size_t per_thread = M <= tile ? 0 : (size_t)(tiles * tile * LV_ROWS);
+    float *sums_all = per_thread ? malloc((size_t)threads * per_thread * sizeof(float)) : NULL;
+    if (per_thread && !sums_all) return 1;
+#pragma omp parallel num_threads(threads)
+    {
+        float *sums = per_thread ? sums_all + (size_t)omp_get_thread_num() * per_thread : NULL;
+#pragma omp for schedule(guided)
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *w = w_packed + b * block_bytes;
+            int64_t first = b * LV_ROWS, lanes = N - first < LV_ROWS ? N - first : LV_ROWS;
+            for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
+                int64_t g1 = g0 + chunk < groups ? g0 + chunk : groups;
+                for (int64_t t = 0; t < tiles; t++) {
+                    int64_t m_count = M - t * tile < tile ? M - t * tile : tile, at = t * tile * groups;
+                    LvTokens part = {tokens.values + at * 8, tokens.scales + at, tokens.half_sums + at * f.halves,
+                                     tokens.offset_sums ? tokens.offset_sums + at * f.halves : NULL, groups};
+                    float *tile_sums = sums ? sums + t * tile * LV_ROWS : NULL;
+                    LvOut out = {y + t * tile * N + first, N, bias ? bias + first : NULL, lanes};
+                    const LvOut *last = g1 == groups ? &out : NULL; /* the sums' last groups: straight into y */
+                    if (isa >= 2)
+                        lv_block_vnni(w, f, part, g0, g1, m_count, tile_sums, g0 > 0, last);
+                    else
+                        specdec_levels_block_avx2(w, f, part, g0, g1, m_count, tile_sums, g0 > 0, last);
+                }
+            }
+        }
+    }
+    free(sums_all);
+    return 0;
+}
+
+/* Each token's and group's s·Σa per half (`half_sums`, (M, groups, halves)) and, for a wide form, 128·Σa per half as
+   integers (`offset_sums`: the AVX2 code's sign trick needs them), from the quantised values. */
+static void lv_half_sums(const int8_t *values, const float *scales, int64_t M, int64_t groups, LvForm f,
+                         float *half_sums, int32_t *offset_sums) {
+    for (int64_t i = 0; i < M * groups; i++) {
+        int32_t sum[2] = {0, 0};
+        for (int c = 0; c < LV_GROUP; c++) sum[c >= 16] += values[i * LV_GROUP + c];
+        if (f.halves == 1) sum[0] += sum[1];
+        for (int h = 0; h < f.halves; h++) {
+            half_sums[i * f.halves + h] = scales[i] * (float)sum[h];
+            if (offset_sums) offset_sums[i * f.halves + h] = 128 * sum[h];
+        }
+    }
+}
+
+/* The whole layer in one call: x (M, K) float32 quantised per token and group of 32 (specdec_q8_groups, q4's), then
+   the matmul of `form` (levels_layout.h's lv_form; the top of this file). isa: 2 and up VNNI, 1 AVX2. Returns 0, or
+   1 when a buffer could not be allocated. */
+int specdec_levels_linear(int isa, int form, int threads, const float *x, int64_t M, int64_t K, int64_t groups,
+                          const uint8_t *w_packed, const float *bias, int64_t N, float *y) {
+    LvForm f = lv_form(form);
+    int8_t *values = malloc((size_t)(M * groups * LV_GROUP));
+    float *scales = malloc((size_t)(M * groups) * 4 * sizeof(float)); /* scales, q4's scaled sums, half sums */
+    int32_t *offset_sums = f.wide && isa < 2 ? malloc((size_t)(M * groups) * 2 * sizeof(int32_t)) : NULL;
+    int failed = !values || !scales || (f.wide && isa < 2 && !offset_sums);
+    if (!failed) {
+        specdec_q8_groups(threads, x, M, K, groups, values, scales, scales + M * groups);
+        float *half_sums = scales + 2 * M * groups;
+        lv_half_sums(values, scales, M, groups, f, half_sums, offset_sums);
+        LvTokens tokens = {(const int32_t *)values, scales, half_sums, offset_sums, groups};
+        failed = lv_gemm(isa, f, threads, tokens, M, w_packed, bias, N, y);
+    }
+    free(values);
+    free(scales);
+    free(offset_sums);
+    return failed;
+}

@@ -1,0 +1,61 @@
+/* The levels matmul's packed layout and its form (the top of levels_gemm.c says both), shared by its VNNI code and
+   loop (levels_gemm.c) and its AVX2 code (levels_avx2.c). */
+
+#ifndef SPECDEC_LEVELS_LAYOUT_H
+#define SPECDEC_LEVELS_LAYOUT_H
+
+#include <immintrin.h>
+#include <stdint.h>
+
+#define LV_ROWS 16        /* output rows per block */
+#define LV_GROUP 32       /* input channels per activation scale (specdec_q8_groups) */
+#define LV_VALUE_BYTES 512 /* a group's levels: 8 chunks of 64 bytes, 16 rows × 4 channels each */
+#define LV_TILE 8         /* tokens held in registers at once (AVX512) */
+#define LV_AVX2_TILE 4    /* tokens held in registers at once on AVX2 */
+#define LV_CHUNK 16       /* groups per pass when there are more tokens than a tile: 8-12 KB of a block, in L1 */
+#define LV_AHEAD 16384    /* bytes to prefetch ahead, into L2, as q4 does (q4_layout.h's Q4_AHEAD) */
+
+/* A layer's form, one int: bit 0 two halves (a step, and a minimum where there are minimums, per 16 channels; else
+   per 32), bit 1 minimums stored, bit 2 levels above 127 (the AVX2 code then multiplies another way), bits 8 on the
+   offset o (0, or a power of two up to 128): w = step·(level − o) + minimum. */
+typedef struct {
+    int halves, mins, wide;
+    float offset;
+    int64_t group_bytes; /* a block's group: levels, then halves × 16 float32 steps, then as many minimums */
+} LvForm;
+
+static inline LvForm lv_form(int form) {
+    LvForm f = {(form & 1) ? 2 : 1, (form >> 1) & 1, (form >> 2) & 1, (float)(form >> 8), 0};
+    f.group_bytes = LV_VALUE_BYTES + 64 * f.halves * (1 + f.mins);
+    return f;
+}
+
+/* The activations as a layer call quantised them (specdec_q8_groups), read per token j and group g: `values` as
+   int32 (4 channels each, 8 a group), `scales` s, and for half h of the group (halves: 16 channels each; one: all
+   32) `half_sums` s·Σa over it; `offset_sums` 128·Σa per half as integers (the AVX2 code of a wide form adds them
+   back; NULL otherwise). */
+typedef struct {
+    const int32_t *values;
+    const float *scales, *half_sums;
+    const int32_t *offset_sums;
+    int64_t groups;
+} LvTokens;
+
+/* Where a block's last groups leave their sums: token j's `lanes` rows at y + j·stride, + bias[lane]. */
+typedef struct {
+    float *y;
+    int64_t stride;
+    const float *bias;
+    int64_t lanes;
+} LvOut;
+
+static inline void lv_prefetch_ahead(const uint8_t *p, int64_t group_bytes) {
+    for (int64_t line = 0; line < group_bytes; line += 64)
+        _mm_prefetch((const char *)(p + LV_AHEAD + line), _MM_HINT_T1);
+}
+
+/* The AVX2 code of one block (levels_avx2.c), which levels_gemm.c's loop calls where isa is 1. */
+void specdec_levels_block_avx2(const uint8_t *w, LvForm form, LvTokens x, int64_t g_begin, int64_t g_end,
+                               int64_t m_count, float *sums, int accumulate, const LvOut *out);
+
+#endif
