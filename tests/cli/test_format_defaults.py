@@ -86,7 +86,7 @@ def test_a_4bit_gguf_target_runs_in_q4_its_own_blocks(q4_k_m_gguf, specdec_home)
     console = Console(record=True, width=400)
     target, _ = load_choice(choice, console)
     assert target.quantization == "q4"
-    assert "layers kept as the .gguf's 4-bit blocks" in console.export_text()
+    assert "layers kept as the .gguf's own blocks" in console.export_text()
     assert _notes(console) == []
 
 

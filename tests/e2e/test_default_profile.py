@@ -56,13 +56,10 @@ def check_models_line(stderr: str) -> None:
         for line, role in ((target_line, "target"), (draft_line, "draft")):
             expected = formats[role]
             assert expected in ("int8", "int4", "q4"), expected
-            # q4 keeps the demo files' Q4_K layers as they are (gguf_q4.py), and says how many
-            kept = {"target": " · 168 of 197", "draft": " · 12 of 169"}[role] if expected == "q4" else ""
-            ending = f" · {precision(expected, '')}" + (f"{kept} layers kept as the .gguf's 4-bit blocks" if kept else "")
-            # read in place (loading/gguf_model.py): the layers of types q4 has no kernel for are said
-            ending += {"target": " · 29 Q6_K requantised to q4 (no kernel for that type yet)",
-                       "draft": " · 132 Q5_0, 12 Q6_K, 13 Q8_0 requantised to q4 (no kernel for those types yet)"}[role] \
-                if expected == "q4" else ""
+            # q4 keeps every layer of the demo files as the file has it (Q4_K in q4, gguf_q4.py; Q5_0, Q6_K and Q8_0
+            # as levels layers, gguf_levels.py), says how many, and names no requantised type
+            kept = {"target": " · 197 of 197", "draft": " · 169 of 169"}[role] if expected == "q4" else ""
+            ending = f" · {precision(expected, '')}" + (f"{kept} layers kept as the .gguf's own blocks" if kept else "")
             # the draft too where the target does and it reads on AMX with its own q4 weights
             reads = read == "bf16" and (role == "target" or prefill.reads_on_amx(expected))
             ending += " · prompts read in bfloat16 (--prefill)" if reads else ""

@@ -71,14 +71,15 @@ def test_a_4_bit_gguf_read_in_place_is_the_files_model_without_a_conversion(tmp_
     assert torch.isfinite(in_place.model(IDS).logits).all()
 
 
-def test_a_type_q4_has_no_kernel_for_is_requantised_and_said(tmp_path, specdec_home):
+def test_a_type_with_no_kernel_is_requantised_and_said(tmp_path, specdec_home):
+    """Q6_K and Q8_0 layers keep the file's weights (levels layers); a Q2_K one, which has no kernel, is q4 of them."""
     path = tmp_path / "mixed.gguf"
-    build_4bit_gguf(path, kinds={"ffn_down": "Q6_K", "attn_v": "Q8_0"})
+    build_4bit_gguf(path, kinds={"ffn_down": "Q2_K", "attn_v": "Q8_0", "attn_output": "Q6_K"})
     in_place = load_model(str(path), quantization="q4", dtype="float32", progress=False)
-    assert _differences(_read_in_place(path), _converted(path), requantised=("down_proj", "v_proj")) == []
-    assert in_place.model._specdec_requantised == {"Q6_K": 2, "Q8_0": 2}
-    assert in_place.describe("target").endswith(" · 11 of 15 layers kept as the .gguf's 4-bit blocks · 2 Q6_K, 2 Q8_0 "
-                                                "requantised to q4 (no kernel for those types yet)")
+    assert _differences(_read_in_place(path), _converted(path), requantised=("down_proj",)) == []
+    assert in_place.model._specdec_requantised == {"Q2_K": 2}
+    assert in_place.describe("target").endswith(" · 13 of 15 layers kept as the .gguf's own blocks · 2 Q2_K "
+                                                "requantised to q4 (no kernel for that type yet)")
 
 
 def test_a_split_set_reads_as_its_whole_file(tmp_path, specdec_home):

@@ -26,15 +26,17 @@ from pathlib import Path
 import torch
 
 from specdec_cli.errors import CacheWriteError
-from specdec_cli.models.formats import int8
+from specdec_cli.models.formats import int8, levels
 from specdec_cli.models.formats.int8 import PerTokenInt8Linear, replace_linears
+from specdec_cli.models.formats.levels import LevelsLinear
 from specdec_cli.models.formats.q4 import Q4KLinear, Q4Linear
 from specdec_cli.models.native import binding
 from specdec_cli.models.paths import atomic_file, specdec_home
 
 KIND = "layers"
 FORMAT = 2  # the entry's own layout (below); bump on a change to it
-_CODE = ("q4.py", "gguf_q4.py", "int8.py")  # the formats' code beside this module; with the native code, the bytes
+# the formats' code beside this module; with the native code, the bytes
+_CODE = ("q4.py", "gguf_q4.py", "levels.py", "gguf_levels.py", "int8.py")
 NOTE = "_specdec_q4_from_gguf"  # a model's note on its layers that an entry keeps (q4: taken from the .gguf, of all)
 
 
@@ -121,6 +123,11 @@ def _layer(kind: str, part: Callable[[str], torch.Tensor], in_features: int, out
     bias = part("bias") if has_bias else None
     if kind in ("q4", "q4k"):
         return (Q4Linear if kind == "q4" else Q4KLinear)(part("packed"), bias, in_features, out_features)
+    if kind == "levels":
+        packed, form = part("packed"), extra[0]
+        fits = (packed.dim() == 3 and packed.shape[-1] == levels.group_bytes(form)
+                and packed.shape[0] * levels.ROWS >= out_features)
+        return LevelsLinear(packed, form, bias, in_features, out_features) if fits else None
     if kind == "int8":
         return PerTokenInt8Linear.from_packed(part("packed"), part("row_sums"), part("scales"), bias, extra[0],
                                               in_features)
@@ -131,6 +138,8 @@ def _parts(layer: torch.nn.Module) -> tuple[str, dict[str, torch.Tensor], list] 
     """(kind, tensors, extra description) of a quantised layer; None for one that cannot be stored."""
     if isinstance(layer, Q4Linear):
         return "q4k" if isinstance(layer, Q4KLinear) else "q4", {"packed": layer.packed_weight}, []
+    if isinstance(layer, LevelsLinear):
+        return "levels", {"packed": layer.packed_weight}, [layer.form]
     if isinstance(layer, PerTokenInt8Linear) and layer.own_kernel:
         parts = {"packed": layer.packed_weight, "row_sums": layer.row_sums, "scales": layer.weight_scales}
         return "int8", parts, [layer.bits]

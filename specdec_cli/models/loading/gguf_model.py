@@ -1,9 +1,10 @@
 """A `.gguf` read in place for q4: the model is built from the file's metadata with its weights on the meta device,
 then filled one tensor at a time from the memory-mapped file. A Linear layer whose tensor is Q4_0, Q4_1 or Q4_K
-becomes q4 straight from those blocks (formats/gguf_q4.py: the file's own 4-bit values); any other Linear tensor is
-dequantised alone and quantised to q4 from its exact values; the other tensors (embeddings, norms, biases) are
-dequantised alone into float32. No whole-model float copy is made, in memory or on disk: what a load holds at its
-peak is the finished model and one tensor in float32.
+becomes q4 straight from those blocks (formats/gguf_q4.py: the file's own 4-bit values), one whose tensor is Q8_0,
+Q6_K, Q5_0 or Q5_K a levels layer straight from its blocks (formats/gguf_levels.py: the file's own weights); any
+other Linear tensor is dequantised alone and quantised to q4 from its exact values; the other tensors (embeddings,
+norms, biases) are dequantised alone into float32. No whole-model float copy is made, in memory or on disk: what a
+load holds at its peak is the finished model and one tensor in float32.
 
 Split sets (`name-00001-of-00003.gguf`, as publishers ship large files) are read part by part: the first part holds
 the metadata, every part holds tensors. Names and row orders are transformers' own (its GGUF name map and tensor
@@ -19,9 +20,12 @@ import numpy as np
 import torch
 
 from specdec_cli.errors import ModelLoadError
-from specdec_cli.models.formats import stored_layers
+from specdec_cli.models.formats import gguf_levels, stored_layers
 from specdec_cli.models.formats.gguf_q4 import BLOCKS, Q4_K, block_parts
+from specdec_cli.models.formats.levels import LevelsLinear
 from specdec_cli.models.formats.q4 import Q4KLinear, Q4Linear, quantize_packed
+
+FROM_BLOCKS = {**BLOCKS, **gguf_levels.BLOCKS}  # the types whose blocks a layer keeps: channels, bytes a block
 
 SPLIT = re.compile(r"^(?P<stem>.+)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
@@ -67,9 +71,9 @@ class _Tensors:
 
     @staticmethod
     def blocks(tensor) -> np.ndarray | None:
-        """A Q4_0/Q4_1/Q4_K tensor's bytes (rows, row bytes) straight from the map, else None."""
+        """The bytes (rows, row bytes) straight from the map of a tensor whose type a layer keeps, else None."""
         kind = int(tensor.tensor_type)
-        if kind not in BLOCKS or tensor.data.ndim != 2:
+        if kind not in FROM_BLOCKS or tensor.data.ndim != 2:
             return None
         return np.asarray(tensor.data)
 
@@ -107,14 +111,20 @@ def _linear_names(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
     return {name: module for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
 
 
-def _q4_layer(tensor, processor, linear: torch.nn.Linear, bias: torch.Tensor | None) -> tuple[Q4Linear, bool]:
-    """(the q4 layer of `linear` from the file's `tensor`, whether it keeps the file's 4-bit values)."""
+def _q4_layer(tensor, processor, linear: torch.nn.Linear,
+              bias: torch.Tensor | None) -> tuple[Q4Linear | LevelsLinear, bool]:
+    """(the layer of `linear` from the file's `tensor`, whether it keeps the file's blocks): q4 for a 4-bit type, a
+    levels layer for Q8_0, Q6_K, Q5_0 and Q5_K, else q4 quantised from the tensor's values."""
     raw = _Tensors.blocks(tensor)
     kind = int(tensor.tensor_type)
     order = None if raw is None else _row_order(processor, tensor.name, raw.shape[0])
-    shape_fits = raw is not None and linear.in_features % BLOCKS[kind][0] == 0 and raw.shape[0] == linear.out_features
+    shape_fits = (raw is not None and linear.in_features % FROM_BLOCKS[kind][0] == 0
+                  and raw.shape[0] == linear.out_features)
     if order is not None and shape_fits:
-        parts = block_parts(raw if np.array_equal(order, np.arange(len(order))) else raw[order], kind)
+        rows = raw if np.array_equal(order, np.arange(len(order))) else raw[order]
+        if kind in gguf_levels.BLOCKS:
+            return LevelsLinear.from_parts(*gguf_levels.level_parts(rows, kind), bias, linear.in_features), True
+        parts = block_parts(rows, kind)
         if kind == Q4_K:
             return Q4KLinear.from_k_parts(*parts, bias, linear.in_features), True
         return Q4Linear.from_parts(*parts, bias, linear.in_features), True
@@ -141,10 +151,10 @@ def _set(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 def load_q4(path: Path, config, store: tuple[str, str] | None = None) -> torch.nn.Module:
-    """The q4 model of the `.gguf` at `path` (or the split set it starts), its Linear layers Q4Linear/Q4KLinear and
-    everything else float32; `model._specdec_q4_from_gguf` = (layers kept as the file's blocks, all linears),
-    `model._specdec_requantised` = {a type q4 has no kernel for: how many layers of it were made q4 from their
-    values}. store: (key, label) of its stored layers (formats/stored_layers.py), read or made and stored."""
+    """The q4 model of the `.gguf` at `path` (or the split set it starts), its Linear layers Q4Linear, Q4KLinear or
+    LevelsLinear and everything else float32; `model._specdec_q4_from_gguf` = (layers kept as the file's blocks,
+    all linears), `model._specdec_requantised` = {a type with no kernel: how many layers of it were made q4 from
+    their values}. store: (key, label) of its stored layers (formats/stored_layers.py), read or made and stored."""
     from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
     tensors = _Tensors(split_parts(path))

@@ -55,9 +55,9 @@ class LoadedModel:
             parts.append(self.precision)
         taken, layers = getattr(self.model, "_specdec_q4_from_gguf", (0, 0))
         if taken:
-            parts.append(f"{taken} of {layers} layers kept as the .gguf's 4-bit blocks")
+            parts.append(f"{taken} of {layers} layers kept as the .gguf's own blocks")
         requantised = getattr(self.model, "_specdec_requantised", {})
-        if requantised:  # a type q4 has no kernel for: said, with what specdec did instead
+        if requantised:  # a type with no kernel: said, with what specdec did instead
             kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(requantised.items()))
             which = "those types" if len(requantised) > 1 else "that type"
             parts.append(f"{kinds} requantised to q4 (no kernel for {which} yet)")
