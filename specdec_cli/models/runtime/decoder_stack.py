@@ -66,11 +66,19 @@ def _stack_where(decoder: torch.nn.Module) -> tuple[int, ...]:
     """The address of every weight tensor the C stack reads (each layer's four projections and its norms)."""
     where = []
     for layer in decoder._modules["layers"]._modules.values():
-        parts = layer._modules
         where.extend(address(projection) for projection in layer_projections(layer))
-        norms = (parts["input_layernorm"], *mlp_norms(layer), *(head_norms(parts["self_attn"]) or ()))
-        where.extend(norm_weight(norm).data_ptr() for norm in norms if norm is not None)
+        for norm in layer.__dict__.get("_stack_norms") or _layer_norms(layer):
+            held = norm.__dict__.get("lean_weight")  # Gemma's 1 + weight (lean_layers.prepare_norms)
+            where.append((norm._parameters["weight"] if held is None else held).data_ptr())
     return tuple(where)
+
+
+def _layer_norms(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
+    """The layer's norm modules the C stack reads, found once and kept on the layer (`_stack_where` asks every
+    forward)."""
+    found = (layer.input_layernorm, *mlp_norms(layer), *(head_norms(layer.self_attn) or ()))
+    norms = layer.__dict__["_stack_norms"] = tuple(norm for norm in found if norm is not None)
+    return norms
 
 
 def _stack_declines(decoder: torch.nn.Module, input_ids, inputs_embeds, cache, kwargs) -> bool:
