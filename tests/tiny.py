@@ -224,6 +224,57 @@ def build_4bit_gguf(path: Path, arch: str = "qwen2", kind: str = "Q4_K", seed: i
     return blocks
 
 
+def build_gemma3_gguf(path: Path, kind: str = "Q4_K", seed: int = 0) -> None:
+    """A tiny random Gemma 3 (a sliding-window layer and a global one, q/k norms, tied embedding; hidden 256, heads
+    128 wide) written as llama.cpp writes one: architecture gemma3, its Linear weights random `kind` blocks, its norms
+    stored as 1 + weight (transformers subtracts the 1 on load), the rest F32."""
+    import gguf
+    import numpy as np
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    tokenizer = build_tokenizer()
+    config = Gemma3TextConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=128, sliding_window=8,
+                              max_position_embeddings=256, layer_types=["sliding_attention", "full_attention"],
+                              bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                              pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(config).eval()
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(1000000.0)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_vocab_size(config.vocab_size)
+    _add_gguf_tokenizer(writer, tokenizer)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, config.num_hidden_layers)
+    generator = np.random.default_rng(seed)
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight":
+            continue  # tied to the embedding
+        base, _, suffix = hf_name.rpartition(".")
+        name = f"{names.get_name(base)}.{suffix}"
+        if tensor.dim() == 2 and base != "model.embed_tokens":
+            writer.add_tensor(name, random_blocks(kind, *tensor.shape, generator),
+                              raw_dtype=gguf.GGMLQuantizationType[kind])
+        else:
+            values = tensor.float().numpy()
+            if "norm" in name:  # random, so a norm read without transformers' -1 shows
+                values = generator.uniform(0.5, 1.5, values.shape).astype(np.float32)
+            writer.add_tensor(name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def successor_batches(successor: torch.Tensor, alphabet: torch.Tensor, seed: int, batch: int = 32, length: int = 16):
     """Endless (batch, length) id sequences that start anywhere in `alphabet` and follow `successor`."""
     generator = torch.Generator().manual_seed(seed)

@@ -169,3 +169,22 @@ def test_a_qwen3_gguf_read_in_place_runs_the_fast_path(tmp_path, specdec_home):
     assert "transformers' layers" not in loaded.describe("target")
     verified, decoded = _verify_and_decode(loaded.model)
     assert loaded.model.model._c_stack[1] is not None and torch.equal(verified, decoded)
+
+
+def test_a_gemma3_gguf_read_in_place_holds_its_norms_and_runs_its_layers_in_c(tmp_path, specdec_home):
+    """A Gemma 3 `.gguf` in q4: its norms are stored as 1 + weight, which transformers' Gemma processor takes back
+    (gguf_model's map names the gemma3_text config's processor gemma3), its tied output layer is q4 of the embedding;
+    its layers run in C and a verify is the one-token logits bit for bit."""
+    from specdec_cli.models import load_model
+
+    from tests.models.test_gguf_in_place import _converted, _differences, _read_in_place
+    from tests.tiny import build_gemma3_gguf
+
+    path = tmp_path / "gemma3.gguf"
+    build_gemma3_gguf(path)
+    assert _differences(_read_in_place(path), _converted(path), requantised=("lm_head",)) == []
+    loaded = load_model(str(path), quantization="q4", dtype="float32", progress=False)
+    assert "transformers' layers" not in loaded.describe("target")
+    verified, decoded = _verify_and_decode(loaded.model)
+    assert torch.equal(verified, decoded)
+    assert all(layer._c_projections[1] is not None for layer in loaded.model.model.layers)
