@@ -46,7 +46,8 @@ def pytest_runtest_makereport(item, call):
     instructions, and an importorskip of a module the test extra installs."""
     outcome = yield
     report = outcome.get_result()
-    if os.environ.get("CI") and report.skipped:
+    # An xfail is reported as skipped with `wasxfail`: a known bug the test records, not a part missing here.
+    if os.environ.get("CI") and report.skipped and not hasattr(report, "wasxfail"):
         why = ci_failure(_skip_reason(report), item.get_closest_marker("real") is not None,
                          item.get_closest_marker("kernels") is not None)
         if why is not None:

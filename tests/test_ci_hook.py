@@ -27,6 +27,11 @@ def test_real_and_run():
 @pytest.mark.skip(reason="not a real-pair test")
 def test_other_skip():
     pass
+
+@pytest.mark.real
+@pytest.mark.xfail(strict=False, reason="a known bug")
+def test_real_known_bug():
+    assert False
 """
 
 
@@ -85,12 +90,13 @@ def test_a_skipped_real_test_fails_only_in_ci(tmp_path, ci):
     summary = session.stdout.strip().splitlines()[-1]
     if ci:
         assert session.returncode == 1
-        assert summary.startswith("1 passed, 1 skipped, 1 error"), session.stdout  # a skip in setup: an error
+        # a skip in setup: an error; a known bug's xfail stays an xfail (it is reported as a skip)
+        assert summary.startswith("1 passed, 1 skipped, 1 xfailed, 1 error"), session.stdout
         assert ("ERROR test_inner.py::test_real_but_skipped - a real-pair test skipped in CI "
                 "(Skipped: the demo pair is not installed)") in session.stdout
     else:
         assert session.returncode == 0
-        assert summary.startswith("1 passed, 2 skipped"), session.stdout
+        assert summary.startswith("1 passed, 2 skipped, 1 xfailed"), session.stdout
 
 
 @pytest.mark.parametrize("ci", [True, False], ids=["CI", "not CI"])
