@@ -48,10 +48,18 @@ def _percent(fraction: float) -> str:
 
 def _drafting(numbers: Mapping[str, float]) -> str:
     if not numbers["drafted"]:
-        return "nothing drafted"
+        return "nothing drafted" + _held(numbers)
+    drafted_steps = numbers.get("drafted_steps")
+    share = f", on {drafted_steps}/{numbers['steps']} steps" if drafted_steps is not None and "steps" in numbers else ""
     return (
-        f"{_percent(numbers['acceptance_rate'])} accepted ({numbers['accepted']}/{numbers['drafted']} drafted)"
+        f"{_percent(numbers['acceptance_rate'])} accepted ({numbers['accepted']}/{numbers['drafted']} drafted{share})"
+        + _held(numbers)
     )
+
+
+def _held(numbers: Mapping[str, float]) -> str:
+    """Why the policy stopped drafting, where it did (`policy`: the measurement)."""
+    return f" · {numbers['policy']}" if numbers.get("policy") else ""
 
 
 def stats_line(numbers: Mapping[str, float], label: str = "", note: str = "") -> Text:

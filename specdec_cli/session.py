@@ -15,6 +15,7 @@ from specdec_cli.drafters.tree import DEFAULT_BUDGET, VALUE_BUDGET, TreeDrafter,
 from specdec_cli.engine import CalibratedDraftOrNot, DraftLengthPolicy, DraftOrNot, FixedK, SpeculativeDecoder
 from specdec_cli.engine.batched import BatchedDecoder
 from specdec_cli.engine.draft import DraftRule, Drafter
+from specdec_cli.engine.gate import DraftingGate
 from specdec_cli.engine.kv import tree_capable
 from specdec_cli.errors import ChatTemplateError, InputError
 from specdec_cli.models import LoadedModel
@@ -217,7 +218,9 @@ def build_batched_decoder(target: LoadedModel, draft: LoadedModel | None, drafte
     """The batched engine for `run` and `compare --batch-size`: drafter as for `build_decoder` (a tree drafts
     the cascade's chains in a batch: one path per row; the draft model scores its most frequent ids, `draft_vocabulary`, and
     reads DRAFT_WINDOW tokens of each prompt, as the one-sequence drafters do), k = auto priced by the models'
-    forward-cost curves (given, else `forward_curve`; assumed shapes where not calibrated), never by the clock."""
+    forward-cost curves (given, else `forward_curve`; assumed shapes where not calibrated) and checked against the
+    run's own clock (`DraftingGate`: a step drafts only where drafting measured faster than not; a seeded sampled
+    row never follows the clock, so its record stays the same on every run)."""
     batched_drafter = "cascade" if drafter == "tree" else drafter  # a tree's lookups first, then the model's chains
     if k == 0:  # k = 0: the target alone, whatever the drafter
         batched_drafter = "none"
@@ -237,6 +240,7 @@ def build_batched_decoder(target: LoadedModel, draft: LoadedModel | None, drafte
         draft_window=DRAFT_WINDOW if uses_draft else None,
         reuse_prompts=[role for role, model in (("target", target), ("draft", draft if uses_draft else None))
                        if model is not None and computes_rows_alone(model.model)],
+        gate=DraftingGate() if k == "auto" else None,
     )
 
 

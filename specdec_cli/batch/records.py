@@ -23,12 +23,15 @@ class Completion:
     drafted: int
     accepted: int
     note: str | None = None  # e.g. why max_new_tokens was cut to fit the context
+    drafted_steps: int = 0  # steps that drafted
+    held_steps: int = 0     # steps the policy kept from drafting because drafting measured slower than not
+    policy: str | None = None  # why it did, the measurement
 
     @classmethod
     def of(cls, text: str, finish_reason: str, prompt_tokens: int, stats: GenerationStats,
            note: str | None = None) -> Completion:
         return cls(text, finish_reason, prompt_tokens, stats.new_tokens, stats.steps, stats.drafted, stats.accepted,
-                   note)
+                   note, stats.drafted_steps, stats.held_steps, stats.policy)
 
     def stats(self, seconds: float) -> GenerationStats:
         """Its counts as the engine's stats, timed by the loop's wall time."""
@@ -81,6 +84,9 @@ def record_stats(completion: Completion, seconds: float) -> dict:
         "tokens_per_step": round(stats.tokens_per_step, 4),
         "tokens_per_second": round(stats.tokens_per_second, 2),
         "seconds": round(seconds, 4),
+        "drafted_steps": completion.drafted_steps,
+        "held_steps": completion.held_steps,
+        "policy": completion.policy,
     }
 
 

@@ -78,17 +78,21 @@ def throughput_table(benchmark: ThroughputBenchmark) -> Table:
     rows = benchmark.summary()
     unavailable = "".join(f"\n{escape(row['configuration'])} cannot run here: {escape(row['unavailable'])}"
                           for row in rows if row["unavailable"])
-    table = Table("configuration", "new tokens", "seconds", "tok/s", "vs target alone", "accept", "identical",
+    held = "".join(f"\n{escape(row['configuration'])}: {escape(row['policy'])}" for row in rows if row.get("policy"))
+    table = Table("configuration", "new tokens", "seconds", "tok/s", "vs target alone", "accept", "drafted steps",
+                  "identical",
                   title=_title(benchmark) + f" · batch size {benchmark.batch_size}", caption_justify="left",
                   caption="every configuration answers all the prompts at this batch size in one pass (× --repeats); "
                           "tok/s: its new tokens over the pass's wall time. vs target alone: over the target alone's "
                           "tok/s at the same batch size. identical: prompts whose greedy output equals the target "
-                          "alone's, token for token." + unavailable)
+                          "alone's, token for token. drafted steps: the rows' steps that drafted (the policy "
+                          "stops drafting where it measured slower than not, and says so below)." + unavailable + held)
     for row in rows:
         identical = "–" if row["identical"] is None else f"{row['identical']}/{row['compared']}"
         tokens, seconds = ("–", "–") if row["unavailable"] else (f"{row['new_tokens']:,}", f"{row['seconds']:.1f}")
         table.add_row(escape(row["configuration"]), tokens, seconds, _fixed(row["tokens_per_second"]),
-                      _fixed(row["ratio"], "×{:.2f}"), _fixed(row["acceptance_rate"], "{:.2f}"), identical)
+                      _fixed(row["ratio"], "×{:.2f}"), _fixed(row["acceptance_rate"], "{:.2f}"),
+                      _fixed(row.get("drafted_steps"), "{:.0%}"), identical)
     return table
 
 

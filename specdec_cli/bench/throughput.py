@@ -24,6 +24,7 @@ from specdec_cli.bench.runs import WARMUP_TOKENS, BenchSettings, run_order
 from specdec_cli.bench.theory import identical_prompts
 from specdec_cli.engine import cut_at_eos
 from specdec_cli.engine.batched import RowRequest
+from specdec_cli.engine.stats import GenerationStats
 from specdec_cli.errors import InputError
 from specdec_cli.models import LoadedModel
 from specdec_cli.prompts import Prompt
@@ -52,6 +53,10 @@ class Pass:
     seconds: float  # wall time of the whole pass
     drafted: int | None = None  # summed over the prompts; None: not reported (HF peers)
     accepted: int | None = None
+    steps: int | None = None  # the rows' steps, summed; of them, those that drafted and those the policy held back
+    drafted_steps: int | None = None
+    held_steps: int | None = None
+    policy: str | None = None  # why the policy held steps back (the measurement), the last time it did
 
 
 ThroughputProgress = Callable[[int, int, BatchedConfiguration], None]  # (passes done, total, configuration)
@@ -119,7 +124,8 @@ class ThroughputBenchmark:
 
     def _pass(self, config: BatchedConfiguration, prompt_ids: list[list[int]],
               max_new_tokens: int) -> tuple[list[list[int]], float, tuple[int | None, int | None]]:
-        """(each prompt's new tokens cut at EOS, wall seconds, (drafted, accepted) or Nones)."""
+        """(each prompt's new tokens cut at EOS, wall seconds, (drafted, accepted, steps, drafted steps, held steps,
+        policy) or Nones)."""
         if config.kind == ENGINE:
             return self._engine_pass(config, prompt_ids, max_new_tokens)
         params, pad_id = self.settings.params, pad_token_id(self.target, self.eos_ids)
@@ -130,7 +136,7 @@ class ThroughputBenchmark:
         else:
             new_tokens = generate_batch(self.target, prompt_ids, self.batch_size, generation_config, params)
         seconds = time.perf_counter() - started
-        return [cut_at_eos(tokens, self.eos_ids) for tokens in new_tokens], seconds, (None, None)
+        return [cut_at_eos(tokens, self.eos_ids) for tokens in new_tokens], seconds, ()
 
     def _engine_pass(self, config: BatchedConfiguration, prompt_ids: list[list[int]], max_new_tokens: int):
         decoder = build_batched_decoder(self.target, self.draft, config.drafter, config.k or 0, self.batch_size)
@@ -140,8 +146,10 @@ class ThroughputBenchmark:
         seconds = time.perf_counter() - started
         tokens = [cut_at_eos(result.tokens, self.eos_ids) for result in results]
         if config.drafter == "none":
-            return tokens, seconds, (None, None)
-        return tokens, seconds, (sum(r.stats.drafted for r in results), sum(r.stats.accepted for r in results))
+            return tokens, seconds, ()
+        stats = GenerationStats.total(result.stats for result in results)
+        return tokens, seconds, (stats.drafted, stats.accepted, stats.steps, stats.drafted_steps, stats.held_steps,
+                                 stats.policy)
 
     # ---- results ----
 
@@ -158,12 +166,17 @@ class ThroughputBenchmark:
         rate = _rate(passes)
         identical = identical_prompts(_by_prompt(baseline), _by_prompt(passes)) if self.settings.params.greedy else None
         drafted = sum(run.drafted or 0 for run in passes)
+        steps = sum(run.steps or 0 for run in passes)
+        policies = [run.policy for run in passes if run.policy]
         return {
             "configuration": config.name, "kind": config.kind, "drafter": config.drafter, "k": config.k,
             "batch_size": self.batch_size, "passes": len(passes), "prompts": len(self.prompts),
             "new_tokens": new_tokens, "seconds": round(seconds, 4), "tokens_per_second": rate,
             "ratio": rate / base_rate if rate and base_rate else None,
             "acceptance_rate": sum(run.accepted or 0 for run in passes) / drafted if drafted else None,
+            "drafted_steps": sum(run.drafted_steps or 0 for run in passes) / steps if steps else None,
+            "held_steps": sum(run.held_steps or 0 for run in passes) / steps if steps else None,
+            "policy": policies[-1] if policies else None,
             "identical": identical[0] if identical and passes else None,
             "compared": identical[1] if identical and passes else None,
             "unavailable": self.unavailable.get(config.name),

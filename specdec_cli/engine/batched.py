@@ -35,6 +35,7 @@ from specdec_cli.engine.context import Budget, context_length, fit_budget, small
 from specdec_cli.engine.decode import GenerationResult, StopCallback, provenance_of_next, trim_step
 from specdec_cli.engine.draft import Draft
 from specdec_cli.engine.events import Provenance, StepEvent
+from specdec_cli.engine.gate import DraftingGate
 from specdec_cli.engine.packed import PackedCache
 from specdec_cli.engine.sampling import (SamplingParams, argmax_ids, draft_odds, logits_to_probs, make_generator,
                                          sample, spread)
@@ -92,13 +93,17 @@ class BatchedDecoder:
     (a subset head, drafters/subset_head.py; None: the whole vocabulary). draft_window: the draft model
     reads only the last `draft_window` tokens of a row's prompt, and everything after them (None: all).
     reuse_prompts: the roles ("target", "draft") whose model computes each row alone (row-wise attention),
-    so a prompt's prefix shared with the prompt admitted before it is not computed again (packed.py)."""
+    so a prompt's prefix shared with the prompt admitted before it is not computed again (packed.py).
+    gate: a `DraftingGate` that lets a step draft only where drafting measured faster than not (gate.py), read
+    on `clock`; a sampled row with a seed never follows it (its draws depend on its drafts, and the same seed must
+    give the same record), a greedy row's tokens do not depend on it, an unseeded row's draws are random anyway."""
 
     def __init__(self, target: torch.nn.Module, draft: torch.nn.Module | None = None, drafter: str = "none",
                  batch_size: int = 8, k: int | str = "auto", eos_token_ids: Sequence[int] = (),
                  verify_curve: dict[int, float] | None = None, draft_curve: dict[int, float] | None = None,
                  lookup_factory: Callable[[], Lookup] | None = None, draft_ids: torch.Tensor | None = None,
-                 draft_window: int | None = None, reuse_prompts: Sequence[str] = ()) -> None:
+                 draft_window: int | None = None, reuse_prompts: Sequence[str] = (),
+                 gate: DraftingGate | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
         if drafter not in DRAFTERS:
             raise ValueError(f"unknown batched drafter {drafter!r} (one of {', '.join(DRAFTERS)})")
         if drafter in ("model", "cascade") and draft is None:
@@ -121,6 +126,9 @@ class BatchedDecoder:
         self.context = smallest_context(context_length(target), context_length(draft) if uses_model else None)
         self.policy = (CostBatchK(batch_size, verify_curve, draft_curve) if k == "auto" else FixedBatchK(int(k)))
         self.draft_from_the_start = self.policy.drafts_from_the_start()
+        self.gate = gate if self.drafter != "none" else None
+        self.clock = clock
+        self._draft_admitting = 0.0  # seconds the draft model spent on admitted prompts, owed by the next drafting step
 
     def stream(self, requests: Iterable[RowRequest]) -> Iterator[tuple[int, GenerationResult | Exception]]:
         """(index in `requests`, result) for each request, in the order they finish. A request the models
@@ -141,7 +149,7 @@ class BatchedDecoder:
                 admitting = _take(pending, self.batch_size - len(live))
             for index, request in admitting:
                 try:
-                    live[index] = self._admit(index, request)
+                    live[index] = self._admit(index, request, len(live) + len(admitting))
                 except (PromptTooLongError, ValueError) as error:
                     yield index, error
             if not live:
@@ -161,7 +169,7 @@ class BatchedDecoder:
                 continue
             for row in finished:
                 self._release(live.pop(row.index))
-                row.stats.seconds = time.perf_counter() - row.started
+                row.stats.seconds = self.clock() - row.started
                 yield row.index, GenerationResult(row.tokens, row.provenance, row.finish_reason, row.stats, row.budget)
 
     def generate_many(self, requests: Sequence[RowRequest]) -> list[GenerationResult]:
@@ -172,10 +180,10 @@ class BatchedDecoder:
                 raise results[index]
         return [results[index] for index in range(len(requests))]
 
-    def _admit(self, index: int, request: RowRequest) -> _Row:
+    def _admit(self, index: int, request: RowRequest, rows: int = 1) -> _Row:
         if not request.prompt_ids:
             raise ValueError("the prompt must hold at least one token")
-        started = time.perf_counter()
+        started = self.clock()
         budget = fit_budget(len(request.prompt_ids), request.max_new_tokens, self.context)
         prompt = list(request.prompt_ids)
         # The last prompt token goes into the row's first step, with its drafts, like any step's last token.
@@ -184,7 +192,10 @@ class BatchedDecoder:
         self.target.admit(index, prompt[:-1])
         draft_start = max(len(prompt) - self.draft_window, 0) if self.draft_window else 0
         if self.draft is not None:
-            self.draft.admit(index, prompt[draft_start:-1] if self.draft_from_the_start else [])
+            drafting = self.draft_from_the_start and (self.gate is None or self.gate.drafts(rows))
+            admitted_at = self.clock()
+            self.draft.admit(index, prompt[draft_start:-1] if drafting else [])
+            self._draft_admitting += self.clock() - admitted_at
         lookup = self.lookup_factory() if self.drafter in ("ngram", "cascade") else None
         return _Row(index, request, budget, make_generator(request.params.seed), started, prompt, lookup, draft_start)
 
@@ -195,29 +206,45 @@ class BatchedDecoder:
         self.policy.forget(row.index)
 
     def _step(self, live: dict[int, _Row]) -> list[_Row]:
-        started = time.perf_counter()
+        started = self.clock()
         lookups = {index: row.lookup.lookup(row.ids) for index, row in live.items() if row.lookup is not None}
         plans = {index: RowPlan(max(row.remaining - 1, 0), _source(self.drafter, lookups.get(index)), self._unseen(row))
                  for index, row in live.items()}
         ks = self.policy.plan(plans) if self.drafter != "none" else dict.fromkeys(live, 0)
+        held = self.gate is not None and not self.gate.drafts(len(live))
+        if held:  # drafting measured slower than not at this occupancy: the rows the gate may hold decode plainly
+            ks = {index: k if _keeps_its_drafts(live[index]) else 0 for index, k in ks.items()}
         drafts = {index: Draft([]) for index in live}
         for index, start in lookups.items():
             if start is not None and ks[index]:
                 drafts[index] = Draft(live[index].ids[start: start + ks[index]], free=True)
         drafts.update(self._draft_with_model({index: k for index, k in ks.items() if k and plans[index].source == MODEL}, live))
-        drafted_at = time.perf_counter()
+        drafted_at = self.clock()
         logits = self.target.extend({index: row.ids + drafts[index].ids for index, row in live.items()},
                                     {index: len(drafts[index]) + 1 for index in live})
-        verified_at = time.perf_counter()
-        finished = []
+        verified_at = self.clock()
+        finished, committed = [], 0
+        reason = self.gate.reason(len(live)) if held else None
         for index, row in live.items():
             draft = drafts[index]
             verdict = _verdict(draft, logits[index], row)
             self.policy.update(index, len(draft), verdict.accepted, LOOKUP if draft.free else MODEL)
-            self._advance(row, draft, verdict, drafted_at - started, verified_at - drafted_at)
+            before = len(row.tokens)
+            why = reason if held and not _keeps_its_drafts(row) else None
+            self._advance(row, draft, verdict, drafted_at - started, verified_at - drafted_at, why)
+            committed += len(row.tokens) - before
             if row.finish_reason is not None:
                 finished.append(row)
+        self._judge(len(live), any(len(draft) for draft in drafts.values()), committed, self.clock() - started)
         return finished
+
+    def _judge(self, rows: int, drafted: bool, committed: int, seconds: float) -> None:
+        """The gate sees the step; a drafting step also pays what the draft model spent on admitted prompts."""
+        if self.gate is None:
+            return
+        if drafted:
+            seconds, self._draft_admitting = seconds + self._draft_admitting, 0.0
+        self.gate.record(rows, drafted, committed, seconds)
 
     def _unseen(self, row: _Row) -> int:
         """Tokens of the row the draft model has not seen: what its next draft forward feeds first."""
@@ -268,8 +295,10 @@ class BatchedDecoder:
             return probs
         return spread(probs, self.draft_ids, self.draft_width)
 
-    def _advance(self, row: _Row, draft: Draft, verdict: Verdict, draft_seconds: float, verify_seconds: float) -> None:
-        """The row takes the step's tokens, cut at EOS, the budget or its stop callback."""
+    def _advance(self, row: _Row, draft: Draft, verdict: Verdict, draft_seconds: float, verify_seconds: float,
+                 held: str | None = None) -> None:
+        """The row takes the step's tokens, cut at EOS, the budget or its stop callback (`held`: why the gate kept
+        it from drafting, if it did)."""
         tokens = draft.ids[: verdict.accepted] + [verdict.next_token]
         provenance = [Provenance.ACCEPTED] * verdict.accepted + [provenance_of_next(draft, verdict)]
         tokens, provenance, finish_reason = trim_step(tokens, provenance, row.remaining, self.eos_token_ids)
@@ -283,7 +312,7 @@ class BatchedDecoder:
             finish_reason = "length"
         row.finish_reason = finish_reason
         row.stats.add_step(StepEvent(tokens, provenance, len(draft), verdict.accepted, draft_seconds,
-                                     verify_seconds, finish_reason, draft.free))
+                                     verify_seconds, finish_reason, draft.free, held=held))
 
 
 def _verdict(draft: Draft, target_logits: torch.Tensor, row: _Row) -> Verdict:
@@ -292,6 +321,13 @@ def _verdict(draft: Draft, target_logits: torch.Tensor, row: _Row) -> Verdict:
     if params.greedy:
         return greedy_verdict(draft.ids, target_logits)
     return sampling_verdict(draft.ids, draft.probs, logits_to_probs(target_logits, params), row.generator)
+
+
+def _keeps_its_drafts(row: _Row) -> bool:
+    """A sampled row with a seed drafts as the batch policy says whatever the gate measured: its drafts decide
+    which draws it takes, and the same seed must give the same record."""
+    params = row.request.params
+    return not params.greedy and params.seed is not None
 
 
 def _source(drafter: str, lookup_start: int | None) -> str:

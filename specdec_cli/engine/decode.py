@@ -170,6 +170,8 @@ class SpeculativeDecoder:
         first: bool = False,
     ) -> StepEvent:
         started = time.perf_counter()
+        # The policy's reason, when it keeps this step from drafting with the model (a lookup may still propose).
+        held = self.policy.reason if self.drafter is not None and remaining > 1 and not self.policy.next_k() else None
         draft = self._draft(ids, params, generator, remaining)
         drafted_at = time.perf_counter()
         path: list[int] = []
@@ -194,7 +196,7 @@ class SpeculativeDecoder:
         places = tuple(addresses(draft.parents)) if draft.parents is not None else ()
         return StepEvent(
             tokens, provenance, len(draft), verdict.accepted, draft_seconds, verify_seconds, finish_reason,
-            draft.free, len(places), tree_depth, places, places[path[-1]] if path else (),
+            draft.free, len(places), tree_depth, places, places[path[-1]] if path else (), held,
         )
 
     def _draft(

@@ -29,3 +29,4 @@ class StepEvent:
     tree_depth: int = 0  # a tree draft's deepest path, in tokens (`accepted` is the accepted path's)
     tree_addresses: tuple[tuple[int, ...], ...] = ()  # each node's place (tree.addresses); () for a chain
     tree_accepted_address: tuple[int, ...] = ()  # the place of the accepted path's last node (its prefixes too)
+    held: str | None = None  # why the policy kept this step from drafting (drafting measured slower), else None

@@ -16,6 +16,7 @@ from specdec_cli.engine.draft import DraftRule
 
 class DraftLengthPolicy(Protocol):
     rule: DraftRule | None
+    reason: str | None  # why the next step drafts nothing although it could (drafting measured slower), else None
 
     def next_k(self) -> int: ...
 
@@ -31,6 +32,7 @@ class DraftLengthPolicy(Protocol):
 class FixedK:
     k: int
     rule: DraftRule | None = None
+    reason: str | None = None
 
     def next_k(self) -> int:
         return self.k
@@ -54,6 +56,7 @@ class AdaptiveK:
     grow: int = 2
     shrink: int = 1
     rule: DraftRule | None = None
+    reason: str | None = None
 
     def __post_init__(self) -> None:
         self.k = self.start
@@ -129,6 +132,7 @@ class CostModelK:
         self.steps_since_probe = self.steps_since_lookup_probe = 0
         self.k = self.probe_k
         self.lookup_k = self.base_rule.lookup_k if self.base_rule is not None else self.max_lookup
+        self.reason: str | None = None
 
     @property
     def rule(self) -> DraftRule | None:
@@ -167,12 +171,20 @@ class CostModelK:
         if not self.steady_cost.known and self.drafted_last_step:
             return self.probe_k  # drafting once more measures what a token costs without a catch-up
         best = max(range(self.max_k + 1), key=self.tokens_per_second)
+        self.reason = None if best else self._why_not()
         self.steps_since_probe += 1
         if self.steps_since_probe >= self.probe_every:
             # Explore: positions past the chosen k are otherwise never measured again.
             self.steps_since_probe = 0
+            self.reason = None
             return min(self.max_k, max(best + 2, self.probe_k))
         return best
+
+    def _why_not(self) -> str:
+        """The measured costs that keep the next step from drafting."""
+        drafting = max(self.tokens_per_second(k) for k in range(1, self.max_k + 1))
+        return (f"drafting did not pay: {drafting:.1f} vs {self.tokens_per_second(0):.1f} tok/s expected "
+                "from the measured costs")
 
     def _choose_lookup(self) -> int:
         if not self.verify.known:

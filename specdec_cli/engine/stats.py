@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from specdec_cli.engine.events import StepEvent
 
-_SUMMED = ("new_tokens", "steps", "drafted", "accepted", "seconds", "draft_seconds", "verify_seconds",
+_SUMMED = ("new_tokens", "steps", "drafted", "accepted", "seconds", "draft_seconds", "verify_seconds", "held_steps",
            "lookup_steps", "lookup_drafted", "lookup_accepted", "tree_steps", "tree_nodes", "tree_accepted")
 
 
@@ -33,6 +33,18 @@ class GenerationStats:
     # Per place in the tree ("0.1": the first root's second child, see tree.addresses):
     # [steps whose tree had it, steps its parent was accepted (or it is a root), steps it was accepted].
     tree_places: dict[str, list[int]] = field(default_factory=dict)
+    held_steps: int = 0       # steps the policy kept from drafting because drafting measured slower than not
+    policy: str | None = None  # why, the last time it did (the measurement), else None
+
+    @property
+    def drafted_steps(self) -> int:
+        """Steps that drafted at least one token (model or lookup)."""
+        return self.drafted_at[0] if self.drafted_at else 0
+
+    def hold(self, reason: str | None) -> None:
+        """Count a step the policy kept from drafting, and why."""
+        self.held_steps += 1
+        self.policy = reason or self.policy
 
     @property
     def acceptance_rate(self) -> float:
@@ -66,6 +78,8 @@ class GenerationStats:
             self.lookup_steps += 1
             self.lookup_drafted += event.drafted
             self.lookup_accepted += event.accepted
+        if event.held:
+            self.hold(event.held)
         if event.tree_nodes:
             self.tree_steps += 1
             self.tree_nodes += event.tree_nodes
@@ -89,6 +103,7 @@ class GenerationStats:
                 mine[i] += count
         for place, counts in other.tree_places.items():
             self.tree_places[place] = [a + b for a, b in zip(self.tree_places.get(place, [0, 0, 0]), counts)]
+        self.policy = other.policy or self.policy
 
     @classmethod
     def total(cls, parts) -> GenerationStats:
@@ -119,6 +134,9 @@ class GenerationStats:
             "tree_steps": self.tree_steps,
             "tree_nodes": self.tree_nodes,
             "tree_accepted": self.tree_accepted,
+            "drafted_steps": self.drafted_steps,
+            "held_steps": self.held_steps,
+            "policy": self.policy,
         }
 
 

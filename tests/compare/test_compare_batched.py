@@ -46,6 +46,7 @@ def test_one_throughput_row_per_configuration_all_greedy_outputs_identical(compa
     assert by_name["target alone ×3"][4] == "×1.00"
     assert by_name["model k=2 ×3"][5] == "1.00"  # the draft is the target's copy: every draft accepted
     assert by_name["HF generate, padded ×3"][5] == "–"
+    assert by_name["target alone ×3"][6] == "–" and by_name["model k=2 ×3"][6].endswith("%")  # drafted steps
     assert "batch size 3" in result.stdout
 
 
@@ -82,7 +83,7 @@ def test_a_peer_that_cannot_run_says_why_in_one_line(tiny_pair, tmp_path, monkey
     result = batched(tiny_pair, tmp_path)
     assert_exited(result, 0)
     rows = {row[0]: row for row in table_rows(result.stdout)}
-    assert rows["HF generate_batch ×3"][1:] == ["–"] * 6
+    assert rows["HF generate_batch ×3"][1:] == ["–"] * 7
     assert rows["HF generate, padded ×3"][1] == "32"
     assert "HF generate_batch ×3 cannot run here: no paged attention for this model" in result.stdout
     assert "note: HF generate_batch ×3 cannot run here: no paged attention for this model" in result.stderr

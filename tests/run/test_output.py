@@ -10,9 +10,10 @@ from specdec_cli.batch import (
 )
 from specdec_cli.errors import InputError, SpecdecError
 
-COMPLETION = Completion("hello", "length", prompt_tokens=4, completion_tokens=6, steps=2, drafted=8, accepted=4)
+COMPLETION = Completion("hello", "length", prompt_tokens=4, completion_tokens=6, steps=2, drafted=8, accepted=4,
+                        drafted_steps=2)
 STATS = {"steps": 2, "drafted": 8, "accepted": 4, "acceptance_rate": 0.5, "tokens_per_step": 3.0,
-         "tokens_per_second": 3.0, "seconds": 2.0}
+         "tokens_per_second": 3.0, "seconds": 2.0, "drafted_steps": 2, "held_steps": 0, "policy": None}
 
 
 def request(value: dict, number: int = 1):

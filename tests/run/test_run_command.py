@@ -95,7 +95,8 @@ def test_mixed_shapes_give_the_targets_own_output_in_input_order(run, tmp_path, 
         "batch_req_3", None, 200, "chat.completion", tiny_pair.target)
     assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}]
     assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
-    assert set(m["specdec"]) == {"steps", "drafted", "accepted", "acceptance_rate", "tokens_per_step", "tokens_per_second", "seconds"}
+    assert set(m["specdec"]) == {"steps", "drafted", "accepted", "acceptance_rate", "tokens_per_step", "tokens_per_second", "seconds",
+                                 "drafted_steps", "held_steps", "policy"}
     text, finish, *_ = reference("for i in range(10):", max_new_tokens=7)
     assert (b["response"]["body"]["object"], b["response"]["body"]["choices"][0]["text"]) == ("text_completion", text)
 
