@@ -118,6 +118,7 @@ OTHER_ARCHITECTURES = {
                                      "layer_types": ["sliding_attention", "full_attention"]}),
     "phi3-partial": ("Phi3ForCausalLM", {"sliding_window": None, "partial_rotary_factor": 0.5}),  # Phi-4-mini's kind
     "granite": ("GraniteForCausalLM", {}),  # an architecture without a fast path
+    "llama-gelu": ("LlamaForCausalLM", {"hidden_act": "gelu"}),  # an activation the C layers do not compute
 }
 
 

@@ -2,14 +2,15 @@
 transformers class built here (tests/conftest.py's OTHER_ARCHITECTURES), its norms' weights drawn at random so that a
 norm applied in the wrong place shows.
 
-On the fast path (Qwen3's per-head q/k norms, Mistral, Phi-3's fused projections, Llama 3's rope scaling, Gemma 2's
+On the fast path (Qwen3's per-head q/k norms, Mistral, Phi-3's fused projections and Phi-4-mini's rotary embedding
+over part of each head, Llama 3's rope scaling, Gemma 2's
 soft-capped attention and logits, Gemma 3's q/k norms and two rotary tables, both Gemmas' four norms of 1 + weight,
 GELU and sliding-window layers beside global ones): an int8 or q4 model's logits, prefill and then token by token over
 the engine's cache, are transformers' own forward's on the same weights up to rounding, the whole decoder in C where
 no layer has a sliding window, else its layers one by one in C; a batch of two (the torch lean path) too; a verify
 gives the one-token logits bit for bit; and speculative greedy decoding is the target alone's. Another architecture
-(Granite here) and a Phi-3 whose rotary embedding covers half of each head keep transformers' layers, and the load
-line says so in one part."""
+(Granite here) and a Llama whose MLP takes the exact GELU keep transformers' layers, and the load line says so in one
+part."""
 
 import copy
 
@@ -30,10 +31,10 @@ from tests.conftest import hf_greedy, tiny_causal_lm
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.kernels]
 
 WINDOWED = ["gemma2", "gemma3", "mistral-window"]  # sliding-window layers (an 8-token window)
-FAST = ["qwen3", "mistral", "phi3", "llama3", *WINDOWED]
+FAST = ["qwen3", "mistral", "phi3", "phi3-partial", "llama3", *WINDOWED]
 SLOW = {  # architecture → what its load line says
     "granite": "transformers' layers (no fast path for granite)",
-    "phi3-partial": "transformers' layers (its rotary embedding covers part of each head)",
+    "llama-gelu": "transformers' layers (its gelu MLP has no fast path)",
 }
 IDS = [1] + [(7 * i + 2) % 90 + 3 for i in range(40)]
 PROMPT = 30  # tokens read in one forward before the rest go one at a time

@@ -31,7 +31,7 @@ HAND_WRITTEN = {
     "specdec_attention": (I, [I, P, P, P, P, L, L, L, L, L, L, F, P]),
     # The table left this restype at ctypes' default (int) where the C function returns void: None now.
     "specdec_rms_norm": (None, [P, P, F, L, L, P]),
-    "specdec_lean_qkv": (I, [I, I, P, L, L, P, F, P, P, P, F, P, P, L, L, L, P, P, P]),
+    "specdec_lean_qkv": (I, [I, I, P, L, L, P, F, P, P, P, F, P, P, L, L, L, L, P, P, P]),
     "specdec_decoder_forward": (I, [I, I, P, L, P, P, L, P, P, P, L, P, L, L, P, P, P, L, L, L, F, P, F, P]),
     "specdec_top_k_rows": (L, [P, L, L, L, P, P]),
     "specdec_support": (L, [P, L, P]),

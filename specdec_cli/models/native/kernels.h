@@ -33,6 +33,7 @@ typedef struct {
     const float *attention_out_norm, *mlp_out_norm; /* Gemma's norms of o's and down's outputs, or NULL */
     float out_eps;
     int64_t activation;                  /* 0: SiLU, 1: GELU's tanh form (Gemma) */
+    int64_t rotary_dim;                  /* the head's first dims the rotary embedding turns: dim but in Phi-4-mini */
 } specdec_layer;
 
 /* Which instructions run (int8_gemm.c, q4_amx.c). */
@@ -69,8 +70,8 @@ int specdec_attention(int threads, const float *q, const float *k, const float *
 void specdec_rms_norm(const float *x, const float *weight, float eps, int64_t M, int64_t K, float *y);
 int specdec_lean_qkv(int isa, int threads, const float *x, int64_t T, int64_t H, const float *norm_weight,
                      float eps, const specdec_linear *qkv, const float *q_norm, const float *k_norm, float qk_eps,
-                     const float *cos, const float *sin, int64_t heads, int64_t kv_heads, int64_t dim, float *q,
-                     float *k, float *v);
+                     const float *cos, const float *sin, int64_t heads, int64_t kv_heads, int64_t dim, int64_t rotary,
+                     float *q, float *k, float *v);
 int specdec_lean_mlp(int isa, int threads, const float *attention, const float *residual, int64_t T, int64_t H,
                      const specdec_linear *o, const float *attention_out_norm, const float *norm_weight, float eps,
                      const specdec_linear *gate_up, int64_t activation, const specdec_linear *down,

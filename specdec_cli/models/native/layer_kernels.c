@@ -47,35 +47,37 @@ static int linear(int isa, int threads, const specdec_linear *l, const float *x,
                                l->scales, l->bias, l->out_features, y);
 }
 
-/* transformers' apply_rotary_pos_emb for one head of one row: x·cos + rotate_half(x)·sin, each product and
-   the sum rounded on its own as torch's three operations round them. */
-static void rotate(const float *x, const float *cos, const float *sin, int64_t dim, float *out) {
-    int64_t half = dim / 2;
-    for (int64_t d = 0; d < dim; d++) {
+/* transformers' apply_rotary_pos_emb for one head of one row: x·cos + rotate_half(x)·sin over its first `rotary`
+   dims (all of them but in a partial rotary embedding: Phi-4-mini's), each product and the sum rounded on its own
+   as torch's three operations round them; the dims past them as they are. */
+static void rotate(const float *x, const float *cos, const float *sin, int64_t dim, int64_t rotary, float *out) {
+    int64_t half = rotary / 2;
+    for (int64_t d = 0; d < rotary; d++) {
         float rotated = d < half ? -x[d + half] : x[d - half];
         float a = x[d] * cos[d], b = rotated * sin[d];
         out[d] = a + b;
     }
+    for (int64_t d = rotary; d < dim; d++) out[d] = x[d];
 }
 
 /* One head of one row, RMSNorm'd over the head (q_norm / k_norm: Qwen3's; NULL: none) into `scratch`, then
    rotated into `out`. */
 static void norm_and_rotate(const float *x, const float *norm, float eps, const float *cos, const float *sin,
-                            int64_t dim, float *scratch, float *out) {
+                            int64_t dim, int64_t rotary, float *scratch, float *out) {
     if (norm) {
         specdec_rms_norm(x, norm, eps, 1, dim, scratch);
         x = scratch;
     }
-    rotate(x, cos, sin, dim, out);
+    rotate(x, cos, sin, dim, rotary, out);
 }
 
 /* x (T, H) → RMSNorm → q/k/v projection (one fused layer) → per-head RMSNorm of q and k where q_norm and k_norm
-   are given (dim,) (else NULL) → rotary on q and k: q (T, heads, dim), k and v (kv_heads, T, dim) (the cache's
-   layout). cos, sin (T, dim). Returns 0, or 1 when a buffer could not be allocated. */
+   are given (dim,) (else NULL) → rotary on the first `rotary` dims of q and k: q (T, heads, dim), k and v (kv_heads,
+   T, dim) (the cache's layout). cos, sin (T, rotary). Returns 0, or 1 when a buffer could not be allocated. */
 int specdec_lean_qkv(int isa, int threads, const float *x, int64_t T, int64_t H, const float *norm_weight,
                      float eps, const specdec_linear *qkv, const float *q_norm, const float *k_norm, float qk_eps,
-                     const float *cos, const float *sin, int64_t heads, int64_t kv_heads, int64_t dim, float *q,
-                     float *k, float *v) {
+                     const float *cos, const float *sin, int64_t heads, int64_t kv_heads, int64_t dim, int64_t rotary,
+                     float *q, float *k, float *v) {
     int64_t width = qkv->out_features;
     float *normed = malloc((size_t)(T * H) * sizeof(float)), *states = malloc((size_t)(T * width) * sizeof(float));
     float *scratch = malloc((size_t)dim * sizeof(float));
@@ -85,11 +87,12 @@ int specdec_lean_qkv(int isa, int threads, const float *x, int64_t T, int64_t H,
         failed = linear(isa, threads, qkv, normed, T, states);
     }
     for (int64_t t = 0; !failed && t < T; t++) {
-        const float *row = states + t * width, *c = cos + t * dim, *s = sin + t * dim;
+        const float *row = states + t * width, *c = cos + t * rotary, *s = sin + t * rotary;
         for (int64_t h = 0; h < heads; h++)
-            norm_and_rotate(row + h * dim, q_norm, qk_eps, c, s, dim, scratch, q + (t * heads + h) * dim);
+            norm_and_rotate(row + h * dim, q_norm, qk_eps, c, s, dim, rotary, scratch, q + (t * heads + h) * dim);
         for (int64_t h = 0; h < kv_heads; h++) {
-            norm_and_rotate(row + (heads + h) * dim, k_norm, qk_eps, c, s, dim, scratch, k + (h * T + t) * dim);
+            norm_and_rotate(row + (heads + h) * dim, k_norm, qk_eps, c, s, dim, rotary, scratch,
+                            k + (h * T + t) * dim);
             const float *value = row + (heads + kv_heads + h) * dim;
             for (int64_t d = 0; d < dim; d++) v[(h * T + t) * dim + d] = value[d];
         }
@@ -193,8 +196,8 @@ static int specdec_decoder_stack(int isa, int threads, const specdec_layer *laye
     for (int64_t i = 0; !failed && i < count; i++) {
         const specdec_layer *layer = layers + i;
         failed = specdec_lean_qkv(isa, threads, hidden, T, H, layer->input_norm, layer->input_eps, &layer->qkv,
-                                  layer->q_norm, layer->k_norm, layer->qk_eps, cos, sin, heads, kv_heads, dim, q, k,
-                                  v);
+                                  layer->q_norm, layer->k_norm, layer->qk_eps, cos, sin, heads, kv_heads, dim,
+                                  layer->rotary_dim, q, k, v);
         if (failed) break;
         for (int64_t h = 0; h < kv_heads; h++) { /* (kv_heads, T, dim) → the cache's rows cached.. */
             memcpy(keys[i] + (h * capacity[i] + cached) * dim, k + h * T * dim, (size_t)(T * dim) * sizeof(float));

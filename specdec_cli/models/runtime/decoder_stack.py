@@ -32,7 +32,7 @@ class _Layer(ctypes.Structure):
                 ("post_eps", ctypes.c_float), ("qkv", CLinear), ("o", CLinear), ("gate_up", CLinear),
                 ("down", CLinear), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("qk_eps", ctypes.c_float),
                 ("attention_out_norm", ctypes.c_void_p), ("mlp_out_norm", ctypes.c_void_p), ("out_eps", ctypes.c_float),
-                ("activation", ctypes.c_int64)]
+                ("activation", ctypes.c_int64), ("rotary_dim", ctypes.c_int64)]
 
 
 def _stack_layers(decoder: torch.nn.Module):
@@ -58,8 +58,11 @@ def _stack_layers(decoder: torch.nn.Module):
 def _layer(layer: torch.nn.Module, projections: tuple[CLinear, ...]) -> _Layer:
     before, norm, norm_eps, after, out_eps = c_mlp_norms(layer)
     first = layer.input_layernorm
+    attention = layer.self_attn
+    # the dims the rotary embedding turns, as transformers' rope initialisation counts them
+    rotary = int(attention.head_dim * float(getattr(attention.config, "partial_rotary_factor", None) or 1.0))
     return _Layer(norm_weight(first).data_ptr(), norm, first.variance_epsilon, norm_eps, *projections,
-                  *c_head_norms(layer.self_attn), before, after, out_eps, activation_kind(layer.mlp))
+                  *c_head_norms(attention), before, after, out_eps, activation_kind(layer.mlp), rotary)
 
 
 def _stack_where(decoder: torch.nn.Module) -> tuple[int, ...]:

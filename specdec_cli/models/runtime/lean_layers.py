@@ -286,8 +286,8 @@ def _forward_in_c(self, projections: tuple[CLinear, ...], hidden_states: torch.T
     norm = self.input_layernorm
     failed = library.specdec_lean_qkv(isa, threads, hidden.data_ptr(), tokens, width, norm_weight(norm).data_ptr(),
                                       _epsilon(norm), ctypes.byref(qkv), q_norm, k_norm, qk_eps,
-                                      cos.data_ptr(), sin.data_ptr(), heads, kv_heads, head_dim, query.data_ptr(),
-                                      key.data_ptr(), value.data_ptr())
+                                      cos.data_ptr(), sin.data_ptr(), heads, kv_heads, head_dim, cos.shape[-1],
+                                      query.data_ptr(), key.data_ptr(), value.data_ptr())
     if failed:
         raise MemoryError(f"specdec's layer kernels could not allocate their buffers for {tokens} tokens")
     if cache is not None:
@@ -323,8 +323,10 @@ def lean_forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor
         heads = q_size // head_dim
         qk = torch.cat([_rms_norm(norms[0], qk[:, :, :heads]), _rms_norm(norms[1], qk[:, :, heads:])], dim=2)
     qk = qk.transpose(1, 2)  # (B, heads + kv, T, D)
-    cos, sin = position_embeddings  # (B, T, D)
-    qk = _rotate(qk, cos.unsqueeze(1), sin.unsqueeze(1))
+    cos, sin = position_embeddings  # (B, T, rotary dims): D, or fewer (a partial rotary embedding)
+    rotary = cos.shape[-1]
+    turned = _rotate(qk[..., :rotary], cos.unsqueeze(1), sin.unsqueeze(1))
+    qk = turned if rotary == head_dim else torch.cat([turned, qk[..., rotary:]], dim=-1)
     query, key = qk[:, : q_size // head_dim], qk[:, q_size // head_dim:]
     value = qkv[..., q_size + k_size:].view(batch, tokens, -1, head_dim).transpose(1, 2)
     if cache is not None:
