@@ -189,3 +189,19 @@ def test_a_gemma3_gguf_read_in_place_holds_its_norms_and_runs_its_layers_in_c(tm
     verified, decoded = _verify_and_decode(loaded.model)
     assert torch.equal(verified, decoded)
     assert all(layer._c_projections[1] is not None for layer in loaded.model.model.layers)
+
+
+def test_a_folder_of_another_architecture_loads_through_transformers_and_says_so(tmp_path, specdec_home):
+    """The whole load (a safetensors folder, q4): a Granite model keeps transformers' layers, decodes, and its load
+    line, one line, ends by saying so."""
+    from specdec_cli.models import load_model
+
+    from tests.tiny import build_tokenizer
+
+    _model("granite").save_pretrained(tmp_path)
+    build_tokenizer(tmp_path)
+    loaded = load_model(str(tmp_path), quantization="q4", dtype="float32", progress=False)
+    line = loaded.describe("target")
+    assert "\n" not in line and line.endswith(" · " + SLOW["granite"]), line
+    verified, decoded = _verify_and_decode(loaded.model)
+    assert torch.equal(verified, decoded)
