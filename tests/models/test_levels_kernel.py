@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from specdec_cli.models.formats import gguf_levels, levels
+from specdec_cli.models.formats import gguf_levels
 from specdec_cli.models.formats.levels import LevelsLinear
 from specdec_cli.models.formats.q4 import Q4KLinear
 from specdec_cli.models.native import binding
@@ -73,7 +73,8 @@ def test_each_types_layer_holds_ggufs_own_dequantisation_bit_for_bit(kind):
     layer, raw = _layer(kind, 768, 40, seed=3)
     ours, theirs = layer.dequantized_weight(), _file_weight(raw, kind)
     assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32))  # every bit, the sign of a zero too
-    assert layer.packed_weight.numel() == levels.group_bytes(layer.form) * 3 * (768 // 32)  # 3 blocks of 16 rows
+    # bits a weight: 5- and 6-bit levels packed (4 bits and the rest), steps (and minimums) float32 per 32 or 16
+    assert layer.packed_weight.numel() * 8 == {"Q8_0": 9, "Q6_K": 8, "Q5_0": 6, "Q5_K": 7}[kind] * 48 * 768
 
 
 @pytest.mark.parametrize("kind", list(TYPES))

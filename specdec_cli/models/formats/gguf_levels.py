@@ -29,19 +29,20 @@ def _shifted(packed: np.ndarray, runs: int, shifts: list[int], mask: int) -> np.
     return (moved & np.uint8(mask)).reshape(len(packed), -1)
 
 
-def _block_levels(blocks: np.ndarray, kind: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int, bool]:
-    """(levels (B, channels) uint8, steps (B, sub-blocks) float32, minimums or None, offset, wide): `kind`'s blocks."""
+def _block_levels(blocks: np.ndarray, kind: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int, int]:
+    """(levels (B, channels) uint8, steps (B, sub-blocks) float32, minimums or None, offset, bits a level): `kind`'s
+    blocks."""
     if kind == Q8_0:
-        return blocks[:, 2:] ^ np.uint8(0x80), _halves(blocks, 0), None, 128, True  # q + 128 as a byte
+        return blocks[:, 2:] ^ np.uint8(0x80), _halves(blocks, 0), None, 128, 8  # q + 128 as a byte
     if kind == Q5_0:
         high = (blocks[:, 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & np.uint32(1)
         levels = _shifted(blocks[:, 6:], 1, [0, 4], 0x0F) | (high.astype(np.uint8) << np.uint8(4))
-        return levels, _halves(blocks, 0), None, 16, False
+        return levels, _halves(blocks, 0), None, 16, 5
     if kind == Q6_K:
         low = _shifted(blocks[:, :128], 2, [0, 4], 0x0F)
         high = _shifted(blocks[:, 128:192], 2, [0, 2, 4, 6], 0x03)
         steps = _halves(blocks, 208) * blocks[:, 192:208].view(np.int8).astype(np.float32)  # d·sc per 16
-        return low | (high << np.uint8(4)), steps, None, 32, False
+        return low | (high << np.uint8(4)), steps, None, 32, 6
     from gguf.quants import Q4_K as Q4KBlocks
 
     sub_scales, sub_minimums = Q4KBlocks.get_scale_min(blocks[:, 4:16])  # (B, 8) each, 0..63
@@ -49,16 +50,16 @@ def _block_levels(blocks: np.ndarray, kind: int) -> tuple[np.ndarray, np.ndarray
     high = _shifted(blocks[:, 16:48], 1, list(range(8)), 0x01)
     steps = _halves(blocks, 0) * sub_scales.astype(np.float32)
     minimums = -(_halves(blocks, 2) * sub_minimums.astype(np.float32))
-    return low | (high << np.uint8(4)), steps, minimums, 0, False
+    return low | (high << np.uint8(4)), steps, minimums, 0, 5
 
 
-def level_parts(raw: np.ndarray, kind: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int, bool]:
+def level_parts(raw: np.ndarray, kind: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int, int]:
     """A tensor's bytes (N, K/block · block bytes) uint8 → (levels (N, K) uint8, steps (N, K/32 · halves) float32,
-    minimums (N, K/32) float32 or None, offset, wide): LevelsLinear.from_parts' arguments."""
+    minimums (N, K/32) float32 or None, offset, bits a level): LevelsLinear.from_parts' arguments."""
     size, rows = BLOCKS[kind][1], raw.shape[0]
-    levels, steps, minimums, offset, wide = _block_levels(np.ascontiguousarray(raw).reshape(-1, size), kind)
+    levels, steps, minimums, offset, bits = _block_levels(np.ascontiguousarray(raw).reshape(-1, size), kind)
 
     def per_row(part: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(part).reshape(rows, -1))
 
-    return per_row(levels), per_row(steps), None if minimums is None else per_row(minimums), offset, wide
+    return per_row(levels), per_row(steps), None if minimums is None else per_row(minimums), offset, bits

@@ -1,9 +1,10 @@
 """Layers of integer levels with float32 steps, for a .gguf's tensors that q4's 4 bits cannot hold (Q8_0, Q6_K, Q5_0,
-Q5_K: formats/gguf_levels.py): w = step·(level − offset) + minimum, a level a byte (0..255), per row and group of 32
-input channels a float32 step (per half of the group, 16 channels, where the form says two halves) and where the form
-has them a float32 minimum; the offset a power of two (or 0) for the whole layer. Activations are quantised per token
-and group of 32 as q4's are, and the matmul (native/levels_gemm.c, levels_avx2.c) is exact integer sums followed by
-the same float steps for every token: a k-token verify gives each token its one-token forward's numbers bit for bit.
+Q5_K: formats/gguf_levels.py): w = step·(level − offset) + minimum, levels of 5 or 6 bits (Q5_0, Q5_K; Q6_K) packed
+as 4 bits and planes of the rest, of 8 bits (Q8_0) a byte each, per row and group of 32 input channels a float32 step
+(per half of the group, 16 channels, where the form says two halves) and where the form has them a float32 minimum;
+the offset a power of two (or 0) for the whole layer. Activations are quantised per token and group of 32 as q4's
+are, and the matmul (native/levels_gemm.c, levels_avx2.c) is exact integer sums followed by the same float steps for
+every token: a k-token verify gives each token its one-token forward's numbers bit for bit.
 
 Why: these types keep more than 4 bits a weight; requantised to q4 the model is no longer the file's (Q6_K: 7.9%
 weight error). Each of them is `step·(level − offset) + minimum` with each step and minimum an exact float32 product
@@ -14,40 +15,92 @@ Needs the kernel, as q4 does (formats/q4.py)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from specdec_cli.models.formats import q4
 from specdec_cli.models.native import binding
 
-GROUP, ROWS, VALUE_BYTES = 32, 16, 512  # channels a group, rows a block, a block's group of levels
+GROUP, ROWS, VALUE_BYTES = 32, 16, 512  # channels a group, rows a block, a block's group of levels a byte each
 
 
-def form_code(halves: int, minimums: bool, wide: bool, offset: int) -> int:
-    """The kernel's one-int form (native/levels_layout.h): two halves, minimums stored, levels above 127, offset."""
-    return (halves == 2) | (minimums << 1) | (wide << 2) | (offset << 8)
+class Form(NamedTuple):
+    """A layer's form (native/levels_layout.h): a step (and minimum) per 16 channels (halves 2) or 32, minimums
+    stored, levels up to 255 (wide), the levels' bits above 4 where they are packed (high_bits 1 or 2; 0: a byte
+    each), the offset."""
+
+    halves: int
+    minimums: bool
+    wide: bool
+    high_bits: int
+    offset: int
+
+    @property
+    def bits(self) -> int:
+        """Bits a level may have: 8 (wide), 5 or 6 (packed), else 7 (a byte each, up to 127)."""
+        return 8 if self.wide else 4 + self.high_bits if self.high_bits else 7
+
+    @property
+    def value_bytes(self) -> int:
+        return 256 + 64 * self.high_bits if self.high_bits else VALUE_BYTES
+
+    @property
+    def group_bytes(self) -> int:
+        return self.value_bytes + 64 * self.halves * (1 + self.minimums)
 
 
-def form_parts(form: int) -> tuple[int, bool, bool, int]:
-    """`form_code`'s (halves, minimums, wide, offset) again."""
-    return 2 if form & 1 else 1, bool(form & 2), bool(form & 4), form >> 8
+def form_code(halves: int, minimums: bool, bits: int, offset: int) -> int:
+    """The kernel's one-int form of levels of `bits` bits: 5 and 6 packed as 4 bits and the rest, 8 wide."""
+    high_bits = bits - 4 if bits in (5, 6) else 0
+    return (halves == 2) | (minimums << 1) | ((bits == 8) << 2) | (high_bits << 3) | (offset << 8)
+
+
+def form_of(form: int) -> Form:
+    """`form_code`'s parts again."""
+    return Form(2 if form & 1 else 1, bool(form & 2), bool(form & 4), (form >> 3) & 3, form >> 8)
 
 
 def group_bytes(form: int) -> int:
-    halves, minimums, _, _ = form_parts(form)
-    return VALUE_BYTES + 64 * halves * (1 + minimums)
+    return form_of(form).group_bytes
 
 
-def pack(levels: torch.Tensor, steps: torch.Tensor, minimums: torch.Tensor | None) -> torch.Tensor:
-    """The kernel's layout (ceil(N/16) blocks, groups, group bytes) uint8: levels (N, groups·32) uint8, steps and
-    minimums (N, groups·halves) float32 (a row's halves side by side)."""
+def pack(levels: torch.Tensor, steps: torch.Tensor, minimums: torch.Tensor | None, high_bits: int = 0) -> torch.Tensor:
+    """The kernel's layout (ceil(N/16) blocks, groups, group bytes) uint8: levels (N, groups·32) uint8 (each below
+    2^(4 + high_bits) where high_bits is not 0), steps and minimums (N, groups·halves) float32 (a row's halves side by
+    side)."""
     rows, width = levels.shape
     groups, padded_rows = width // GROUP, -(-rows // ROWS) * ROWS
     padded = torch.zeros(padded_rows, width, dtype=torch.uint8)
     padded[:rows] = levels
-    # (blocks, rows, groups, 8 steps, 4 channels) → (blocks, groups, step, row, channel): vpdpbusd's 16 rows × 4
-    values = padded.view(-1, ROWS, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(-1, groups, VALUE_BYTES)
+    # (blocks, rows, groups, 8 chunks, 4 channels) → (blocks, groups, chunk, row, channel): vpdpbusd's 16 rows × 4
+    chunks = padded.view(-1, ROWS, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(-1, groups, 8, 64)
+    values = chunks.reshape(-1, groups, VALUE_BYTES) if not high_bits else _packed_values(chunks, high_bits)
     tables = [values] + [_block_rows(table, groups, padded_rows) for table in (steps, minimums) if table is not None]
     return torch.cat(tables, dim=-1)
+
+
+def _packed_values(chunks: torch.Tensor, high_bits: int) -> torch.Tensor:
+    """(blocks, groups, 8, 64) levels → (blocks, groups, 256 + 64 · high_bits): the low nibbles as q4 packs them, then
+    the planes of the top bits, chunk c's at bit c · high_bits."""
+    low = chunks & 0x0F
+    planes = torch.zeros(*chunks.shape[:2], high_bits, 64, dtype=torch.uint8)
+    for chunk in range(8):
+        bit = chunk * high_bits
+        planes[:, :, bit // 8] |= (chunks[:, :, chunk] >> 4) << (bit % 8)
+    nibbles = low[:, :, :4] | (low[:, :, 4:] << 4)
+    return torch.cat([nibbles.flatten(2), planes.flatten(2)], dim=-1)
+
+
+def _unpacked_values(values: torch.Tensor, high_bits: int) -> torch.Tensor:
+    """`_packed_values` undone: (blocks, groups, 256 + 64 · high_bits) → (blocks, groups, 8, 64) levels."""
+    nibbles = values[..., :256].reshape(*values.shape[:2], 4, 64)
+    chunks = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=2)
+    planes = values[..., 256:].reshape(*values.shape[:2], high_bits, 64)
+    for chunk in range(8):
+        bit = chunk * high_bits
+        chunks[:, :, chunk] |= ((planes[:, :, bit // 8] >> (bit % 8)) & ((1 << high_bits) - 1)) << 4
+    return chunks
 
 
 def _block_rows(per_row: torch.Tensor, groups: int, padded_rows: int) -> torch.Tensor:
@@ -62,17 +115,19 @@ def _block_rows(per_row: torch.Tensor, groups: int, padded_rows: int) -> torch.T
 def unpack(packed: torch.Tensor, form: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The (levels, steps, minimums) that `pack` took, for the first `rows` rows."""
     blocks, groups, _ = packed.shape
-    halves, has_minimums, _, _ = form_parts(form)
-    values = packed[..., :VALUE_BYTES].reshape(blocks, groups, 8, ROWS, 4).permute(0, 3, 1, 2, 4)
-    levels = values.reshape(blocks * ROWS, groups * GROUP)[:rows].contiguous()
+    shape = form_of(form)
+    values = packed[..., :shape.value_bytes]
+    chunks = _unpacked_values(values, shape.high_bits) if shape.high_bits else values.reshape(blocks, groups, 8, 64)
+    levels = chunks.reshape(blocks, groups, 8, ROWS, 4).permute(0, 3, 1, 2, 4)
+    levels = levels.reshape(blocks * ROWS, groups * GROUP)[:rows].contiguous()
 
     def table(start: int) -> torch.Tensor:
-        per_half = packed[..., start:start + halves * ROWS * 4].contiguous().view(torch.float32)
-        per_half = per_half.reshape(blocks, groups, halves, ROWS).permute(0, 3, 1, 2)
-        return per_half.reshape(blocks * ROWS, groups * halves)[:rows].contiguous()
+        per_half = packed[..., start:start + shape.halves * ROWS * 4].contiguous().view(torch.float32)
+        per_half = per_half.reshape(blocks, groups, shape.halves, ROWS).permute(0, 3, 1, 2)
+        return per_half.reshape(blocks * ROWS, groups * shape.halves)[:rows].contiguous()
 
-    minimums = table(VALUE_BYTES + halves * ROWS * 4) if has_minimums else None
-    return levels, table(VALUE_BYTES), minimums
+    minimums = table(shape.value_bytes + shape.halves * ROWS * 4) if shape.minimums else None
+    return levels, table(shape.value_bytes), minimums
 
 
 def dequantize(levels: torch.Tensor, steps: torch.Tensor, minimums: torch.Tensor | None,
@@ -88,25 +143,26 @@ def dequantize(levels: torch.Tensor, steps: torch.Tensor, minimums: torch.Tensor
     return weight if minimums is None else weight + per_channel(minimums)
 
 
-def general_parts(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-    """Any q4 or levels layer's weights as (levels, steps, minimums, wide) of the general form (two halves, minimums,
-    offset 0), the same weights bit for bit: what layers of different kinds fused into one take."""
+def general_parts(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Any q4 or levels layer's weights as (levels, steps, minimums, bits a level) of the general form (two halves,
+    minimums, offset 0), the same weights bit for bit: what layers of different kinds fused into one take."""
     if isinstance(layer, LevelsLinear):
         levels, steps, minimums = layer.parts()
-        halves, _, wide, offset = form_parts(layer.form)
+        shape = form_of(layer.form)
+        halves, bits = shape.halves, shape.bits
         if minimums is None:
             minimums = torch.zeros_like(steps)
-        if offset:
-            minimums = minimums + steps * -float(offset)  # an exact product; a minimum of 0 before it
+        if shape.offset:
+            minimums = minimums + steps * -float(shape.offset)  # an exact product; a minimum of 0 before it
     elif isinstance(layer, q4.Q4KLinear):
         levels, *scales = layer.k_parts()
-        (steps, minimums), halves, wide = q4.k_steps(*scales), 1, False
+        (steps, minimums), halves, bits = q4.k_steps(*scales), 1, 5
     else:
         levels, scales, mins = layer.q4_parts()
-        steps, minimums, halves, wide = scales.float(), mins.float(), 1, False
+        steps, minimums, halves, bits = scales.float(), mins.float(), 1, 5
     if halves == 1:
         steps, minimums = steps.repeat_interleave(2, dim=1), minimums.repeat_interleave(2, dim=1)
-    return levels, steps, minimums, wide
+    return levels, steps, minimums, bits
 
 
 def matmul(x: torch.Tensor, packed: torch.Tensor, form: int, bias: torch.Tensor | None,
@@ -140,11 +196,14 @@ class LevelsLinear(torch.nn.Module):
 
     @classmethod
     def from_parts(cls, levels: torch.Tensor, steps: torch.Tensor, minimums: torch.Tensor | None, offset: int,
-                   wide: bool, bias: torch.Tensor | None, in_features: int) -> LevelsLinear:
-        """A layer of levels (N, K) uint8, steps and minimums (N, K/32 · halves) float32 (minimums may be None)."""
+                   bits: int, bias: torch.Tensor | None, in_features: int) -> LevelsLinear:
+        """A layer of levels (N, K) uint8 of `bits` bits (5 to 8), steps and minimums (N, K/32 · halves) float32
+        (minimums may be None)."""
+        if len(levels) and int(levels.max()) >> bits:
+            raise ValueError(f"a level of {int(levels.max())} does not fit in {bits} bits")
         halves = steps.shape[1] * GROUP // levels.shape[1]
-        form = form_code(halves, minimums is not None, wide, offset)
-        return cls(pack(levels, steps, minimums), form, bias, in_features, levels.shape[0])
+        form = form_code(halves, minimums is not None, bits, offset)
+        return cls(pack(levels, steps, minimums, form_of(form).high_bits), form, bias, in_features, levels.shape[0])
 
     def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(levels, steps, minimums) of this layer's rows."""
@@ -152,7 +211,7 @@ class LevelsLinear(torch.nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:
         """(N, K) float32: the weight this layer multiplies by."""
-        return dequantize(*self.parts(), form_parts(self.form)[3])[:, :self.in_features]
+        return dequantize(*self.parts(), form_of(self.form).offset)[:, :self.in_features]
 
     def select_rows(self, rows: torch.Tensor) -> LevelsLinear:
         """A layer holding only output rows `rows`: the same levels and steps, so the same scores."""
@@ -160,7 +219,8 @@ class LevelsLinear(torch.nn.Module):
         if len(chosen) and not 0 <= int(chosen.min()) <= int(chosen.max()) < self.out_features:
             raise IndexError(f"rows outside 0..{self.out_features - 1}")
         levels, steps, minimums = self.parts()
-        packed = pack(levels[chosen], steps[chosen], None if minimums is None else minimums[chosen])
+        packed = pack(levels[chosen], steps[chosen], None if minimums is None else minimums[chosen],
+                      form_of(self.form).high_bits)
         bias = None if self.bias is None else self.bias[chosen]
         return LevelsLinear(packed, self.form, bias, self.in_features, len(chosen))
 
@@ -171,9 +231,10 @@ class LevelsLinear(torch.nn.Module):
         return (out if x.dtype == torch.float32 else out.to(x.dtype)).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        halves, minimums, _, offset = form_parts(self.form)
-        return (f"in_features={self.in_features}, out_features={self.out_features}, levels with float32 steps per "
-                f"{GROUP // halves} channels (offset {offset}{', minimums' if minimums else ''}), int8 activations")
+        shape = form_of(self.form)
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {shape.bits}-bit levels with "
+                f"float32 steps per {GROUP // shape.halves} channels (offset {shape.offset}"
+                f"{', minimums' if shape.minimums else ''}), int8 activations")
 
 
 def fused(layers: list[torch.nn.Module], bias: torch.Tensor | None) -> LevelsLinear:
@@ -188,8 +249,8 @@ def fused(layers: list[torch.nn.Module], bias: torch.Tensor | None) -> LevelsLin
             return LevelsLinear(packed, layers[0].form, bias, width, sum(layer.out_features for layer in layers))
         parts = [None if tensors[0] is None else torch.cat(tensors)
                  for tensors in zip(*(layer.parts() for layer in layers))]
-        _, _, wide, offset = form_parts(layers[0].form)
-        return LevelsLinear.from_parts(*parts, offset, wide, bias, width)
+        shape = form_of(layers[0].form)
+        return LevelsLinear.from_parts(*parts, shape.offset, shape.bits, bias, width)
     general = [general_parts(layer) for layer in layers]
     parts = [torch.cat([part[index] for part in general]) for index in range(3)]
-    return LevelsLinear.from_parts(*parts, 0, any(part[3] for part in general), bias, width)
+    return LevelsLinear.from_parts(*parts, 0, max(part[3] for part in general), bias, width)

@@ -20,17 +20,38 @@ static inline __m256 lv_add_group_avx2(__m256 total, __m256i low, __m256i high, 
     __m256i exact[2] = {f.halves == 2 ? low : _mm256_add_epi32(low, high), high};
     for (int h = 0; h < f.halves; h++) {
         if (offset_sums) exact[h] = _mm256_add_epi32(exact[h], _mm256_set1_epi32(offset_sums[h]));
-        __m256 step = _mm256_loadu_ps((const float *)(p + LV_VALUE_BYTES) + 16 * h + 8 * side);
+        __m256 step = _mm256_loadu_ps((const float *)(p + f.value_bytes) + 16 * h + 8 * side);
         total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact[h]), _mm256_mul_ps(step, _mm256_set1_ps(scale)), total);
         if (f.offset != 0.0f)
             total = _mm256_fmadd_ps(_mm256_mul_ps(step, _mm256_set1_ps(-f.offset)), _mm256_set1_ps(half_sums[h]),
                                     total);
         if (f.mins) {
-            __m256 minimum = _mm256_loadu_ps((const float *)(p + LV_VALUE_BYTES) + 16 * (f.halves + h) + 8 * side);
+            __m256 minimum = _mm256_loadu_ps((const float *)(p + f.value_bytes) + 16 * (f.halves + h) + 8 * side);
             total = _mm256_fmadd_ps(minimum, _mm256_set1_ps(half_sums[h]), total);
         }
     }
     return total;
+}
+
+/* lv_values_vnni (levels_gemm.c) for this side's 8 rows: a group's 8 chunks of levels as bytes. */
+__attribute__((target("avx2")))
+static inline void lv_values_avx2(const uint8_t *p, LvForm f, int side, __m256i v[8]) {
+    if (!f.high_bits) {
+        for (int c = 0; c < 8; c++) v[c] = _mm256_loadu_si256((const __m256i *)(p + 64 * c + 32 * side));
+        return;
+    }
+    const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8((char)((1 << f.high_bits) - 1));
+    for (int t = 0; t < 4; t++) {
+        __m256i chunk = _mm256_loadu_si256((const __m256i *)(p + 64 * t + 32 * side));
+        v[t] = _mm256_and_si256(chunk, low);
+        v[t + 4] = _mm256_and_si256(_mm256_srli_epi16(chunk, 4), low);
+    }
+    for (int c = 0; c < 8; c++) {
+        int bit = c * f.high_bits;
+        __m256i plane = _mm256_loadu_si256((const __m256i *)(p + 256 + 64 * (bit >> 3) + 32 * side));
+        __m256i high = _mm256_and_si256(_mm256_srl_epi16(plane, _mm_cvtsi32_si128(bit & 7)), top);
+        v[c] = _mm256_or_si256(v[c], _mm256_slli_epi16(high, 4));
+    }
 }
 
 /* Chunk c of one token (a4: its 8 broadcastable 4-channel steps of the group) against this side's 8 rows: 8 int32. */
@@ -44,12 +65,10 @@ static inline __m256 lv_add_group_avx2(__m256 total, __m256i low, __m256i high, 
         const uint8_t *p = w + g * f.group_bytes;                                                             \
         lv_prefetch_ahead(p, f.group_bytes);                                                                  \
         __m256i v[8], magnitude[8];                                                                           \
-        for (int c = 0; c < 8; c++) {                                                                         \
-            v[c] = _mm256_loadu_si256((const __m256i *)(p + 64 * c + 32 * side));                             \
-            if (f.wide) { /* u − 128 as a signed byte, and its size */                                        \
-                v[c] = _mm256_xor_si256(v[c], _mm256_set1_epi8((char)0x80));                                  \
-                magnitude[c] = _mm256_abs_epi8(v[c]);                                                         \
-            }                                                                                                 \
+        lv_values_avx2(p, f, side, v);                                                                        \
+        for (int c = 0; f.wide && c < 8; c++) { /* u − 128 as a signed byte, and its size */                 \
+            v[c] = _mm256_xor_si256(v[c], _mm256_set1_epi8((char)0x80));                                      \
+            magnitude[c] = _mm256_abs_epi8(v[c]);                                                             \
         }                                                                                                     \
         for (int j = 0; j < T; j++) {                                                                         \
             const int32_t *a4 = x.values + (j * x.groups + g) * 8;                                            \

@@ -3,15 +3,19 @@
    a .gguf's Q8_0, Q6_K, Q5_0 and Q5_K tensors with the file's weights bit for bit (formats/gguf_levels.py), and any
    mix of them with Q4_0, Q4_1 and Q4_K in one fused layer.
 
-   W: per output row and input channel a level u in 0..255 (a byte); per row and group of 32 channels, for each half
-   of it (a form with two halves: 16 channels each; else the whole group) a float32 step, and where the form has them
-   a float32 minimum; the form's offset o (0 or a power of two): w = step·(u − o) + minimum. Each weight is then the
-   file's exactly: Q8_0 u = q + 128, o = 128, step d; Q5_0 o = 16, step d; Q6_K two halves, o = 32, step d·sc (an
-   exact float32 product); Q5_K step d·sc and minimum −dmin·m per 32 (exact products), o = 0.
+   W: per output row and input channel a level u in 0..255 (0..31 or 0..63 where packed); per row and group of 32
+   channels, for each half of it (a form with two halves: 16 channels each; else the whole group) a float32 step, and
+   where the form has them a float32 minimum; the form's offset o (0 or a power of two): w = step·(u − o) + minimum.
+   Each weight is then the file's exactly: Q8_0 u = q + 128, o = 128, step d; Q5_0 o = 16, step d; Q6_K two halves,
+   o = 32, step d·sc (an exact float32 product); Q5_K step d·sc and minimum −dmin·m per 32 (exact products), o = 0.
    Packed in blocks of 16 rows; a block's group is (levels_layout.h's LvForm.group_bytes):
-   - 512 bytes of levels: 8 chunks of 64, chunk t holding 16 rows × channels 4t..4t+3 (the layout vpdpbusd takes);
-   - halves × 16 float32 steps (half h's 16 rows at 512 + 64h), then as many minimums where the form has them.
-   Bits a weight: 9 (Q8_0, Q5_0: one half, no minimums), 10 (Q6_K, Q5_K), 12 (a fused mix: two halves, minimums).
+   - the levels of 8 chunks of 16 rows × 4 channels, chunk c channels 4c..4c+3 (the layout vpdpbusd takes): 512 bytes,
+     a byte a level; or, for 5- and 6-bit levels, their low 4 bits as q4 packs them (4 × 64 bytes: the low nibbles
+     chunk t, the high ones chunk t + 4) then their `high_bits` top bits in 64-byte planes, chunk c's at bit c·b of
+     the plane (b = high_bits: plane c·b / 8, shifted by c·b mod 8);
+   - halves × 16 float32 steps (half h's 16 rows 64h bytes on), then as many minimums where the form has them.
+   Bits a weight: Q6_K 8 (6-bit levels, two halves), Q5_0 6, Q5_K 7, Q8_0 9, a fused mix 10 or 12 (two halves and
+   minimums; 6-bit levels packed).
 
    Per group, token and half h (channels H):  Σ_H w·x ≈ s·step·X_h − s·o·step·Σ_H a + s·minimum·Σ_H a, where
    X_h = Σ_H u·a is exact (uint8 × int8 in int32) and the float steps after it are the same for every token whatever
@@ -39,27 +43,48 @@ static inline __m512 lv_add_group_vnni(__m512 total, __m512i low, __m512i high, 
                                        float scale, const float *half_sums) {
     __m512i exact[2] = {f.halves == 2 ? low : _mm512_add_epi32(low, high), high};
     for (int h = 0; h < f.halves; h++) {
-        __m512 step = _mm512_loadu_ps((const float *)(p + LV_VALUE_BYTES) + 16 * h);
+        __m512 step = _mm512_loadu_ps((const float *)(p + f.value_bytes) + 16 * h);
         total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact[h]), _mm512_mul_ps(step, _mm512_set1_ps(scale)), total);
         if (f.offset != 0.0f)
             total = _mm512_fmadd_ps(_mm512_mul_ps(step, _mm512_set1_ps(-f.offset)), _mm512_set1_ps(half_sums[h]),
                                     total);
         if (f.mins) {
-            __m512 minimum = _mm512_loadu_ps((const float *)(p + LV_VALUE_BYTES) + 16 * (f.halves + h));
+            __m512 minimum = _mm512_loadu_ps((const float *)(p + f.value_bytes) + 16 * (f.halves + h));
             total = _mm512_fmadd_ps(minimum, _mm512_set1_ps(half_sums[h]), total);
         }
     }
     return total;
 }
 
-/* Group g of the block (w) for T tokens into TOTAL: the levels as they lie, the integer sums of each token (chunks
+/* A group's 8 chunks of levels (p: the group) as bytes, as the top of the file lays them out. */
+__attribute__((target("avx512f,avx512bw")))
+static inline void lv_values_vnni(const uint8_t *p, LvForm f, __m512i v[8]) {
+    if (!f.high_bits) {
+        for (int c = 0; c < 8; c++) v[c] = _mm512_loadu_si512((const void *)(p + 64 * c));
+        return;
+    }
+    const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8((char)((1 << f.high_bits) - 1));
+    for (int t = 0; t < 4; t++) {
+        __m512i chunk = _mm512_loadu_si512((const void *)(p + 64 * t));
+        v[t] = _mm512_and_si512(chunk, low);
+        v[t + 4] = _mm512_and_si512(_mm512_srli_epi16(chunk, 4), low);
+    }
+    for (int c = 0; c < 8; c++) {
+        int bit = c * f.high_bits;
+        __m512i plane = _mm512_loadu_si512((const void *)(p + 256 + 64 * (bit >> 3)));
+        __m512i high = _mm512_and_si512(_mm512_srl_epi16(plane, _mm_cvtsi32_si128(bit & 7)), top);
+        v[c] = _mm512_or_si512(v[c], _mm512_slli_epi16(high, 4)); /* each byte's ≤ 3 stays in its byte */
+    }
+}
+
+/* Group g of the block (w) for T tokens into TOTAL: the levels, the integer sums of each token (chunks
    0-3 into `low`, 4-7 into `high`: the group's two halves), the float steps. A macro: the totals stay in registers. */
 #define LV_VNNI_GROUP(T)                                                                                      \
     do {                                                                                                      \
         const uint8_t *p = w + g * f.group_bytes;                                                             \
         lv_prefetch_ahead(p, f.group_bytes);                                                                  \
         __m512i v[8];                                                                                         \
-        for (int c = 0; c < 8; c++) v[c] = _mm512_loadu_si512((const void *)(p + 64 * c));                    \
+        lv_values_vnni(p, f, v);                                                                              \
         for (int j = 0; j < T; j++) {                                                                         \
             const int32_t *a4 = x.values + (j * x.groups + g) * 8;                                            \
             __m512i low = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], _mm512_set1_epi32(a4[0]));        \

@@ -16,17 +16,20 @@
 #define LV_AHEAD 16384    /* bytes to prefetch ahead, into L2, as q4 does (q4_layout.h's Q4_AHEAD) */
 
 /* A layer's form, one int: bit 0 two halves (a step, and a minimum where there are minimums, per 16 channels; else
-   per 32), bit 1 minimums stored, bit 2 levels above 127 (the AVX2 code then multiplies another way), bits 8 on the
-   offset o (0, or a power of two up to 128): w = step·(level − o) + minimum. */
+   per 32), bit 1 minimums stored, bit 2 levels above 127 (the AVX2 code then multiplies another way), bits 3-4 the
+   levels' bits above 4 where they are packed (1: 5-bit levels, 2: 6-bit; 0: a byte each), bits 8 on the offset o (0,
+   or a power of two up to 128): w = step·(level − o) + minimum. */
 typedef struct {
-    int halves, mins, wide;
+    int halves, mins, wide, high_bits;
     float offset;
+    int64_t value_bytes; /* a block's group's levels: 512 bytes, or packed 256 + 64 · high_bits */
     int64_t group_bytes; /* a block's group: levels, then halves × 16 float32 steps, then as many minimums */
 } LvForm;
 
 static inline LvForm lv_form(int form) {
-    LvForm f = {(form & 1) ? 2 : 1, (form >> 1) & 1, (form >> 2) & 1, (float)(form >> 8), 0};
-    f.group_bytes = LV_VALUE_BYTES + 64 * f.halves * (1 + f.mins);
+    LvForm f = {(form & 1) ? 2 : 1, (form >> 1) & 1, (form >> 2) & 1, (form >> 3) & 3, (float)(form >> 8), 0, 0};
+    f.value_bytes = f.high_bits ? 256 + 64 * f.high_bits : LV_VALUE_BYTES;
+    f.group_bytes = f.value_bytes + 64 * f.halves * (1 + f.mins);
     return f;
 }
 
