@@ -92,8 +92,11 @@ ACTIVATIONS = {"SiLU": 0, "SiLUActivation": 0, "GELUTanh": 1, "PytorchGELUTanh":
 
 def activation_kind(mlp: torch.nn.Module) -> int | None:
     """The MLP's activation as the C layers take it (0: SiLU, 1: GELU's tanh form), None for another."""
-    activation = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)  # Phi-3's name
-    return ACTIVATIONS.get(type(activation).__name__)
+    return ACTIVATIONS.get(type(_activation(mlp)).__name__)
+
+
+def _activation(mlp: torch.nn.Module) -> torch.nn.Module | None:
+    return getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)  # Phi-3's name
 
 
 def mlp_norms(layer: torch.nn.Module) -> tuple[torch.nn.Module | None, torch.nn.Module, torch.nn.Module | None]:
@@ -278,7 +281,7 @@ def _forward_in_c(self, projections: tuple[CLinear, ...], hidden_states: torch.T
     hidden = hidden_states.contiguous()
     head_dim, (q_size, k_size) = attention.head_dim, attention.qk_sizes
     heads, kv_heads = q_size // head_dim, k_size // head_dim
-    cos, sin = (part.float().contiguous() for part in position_embeddings)  # (1, T, D)
+    cos, sin = (part.float().contiguous() for part in position_embeddings)  # (1, T, rotary dims)
     # The C writes float32 into them, whatever torch's default dtype is now (a model loading sets it for a while).
     query = torch.empty(tokens, heads, head_dim, dtype=torch.float32)
     key, value = (torch.empty(1, kv_heads, tokens, head_dim, dtype=torch.float32) for _ in range(2))
@@ -342,6 +345,6 @@ def lean_forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor
     attended = attention.o_proj(out.reshape(batch, tokens, -1))
     hidden_states = hidden_states + (attended if before is None else _rms_norm(before, attended))
     gate, up = self.mlp.gate_up_proj(_rms_norm(norm, hidden_states)).chunk(2, dim=-1)
-    acted = torch.nn.functional.silu(gate) if activation_kind(self.mlp) == 0 else self.mlp.act_fn(gate)
+    acted = torch.nn.functional.silu(gate) if activation_kind(self.mlp) == 0 else _activation(self.mlp)(gate)
     mlp_out = self.mlp.down_proj(acted * up)
     return hidden_states + (mlp_out if after is None else _rms_norm(after, mlp_out))
