@@ -1,4 +1,5 @@
-"""Cascade: an n-gram match when the sequence has one (free), the draft model otherwise (its chain, or its tree).
+"""Cascade: an n-gram match when the sequence has one (free), the draft model otherwise (its chain, or its tree; a
+draft of another tokenizer, its chain of text as target ids).
 
 Every step tries the lookup, also when the draft-length policy chose k = 0 for the draft model.
 
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specdec_cli.drafters.cross_vocab import CrossVocabDrafter
 from specdec_cli.drafters.model import DraftModelDrafter
 from specdec_cli.drafters.tree import TreeDrafter
 from specdec_cli.drafters.ngram import NgramDrafter
@@ -25,7 +27,7 @@ if TYPE_CHECKING:
 class CascadeDrafter(Drafter):
     name = "cascade"
 
-    def __init__(self, model_drafter: DraftModelDrafter | TreeDrafter, ngram: NgramDrafter | None = None,
+    def __init__(self, model_drafter: DraftModelDrafter | TreeDrafter | CrossVocabDrafter, ngram: NgramDrafter | None = None,
                  min_match: int = 2, lookup_k: int = 8) -> None:
         """min_match: the shortest n-gram match trusted over the draft model (1-gram matches are
         too often coincidences). lookup_k: tokens proposed from a match, whatever k the policy
