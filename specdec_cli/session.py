@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specdec_cli.drafters import CascadeDrafter, DraftModelDrafter, NgramDrafter
+from specdec_cli.drafters.cross_vocab import CrossVocabDrafter
 from specdec_cli.drafters.subset_head import draft_vocabulary, shared_subset_head, with_prompt_path
 from specdec_cli.drafters.tree import DEFAULT_BUDGET, VALUE_BUDGET, TreeDrafter, budget_from_costs
 from specdec_cli.engine import CalibratedDraftOrNot, DraftLengthPolicy, DraftOrNot, FixedK, SpeculativeDecoder
@@ -87,8 +88,9 @@ def make_drafter(drafter: str, draft: LoadedModel | None, k: int | str = "auto",
     large: `draft_vocabulary`, lossless; and read only the prompt's last DRAFT_WINDOW tokens); tree: the cascade with
     the draft model proposing a token tree (the same ids and window), grown by value within `tree_budget` nodes with
     k = auto, else of `tree_budget` nodes (None: `tree_nodes`), as deep as k allows; or the cascade's chains where
-    the draft or the target cannot take a tree mask (`tree_note` says so); none: the target alone. It obeys k's
-    stop rule (`draft_rule`) from the start."""
+    the draft or the target cannot take a tree mask, or the draft has another tokenizer (`tree_note` says so); none:
+    the target alone. A draft of another tokenizer than the target's drafts text (`CrossVocabDrafter`, the same ids,
+    window and policy). It obeys k's stop rule (`draft_rule`) from the start."""
     if drafter == "none":
         return None
     if drafter == "ngram":
@@ -98,7 +100,12 @@ def make_drafter(drafter: str, draft: LoadedModel | None, k: int | str = "auto",
     if draft is None:
         raise InputError(f"the {drafter} drafter needs a draft model", "pass --draft NAME, or --drafter ngram")
     vocabulary = draft_vocabulary(draft.tokenizer, draft.vocab_size)
-    if drafter == "tree" and tree_note(target, draft) is None:
+    if cross_vocabulary(draft):
+        if target is None:
+            raise ValueError("a draft of another tokenizer needs its target's tokenizer")
+        model_drafter = CrossVocabDrafter(draft.model, target.tokenizer, draft.tokenizer, token_ids=vocabulary,
+                                          window=DRAFT_WINDOW, share_head=True)
+    elif drafter == "tree" and tree_note(target, draft) is None:
         model_drafter = TreeDrafter(draft.model, budget=tree_budget or tree_nodes(target, k), max_depth=AUTO_MAX_K,
                                     window=DRAFT_WINDOW, token_ids=vocabulary, share_head=True)
     else:
@@ -121,8 +128,17 @@ def tree_budget_for(target: LoadedModel | None) -> int:
     return (budget_from_costs(costs) if costs else None) or DEFAULT_BUDGET
 
 
+def cross_vocabulary(draft: LoadedModel | None) -> bool:
+    """Whether the draft has another tokenizer than its target's (`load_pair` measured their overlap)."""
+    return draft is not None and draft.vocabulary_overlap is not None
+
+
 def tree_note(target: LoadedModel | None, draft: LoadedModel) -> str | None:
-    """One line when the tree drafter must draft chains: a model whose attention takes no tree mask."""
+    """One line when the tree drafter must draft chains: a draft of another tokenizer (its tree would be of its own
+    ids, which the target cannot verify as a tree), or a model whose attention takes no tree mask."""
+    if cross_vocabulary(draft):
+        return ("note: the draft has another tokenizer than the target; the tree drafter drafts the cascade's chains "
+                "(a tree needs a draft of the target's tokenizer)")
     for role, model in (("draft", draft), ("target", target)):
         if model is not None and not tree_capable(model.model):
             attention = getattr(model.model.config, "_attn_implementation", None)
@@ -203,7 +219,11 @@ def batch_size_for(curve: dict[int, float] | None) -> int:
 
 def batched_note(target: LoadedModel, draft: LoadedModel | None, drafter: str) -> str | None:
     """Why `run` must decode one request at a time with these models (None: it can batch): a model whose
-    attention takes no packed 4D mask (flash or flex attention, a sliding window)."""
+    attention takes no packed 4D mask (flash or flex attention, a sliding window), or a draft of another tokenizer
+    (the batched engine drafts in the target's ids)."""
+    if drafter in ("model", "cascade", "tree") and cross_vocabulary(draft):
+        return ("the draft has another tokenizer than the target; requests run one at a time (a batch drafts only "
+                "with a draft of the target's tokenizer)")
     for role, model in (("target", target), ("draft", draft if drafter in ("model", "cascade", "tree") else None)):
         if model is not None and not tree_capable(model.model):
             attention = getattr(model.model.config, "_attn_implementation", None)
@@ -227,6 +247,9 @@ def build_batched_decoder(target: LoadedModel, draft: LoadedModel | None, drafte
     uses_draft = batched_drafter in ("model", "cascade")
     if uses_draft and draft is None:
         raise InputError(f"the {drafter} drafter needs a draft model", "pass --draft NAME, or --drafter ngram")
+    if uses_draft and cross_vocabulary(draft):
+        raise InputError("a batch drafts only with a draft of the target's tokenizer; this draft has another one",
+                         "decode one request at a time (--batch-size 1), or use --drafter ngram")
     vocabulary = draft_vocabulary(draft.tokenizer, draft.vocab_size) if uses_draft else None
     draft_model = None
     if uses_draft:

@@ -193,6 +193,7 @@ def load_choice(choice: ModelChoice, console: Printer | None = None,
         allow_pickle=choice.allow_pickle,
         progress=not getattr(console, "quiet", False),  # -q: no spinners, no "Loading weights" bars
         target_auto_formats=choice.profile.target_auto_formats,
+        say=lambda line: console.print(line, markup=False),  # a draft of another tokenizer: before weights load
     )
     use_row_kernels(row_kernels())  # the engine samples through the C row passes where a model loaded the library
     _read_prompts(choice, target, draft, console, background_prefill)

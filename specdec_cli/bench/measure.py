@@ -60,6 +60,8 @@ class Benchmark:
         self.warmup: dict = {}
         self.quality: dict | None = None
         self.models_used: dict[str, list[str]] = {}
+        if plain_draft is not None and draft is not None:  # a draft of another tokenizer: HF is given both (peers.py)
+            plain_draft.vocabulary_overlap = draft.vocabulary_overlap
         self.loaded = {TARGET: target, DRAFT: draft, PLAIN_DRAFT: plain_draft}
         models = {role: loaded.model for role, loaded in self.loaded.items() if loaded is not None}
         self.weight_bytes = {role: held_weight_bytes(model) for role, model in models.items()}

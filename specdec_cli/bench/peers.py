@@ -18,9 +18,12 @@ from specdec_cli.models import LoadedModel
 
 def hf_generate(target: LoadedModel, assistant: LoadedModel | None, prompt_ids: list[int], generation_config,
                 params: SamplingParams, probe: MemoryProbe) -> tuple[list[int], float]:
-    """HF's generate on one prompt: the new tokens (EOS not cut yet) and the seconds it took."""
+    """HF's generate on one prompt: the new tokens (EOS not cut yet) and the seconds it took. An assistant of another
+    tokenizer drafts through HF's universal assisted generation (it is given both tokenizers)."""
     input_ids = torch.tensor([prompt_ids], device=target.device)
     extra = {"assistant_model": assistant.model} if assistant else {}
+    if assistant is not None and assistant.vocabulary_overlap is not None:
+        extra |= {"tokenizer": target.tokenizer, "assistant_tokenizer": assistant.tokenizer}
     with _assistant_config_restored(assistant):
         if not params.greedy:
             torch.manual_seed(params.seed or 0)

@@ -8,6 +8,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from specdec_cli.errors import IncompatibleModelsError, InsufficientMemoryError
 from specdec_cli.models import check_tokenizers_compatible, estimate_weight_bytes, load_pair
 from specdec_cli.models.loading import loaded as loaded_module
+from specdec_cli.models.loading import preflight
 
 GIB = 1024**3
 
@@ -60,14 +61,52 @@ def test_without_a_draft_only_the_target_loads(llama_folder):
     assert draft is None and target.vocab_size == 300
 
 
-def test_different_tokenizers_are_refused_before_weights_load(llama_folder, other_tokenizer_folder, monkeypatch):
-    _forbid_weight_loading(monkeypatch)
-    with pytest.raises(IncompatibleModelsError) as raised:
-        load_pair(str(llama_folder), str(other_tokenizer_folder), device="cpu", progress=False)
-    line = raised.value.one_line()
-    assert str(llama_folder) in line and str(other_tokenizer_folder) in line
-    assert "their tokenizers differ" in line
-    assert "--drafter ngram" in line
+def test_a_draft_of_another_tokenizer_loads_with_its_overlap_said_before_weights_load(llama_folder,
+                                                                                      other_tokenizer_folder,
+                                                                                      monkeypatch):
+    """Allowed (it drafts text: drafters/cross_vocab.py), with one line saying how much of the target's vocabulary
+    the draft's has, before any weights load."""
+    said = []
+    real = loaded_module._load_weights
+    monkeypatch.setattr(loaded_module, "_load_weights", lambda *args: said.append("weights") or real(*args))
+    target, draft = load_pair(str(llama_folder), str(other_tokenizer_folder), device="cpu", progress=False,
+                              say=said.append)
+    assert draft.vocabulary_overlap is not None and target.vocabulary_overlap is None
+    assert said == [preflight.cross_vocabulary_line(draft.vocabulary_overlap, str(llama_folder),
+                                                    str(other_tokenizer_folder)), "weights", "weights"]
+    assert said[0].startswith(f"note: the draft {other_tokenizer_folder} has another tokenizer than the target "
+                              f"{llama_folder} and shares 79% of its tokens")  # trained on other text, same bytes
+
+
+def test_the_overlap_counts_token_strings_as_text():
+    """A byte-level BPE's Ġ / Ċ / byte characters and SentencePiece's ▁ and <0xNN> read as the text they stand for;
+    special and added tokens and parts of a character left out."""
+    from types import SimpleNamespace
+
+    from tokenizers import decoders
+
+    def tokenizer(vocab, added, decoder):
+        return SimpleNamespace(get_vocab=lambda: {token: i for i, token in enumerate(vocab + added)},
+                               get_added_vocab=lambda: {token: i for i, token in enumerate(added)},
+                               backend_tokenizer=SimpleNamespace(decoder=decoder))
+
+    byte_level = tokenizer(["Ġthe", "the", "Ġdog", "ĊĊ", "Ã©", "Ã"], ["<|im_end|>"], decoders.ByteLevel())
+    sentencepiece = tokenizer(["▁the", "the", "<0x0A>", "é", "▁cat", "<0xC3>"], ["<s>", "<|im_end|>"],
+                              decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback()]))
+    # The target's whole-character tokens: " the", "the", " dog", "\n\n", "é"; the draft has " the", "the", "é".
+    assert preflight.vocabulary_overlap(byte_level, sentencepiece) == pytest.approx(3 / 5)
+    # The draft's: " the", "the", "\n", "é", " cat"; the target has " the", "the", "é".
+    assert preflight.vocabulary_overlap(sentencepiece, byte_level) == pytest.approx(3 / 5)
+
+
+@pytest.mark.parametrize("overlap, opening", [(0.3, "warning: "), (0.5, "note: ")])
+def test_the_overlap_line_warns_when_the_vocabularies_share_little(overlap, opening):
+    line = preflight.cross_vocabulary_line(overlap, "big", "small")
+    assert line.startswith(f"{opening}the draft small has another tokenizer than the target big and shares "
+                           f"{overlap:.0%} of its tokens; it drafts text, which the target verifies as its own "
+                           "tokens (lossless)")
+    assert ("little of it may be accepted" in line) == (overlap < preflight.LOW_OVERLAP)
+    assert "\n" not in line
 
 
 def test_different_special_tokens_are_refused(llama_folder):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import struct
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,9 @@ class LoadedModel:
     quantization: str | None  # None | "int8" | "int4" | "q4" | "nf4" | "bnb8" (canonical: aliases and auto resolved)
     eos_token_ids: tuple[int, ...]  # generation_config.eos_token_id ∪ tokenizer.eos_token_id
     vocab_size: int  # rows of the output layer (logits width)
+    # A draft of another tokenizer than its target's: the share of the target's tokens its vocabulary has
+    # (preflight.vocabulary_overlap); None: it drafts in the target's ids (or it is no draft)
+    vocabulary_overlap: float | None = None
 
     @property
     def precision(self) -> str:
@@ -304,9 +308,12 @@ def load_pair(
     allow_pickle: bool = False,
     progress: bool = True,
     target_auto_formats: tuple[str, ...] | None = None,
+    say: Callable[[str], object] | None = None,
 ) -> tuple[LoadedModel, LoadedModel | None]:
     """Target and (optional) draft: memory pre-flight for both, tokenizer pre-flight, then weights.
-    `target_auto_formats`: what a target quantization of "auto" may pick (a profile's list)."""
+    `target_auto_formats`: what a target quantization of "auto" may pick (a profile's list). A draft of another
+    tokenizer loads with its `vocabulary_overlap` measured, and `say` is given the line about it (a warning where
+    the vocabularies share little) before any weights load."""
     if draft is None:
         target_model = load_model(
             target, device=device, dtype=dtype, quantization=target_quantization,
@@ -325,5 +332,12 @@ def load_pair(
         )
         target_tokenizer = _load_tokenizer(target_plan)
         draft_tokenizer = target_tokenizer if _same_tokenizer(target_plan, draft_plan) else _load_tokenizer(draft_plan)
-        preflight.check_tokenizers_compatible(target_tokenizer, draft_tokenizer, target, draft)
-        return _load_weights(target_plan, target_tokenizer), _load_weights(draft_plan, draft_tokenizer)
+        overlap = None
+        if draft_tokenizer is not target_tokenizer and preflight.tokenizer_difference(target_tokenizer,
+                                                                                      draft_tokenizer) is not None:
+            overlap = preflight.vocabulary_overlap(target_tokenizer, draft_tokenizer)
+            if say is not None:
+                say(preflight.cross_vocabulary_line(overlap, target, draft))
+        target_model, draft_model = _load_weights(target_plan, target_tokenizer), _load_weights(draft_plan, draft_tokenizer)
+        draft_model.vocabulary_overlap = overlap
+        return target_model, draft_model

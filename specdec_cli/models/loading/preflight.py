@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import re
 
 import torch
 
@@ -52,21 +53,90 @@ def _incompatible(target_name: str, draft_name: str, why: str) -> IncompatibleMo
     )
 
 
-def check_tokenizers_compatible(target_tokenizer, draft_tokenizer, target_name: str, draft_name: str) -> None:
-    """Same token→id map over the ids both have, and the same special tokens. A padded vocabulary passes."""
+def tokenizer_difference(target_tokenizer, draft_tokenizer) -> str | None:
+    """Why the draft cannot draft in the target's ids (None: the same token→id map over the ids both have, and the
+    same special tokens; a padded vocabulary passes)."""
     common = min(len(target_tokenizer), len(draft_tokenizer))
     target_map = _ids_to_tokens(target_tokenizer, common)
     draft_map = _ids_to_tokens(draft_tokenizer, common)
     token_id = _first_difference(target_map, draft_map)
     if token_id is not None:
-        why = f"their tokenizers differ (id {token_id} is {target_map.get(token_id)!r} vs {draft_map.get(token_id)!r})"
-        raise _incompatible(target_name, draft_name, why)
+        return f"their tokenizers differ (id {token_id} is {target_map.get(token_id)!r} vs {draft_map.get(token_id)!r})"
     target_special, draft_special = _special_tokens(target_tokenizer), _special_tokens(draft_tokenizer)
     for role in _SPECIAL_TOKENS:
         both_defined = target_special[role][0] is not None and draft_special[role][0] is not None
         if (role in _REQUIRED_SPECIAL_TOKENS or both_defined) and target_special[role] != draft_special[role]:
-            why = f"their {role} tokens differ ({target_special[role]} vs {draft_special[role]})"
-            raise _incompatible(target_name, draft_name, why)
+            return f"their {role} tokens differ ({target_special[role]} vs {draft_special[role]})"
+    return None
+
+
+def check_tokenizers_compatible(target_tokenizer, draft_tokenizer, target_name: str, draft_name: str) -> None:
+    """IncompatibleModelsError where the draft cannot draft in the target's ids (`tokenizer_difference`)."""
+    why = tokenizer_difference(target_tokenizer, draft_tokenizer)
+    if why is not None:
+        raise _incompatible(target_name, draft_name, why)
+
+
+# A draft of another tokenizer whose vocabulary holds less than this share of the target's tokens is warned about:
+# its text is made of words the target splits otherwise, and little of it is likely to be accepted.
+LOW_OVERLAP = 0.5
+
+
+def vocabulary_overlap(target_tokenizer, draft_tokenizer) -> float:
+    """The share of the target's token strings (its special and added tokens and parts of characters left out) that
+    the draft's vocabulary has too, both written as text: a byte-level BPE's byte characters (Ġ for a space) and SentencePiece's ▁ and
+    <0xNN> byte tokens read back as the characters they stand for."""
+    target_tokens = _token_texts(target_tokenizer)
+    return len(target_tokens & _token_texts(draft_tokenizer)) / max(len(target_tokens), 1)
+
+
+def cross_vocabulary_line(overlap: float, target_name: str, draft_name: str) -> str:
+    """The one line a pair of different tokenizers gets: a note, or a warning where they share little."""
+    said = (f"the draft {draft_name} has another tokenizer than the target {target_name} and shares {overlap:.0%} of "
+            "its tokens; it drafts text, which the target verifies as its own tokens (lossless)")
+    if overlap < LOW_OVERLAP:
+        return (f"warning: {said}, but with so few tokens in common little of it may be accepted: a draft of the "
+                "target's family, or --drafter ngram, may be faster")
+    return f"note: {said}"
+
+
+def _token_texts(tokenizer) -> set[str]:
+    """The tokenizer's token strings as text (`vocabulary_overlap`): its special and added tokens left out, and the
+    tokens that are part of a character (a byte of one), which say nothing of the words a tokenizer knows."""
+    added = set(tokenizer.get_added_vocab())
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    byte_level = type(decoder).__name__ == "ByteLevel"
+    texts = {_as_text(token, byte_level) for token in tokenizer.get_vocab() if token not in added}
+    return {text for text in texts if "\ufffd" not in text}
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _as_text(token: str, byte_level: bool) -> str:
+    if byte_level:
+        raw = bytes(_BYTE_OF_CHARACTER.get(character, 0x3F) for character in token)  # 0x3F: "?", never a byte char
+        return raw.decode("utf-8", errors="replace")
+    byte = _BYTE_TOKEN.fullmatch(token)
+    if byte:
+        return bytes([int(byte.group(1), 16)]).decode("utf-8", errors="replace")
+    return token.replace("\u2581", " ")
+
+
+def _byte_characters() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the character that stands for each byte in a byte-level BPE's tokens."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    characters, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            characters[chr(byte)] = byte
+        else:
+            characters[chr(256 + extra)] = byte
+            extra += 1
+    return characters
+
+
+_BYTE_OF_CHARACTER = _byte_characters()
 
 
 # ---- memory -----------------------------------------------------------------------------------
