@@ -205,3 +205,35 @@ def test_a_folder_of_another_architecture_loads_through_transformers_and_says_so
     assert "\n" not in line and line.endswith(" · " + SLOW["granite"]), line
     verified, decoded = _verify_and_decode(loaded.model)
     assert torch.equal(verified, decoded)
+
+
+@pytest.mark.parametrize("in_c", [True, False])
+def test_soft_capped_attention_rows_are_eagers_and_each_rows_own(in_c, monkeypatch):
+    """Gemma 2's soft-capped attention, row by row (runtime/attention.py): in C (attention.c's softcap) and in torch
+    (where C does not run) transformers' eager soft-capped attention up to rounding, under a causal mask and a tree's;
+    each row of a 6-row call bit for bit what a one-row call over its visible keys gives."""
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    from specdec_cli.models.native import binding
+    from specdec_cli.models.runtime.attention import rowwise_attention_forward
+
+    if not in_c:
+        monkeypatch.setattr(binding, "library", lambda: (None, 0, "no C here"))
+    generator = torch.Generator().manual_seed(4)
+    query = torch.randn(1, 4, 6, 16, generator=generator) * 3  # large scores, so the cap bites
+    key, value = (torch.randn(1, 2, 21, 16, generator=generator) * 3 for _ in range(2))
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.training = 2, False
+    tree = torch.ones(1, 1, 6, 21, dtype=torch.bool).tril(15)
+    tree[0, 0, 4, 19] = False  # row 4 does not see key 19 (a sibling's)
+    for mask in (None, tree):
+        ours, _ = rowwise_attention_forward(module, query, key, value, mask, scaling=0.25, softcap=2.0)
+        visible = torch.ones(6, 21, dtype=torch.bool).tril(15) if mask is None else mask[0, 0]
+        additive = torch.zeros(1, 1, 6, 21).masked_fill(~visible, float("-inf"))
+        theirs, _ = eager_attention_forward(module, query, key, value, additive, scaling=0.25, softcap=2.0)
+        assert torch.allclose(ours, theirs, atol=1e-5), (ours - theirs).abs().max()
+        for row in range(6):
+            own = visible[row].nonzero().flatten()
+            alone, _ = rowwise_attention_forward(module, query[:, :, row:row + 1], key[:, :, own].contiguous(),
+                                                 value[:, :, own].contiguous(), None, scaling=0.25, softcap=2.0)
+            assert torch.equal(ours[:, row], alone[:, 0]), row

@@ -28,7 +28,7 @@ HAND_WRITTEN = {
     "specdec_int8_pack": (None, [I, P, L, L, P, P]),
     "specdec_q4_quantize": (None, [I, P, I, L, L, L, P]),
     "specdec_q4_select_rows": (None, [I, P, L, P, L, P]),
-    "specdec_attention": (I, [I, P, P, P, P, L, L, L, L, L, L, F, P]),
+    "specdec_attention": (I, [I, P, P, P, P, L, L, L, L, L, L, F, F, P]),
     # The table left this restype at ctypes' default (int) where the C function returns void: None now.
     "specdec_rms_norm": (None, [P, P, F, L, L, P]),
     "specdec_lean_qkv": (I, [I, I, P, L, L, P, F, P, P, P, F, P, P, L, L, L, L, P, P, P]),

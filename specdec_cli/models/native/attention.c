@@ -87,8 +87,9 @@ static void weighted_values_one(const float *weights, float *row_out, const floa
 }
 
 /* Attention for a batch of one, each (query row, head) on its own: softmax(q·kᵀ·scale) · v over the keys the
-   row may see, in key order, with the same float steps whatever the number of rows. So row i of a k-token
-   verify (or a tree node) is computed exactly as a one-token forward over the same keys computes it.
+   row may see (softcap > 0: each score s·scale capped to softcap·tanh(s·scale / softcap) first, Gemma 2's; 0:
+   none), in key order, with the same float steps whatever the number of rows. So row i of a k-token verify (or a
+   tree node) is computed exactly as a one-token forward over the same keys computes it.
    q (rows, heads, dim); k, v: kv_heads runs of (keys, dim) rows, head_stride floats apart (a cache's view
    into a longer buffer reads in place); visible: NULL = causal (row r sees keys up to keys - rows + r), else
    (rows, keys) bytes, nonzero = visible; out (rows, heads, dim).
@@ -100,7 +101,7 @@ static void weighted_values_one(const float *weights, float *row_out, const floa
 __attribute__((target("avx2,fma")))
 int specdec_attention(int threads, const float *q, const float *k, const float *v, const uint8_t *visible,
                       int64_t rows, int64_t heads, int64_t kv_heads, int64_t keys, int64_t dim, int64_t head_stride,
-                      float scale, float *out) {
+                      float scale, float softcap, float *out) {
     int64_t group = heads / kv_heads, padded = (keys + 7) / 8 * 8;
     float *scratch = malloc((size_t)threads * (size_t)(group * padded) * sizeof(float));
     int64_t *visible_at = visible ? malloc((size_t)threads * (size_t)keys * sizeof(int64_t)) : NULL;
@@ -151,17 +152,24 @@ int specdec_attention(int threads, const float *q, const float *k, const float *
             float *head_scores = scores + i * padded, *row_out = out + (r * heads + g * group + i) * dim;
             float best = -INFINITY;
             int64_t j = 0; /* 8 at a time: the same products, and the largest is the largest in any order */
-            __m256 factor = _mm256_set1_ps(scale), top8 = _mm256_set1_ps(-INFINITY);
+            __m256 factor = _mm256_set1_ps(scale), top8 = _mm256_set1_ps(-INFINITY), cap = _mm256_set1_ps(softcap);
             for (; j + 8 <= last + 1; j += 8) {
                 __m256 scaled = _mm256_mul_ps(_mm256_loadu_ps(head_scores + j), factor);
+                if (softcap > 0.0f) scaled = _mm256_mul_ps(tanh_avx2(_mm256_div_ps(scaled, cap)), cap);
                 _mm256_storeu_ps(head_scores + j, scaled);
                 top8 = _mm256_max_ps(top8, scaled);
             }
             float lanes[8];
             _mm256_storeu_ps(lanes, top8);
             for (int i = 0; i < 8; i++) best = lanes[i] > best ? lanes[i] : best;
+            if (softcap > 0.0f && j <= last) { /* the tail: the same vector steps on a padded copy */
+                float part[8] = {0};
+                for (int64_t i = 0; j + i <= last; i++) part[i] = head_scores[j + i] * scale;
+                _mm256_storeu_ps(part, _mm256_mul_ps(tanh_avx2(_mm256_div_ps(_mm256_loadu_ps(part), cap)), cap));
+                for (int64_t i = 0; j + i <= last; i++) head_scores[j + i] = part[i];
+            }
             for (; j <= last; j++) {
-                head_scores[j] *= scale;
+                if (softcap <= 0.0f) head_scores[j] *= scale;
                 best = head_scores[j] > best ? head_scores[j] : best;
             }
             if (best == -INFINITY) { /* every score -inf: zeros, not NaN */

@@ -66,7 +66,7 @@ void specdec_q4_select_rows(int threads, const uint8_t *packed, int64_t groups, 
 /* Attention (attention.c), the layer halves and the decoder stack (layer_kernels.c). */
 int specdec_attention(int threads, const float *q, const float *k, const float *v, const uint8_t *visible,
                       int64_t rows, int64_t heads, int64_t kv_heads, int64_t keys, int64_t dim, int64_t head_stride,
-                      float scale, float *out);
+                      float scale, float softcap, float *out);
 void specdec_rms_norm(const float *x, const float *weight, float eps, int64_t M, int64_t K, float *y);
 int specdec_lean_qkv(int isa, int threads, const float *x, int64_t T, int64_t H, const float *norm_weight,
                      float eps, const specdec_linear *qkv, const float *q_norm, const float *k_norm, float qk_eps,

@@ -104,15 +104,14 @@ int specdec_lean_qkv(int isa, int threads, const float *x, int64_t T, int64_t H,
 }
 
 /* GELU's tanh form, as transformers' gelu_pytorch_tanh (Gemma): 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), the
-   tanh as 1 - 2 / (exp(2u) + 1) (exp_avx2: ±1 where exp saturates). */
+   tanh as vector_math.h's tanh_avx2. */
 __attribute__((target("avx2,fma")))
 static inline __m256 gelu_tanh_avx2(__m256 x) {
-    const __m256 one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f), half = _mm256_set1_ps(0.5f);
+    const __m256 one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f);
     __m256 cube = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
     __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
                              _mm256_add_ps(x, _mm256_mul_ps(_mm256_set1_ps(0.044715f), cube)));
-    __m256 tanh = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(exp_avx2(_mm256_mul_ps(two, u)), one)));
-    return _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, tanh));
+    return _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, tanh_avx2(u)));
 }
 
 /* acted (T, inner) = act(gate) · up for gates (T, 2·inner) = [gate | up] per row, act SiLU (activation 0:
@@ -204,7 +203,7 @@ static int specdec_decoder_stack(int isa, int threads, const specdec_layer *laye
             memcpy(values[i] + (h * capacity[i] + cached) * dim, v + h * T * dim, (size_t)(T * dim) * sizeof(float));
         }
         failed = specdec_attention(threads, q, keys[i], values[i], visible, T, heads, kv_heads, cached + T, dim,
-                                   capacity[i] * dim, scale, attended);
+                                   capacity[i] * dim, scale, 0.0f, attended);
         if (!failed)
             failed = specdec_lean_mlp(isa, threads, attended, hidden, T, H, &layer->o, layer->attention_out_norm,
                                       layer->post_norm, layer->post_eps, &layer->gate_up, layer->activation,

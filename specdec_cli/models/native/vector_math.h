@@ -28,4 +28,12 @@ static inline __m256 exp_avx2(__m256 x) {
     return _mm256_andnot_ps(zero, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
 }
 
+/* tanh(x) for 8 floats as 1 - 2 / (exp(2x) + 1) (exp_avx2; ±1 where it saturates), the same steps for every lane:
+   GELU's tanh form (layer_kernels.c) and Gemma 2's soft-capped scores (attention.c). */
+__attribute__((target("avx2,fma")))
+static inline __m256 tanh_avx2(__m256 x) {
+    const __m256 one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f);
+    return _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(exp_avx2(_mm256_mul_ps(two, x)), one)));
+}
+
 #endif

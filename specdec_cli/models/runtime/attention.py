@@ -14,8 +14,9 @@ feels and a short one hardly does. Batch size 1 only (the engine's); other batch
 boolean, fall back to transformers' SDPA. A token tree's 4D mask comes boolean (engine/kv.py makes the
 form the attention's mask builder, sdpa_mask, makes), so each node attends to exactly the keys that
 one-token decoding along its path would see, in the same order: a tree verify is bit-identical too.
-Gemma 2 soft-caps its scores (tanh(s / cap) · cap), which neither SDPA nor the C attention does: its rows are
-computed in torch as transformers' eager attention computes them, each row on its own."""
+Gemma 2 soft-caps its scores (tanh(s / cap) · cap), which SDPA does not: the C attention does it (its tanh from
+exp_avx2), and where C does not run its rows are computed in torch as transformers' eager attention computes them,
+each row on its own."""
 
 from __future__ import annotations
 
@@ -74,8 +75,8 @@ def rowwise_attention_forward(module, query, key, value, attention_mask, dropout
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     library, _, problem = binding.library()
     softcap = kwargs.get("softcap")
-    if softcap is None and problem is None and query.dtype == key.dtype == value.dtype == torch.float32:
-        return _attention_in_c(library, query, key, value, attention_mask, scaling), None
+    if problem is None and query.dtype == key.dtype == value.dtype == torch.float32:
+        return _attention_in_c(library, query, key, value, attention_mask, scaling, softcap or 0.0), None
     rows, keys = query.shape[2], key.shape[2]
     if softcap is not None:
         return _softcapped_rows(query, key, value, _LastMask.visible_keys(attention_mask, rows, keys), scaling,
@@ -128,27 +129,20 @@ def _softcapped(query, key, value, attention_mask, scaling: float | None, softca
     return torch.matmul(weights, value).transpose(1, 2).contiguous()
 
 
-def attend_rows_softcapped(library, queries: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                           attention_mask: torch.Tensor | None, scaling: float, softcap: float) -> torch.Tensor:
-    """`attend_rows`' arguments and result for a soft-capped attention (Gemma 2), in torch (`_softcapped_rows`)."""
-    rows, keys = queries.shape[0], key.shape[2]
-    visible = _LastMask.visible_keys(attention_mask, rows, keys)
-    query = queries.transpose(0, 1).unsqueeze(0)  # (1, heads, rows, dim)
-    return _softcapped_rows(query, key, value, visible, scaling, softcap)[0]
-
-
-def _attention_in_c(library, query, key, value, attention_mask, scaling) -> torch.Tensor:
+def _attention_in_c(library, query, key, value, attention_mask, scaling, softcap: float = 0.0) -> torch.Tensor:
     """The same rows, all in one call into C (native/attention.c: specdec_attention), reading the keys in place (a
     cache layer's view into its buffer too), where the torch way makes k SDPA calls and a copy of the keys for
     every row but the last."""
     queries = query[0].transpose(0, 1).contiguous()  # (rows, heads, dim)
     scaling = query.shape[3] ** -0.5 if scaling is None else scaling
-    return attend_rows(library, queries, key, value, attention_mask, scaling).unsqueeze(0)  # (1, rows, heads, dim)
+    out = attend_rows(library, queries, key, value, attention_mask, scaling, softcap)  # (rows, heads, dim)
+    return out.unsqueeze(0)
 
 
 def attend_rows(library, queries: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
-    """queries (rows, heads, dim) over key, value (1, kv heads, keys, dim) → (rows, heads, dim), in C."""
+                attention_mask: torch.Tensor | None, scaling: float, softcap: float = 0.0) -> torch.Tensor:
+    """queries (rows, heads, dim) over key, value (1, kv heads, keys, dim) → (rows, heads, dim), in C; softcap > 0:
+    Gemma 2's soft-capped scores."""
     rows, heads, dim = queries.shape
     key, value = _rows_in_place(key[0]), _rows_in_place(value[0])  # (kv heads, keys, dim)
     if key.stride(0) != value.stride(0):
@@ -158,7 +152,7 @@ def attend_rows(library, queries: torch.Tensor, key: torch.Tensor, value: torch.
     out = torch.empty(rows, heads, dim, dtype=torch.float32)
     failed = library.specdec_attention(torch.get_num_threads(), queries.data_ptr(), key.data_ptr(), value.data_ptr(),
                                        None if visible is None else visible.data_ptr(), rows, heads, key.shape[0],
-                                       keys, dim, key.stride(0), scaling, out.data_ptr())
+                                       keys, dim, key.stride(0), scaling, softcap, out.data_ptr())
     if failed:
         raise MemoryError(f"specdec's attention could not allocate its buffer for {keys} keys")
     return out

@@ -27,14 +27,12 @@ Only the exact classes named in architectures.LAYER_CLASSES with SiLU MLPs are c
 transformers' layers. Qwen3's RMSNorm over each head of q and k runs between the projection and the rotary embedding
 (the same C norm, per head); Phi-3's q/k/v and gate/up come fused already and are kept as they are. Gemma's layer
 adds norms of o's and down's outputs (`mlp_norms`), its norms scale by 1 + weight (kept once: `prepare_norms`), its
-MLP takes GELU's tanh form, and Gemma 2's soft-capped attention scores are computed in torch, row by row
-(attention.py)."""
+MLP takes GELU's tanh form, and Gemma 2's attention scores are soft-capped (in the C attention too)."""
 
 from __future__ import annotations
 
 import ctypes
 import sys
-from functools import partial
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -45,7 +43,7 @@ from specdec_cli.models.formats.levels import LevelsLinear
 from specdec_cli.models.formats.q4 import Q4Linear
 from specdec_cli.models.native import binding
 from specdec_cli.models.runtime.architectures import LAYER_CLASSES
-from specdec_cli.models.runtime.attention import attend_rows, attend_rows_softcapped
+from specdec_cli.models.runtime.attention import attend_rows
 
 Q4_FAMILY = (Q4Linear, LevelsLinear)  # a .gguf's layers in q4: the 4-bit ones and those of the types q4 cannot hold
 
@@ -295,9 +293,8 @@ def _forward_in_c(self, projections: tuple[CLinear, ...], hidden_states: torch.T
         raise MemoryError(f"specdec's layer kernels could not allocate their buffers for {tokens} tokens")
     if cache is not None:
         key, value = cache.update(key, value, attention.layer_idx, kwargs=kwargs)
-    softcap = getattr(attention, "attn_logit_softcapping", None)  # Gemma 2's: computed in torch, row by row
-    attend = attend_rows if softcap is None else partial(attend_rows_softcapped, softcap=softcap)
-    attended = attend(library, query, key, value, attention_mask, attention.scaling)  # (T, heads, head dim)
+    softcap = getattr(attention, "attn_logit_softcapping", None) or 0.0  # Gemma 2's
+    attended = attend_rows(library, query, key, value, attention_mask, attention.scaling, softcap)  # (T, heads, D)
     out = torch.empty_like(hidden)
     before, norm, norm_eps, after, out_eps = c_mlp_norms(self)
     failed = library.specdec_lean_mlp(isa, threads, attended.data_ptr(), hidden.data_ptr(), tokens, width,
