@@ -101,7 +101,10 @@ class CrossVocabDrafter(Drafter):
 
     def update(self, ids: Sequence[int], drafted: int, accepted: int) -> None:
         """Roll the draft back to the accepted text: its cache keeps the prefix it shares with that text's
-        tokenisation in the draft's vocabulary (the next forward feeds the rest)."""
+        tokenisation in the draft's vocabulary (the next forward feeds the rest). After a step that proposed nothing
+        the next forward's shared-prefix rule alone crops it (no tokenising for a step the target took alone)."""
+        if not drafted:
+            return
         context = self.draft_context(ids)
         self.runner.crop(self.runner.shared_prefix(context))
 
