@@ -237,3 +237,33 @@ def test_soft_capped_attention_rows_are_eagers_and_each_rows_own(in_c, monkeypat
             alone, _ = rowwise_attention_forward(module, query[:, :, row:row + 1], key[:, :, own].contiguous(),
                                                  value[:, :, own].contiguous(), None, scaling=0.25, softcap=2.0)
             assert torch.equal(ours[:, row], alone[:, 0]), row
+
+
+def test_gemma3_with_a_vision_tower_runs_its_text_layers_on_the_fast_path(monkeypatch):
+    """Gemma 3 from 4B up loads as Gemma3ForConditionalGeneration (model type gemma3, the text config inside): its
+    text layers take the fast path, with transformers' logits and a verify the one-token logits bit for bit."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
+    from tests.conftest import OTHER_ARCHITECTURES, VOCAB
+
+    text = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                            **OTHER_ARCHITECTURES["gemma3"][1])
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=95,
+                          boi_token_index=93, eoi_token_index=94)
+    config.text_config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    fast = quantize(copy.deepcopy(model), "q4")
+    with monkeypatch.context() as patch:
+        patch.setattr(decoder_stack, "use_lean_layers", lambda model: model)
+        plain = quantize(copy.deepcopy(model), "q4", exact_rows=False)
+    layers = fast.model.language_model.layers
+    assert decoder_stack.slow_path(fast) is None and all(layer.forward.__func__ is lean_forward for layer in layers)
+    ours, theirs = _prefill_then_steps(fast, plain)
+    assert torch.allclose(ours, theirs, atol=0.05), (ours - theirs).abs().max()
+    assert all(layer._c_projections[1] is not None for layer in layers)
+    verified, decoded = _verify_and_decode(fast)
+    assert torch.equal(verified, decoded)

@@ -26,6 +26,7 @@ FAST_ARCHITECTURES = {
     "phi3": ("Phi3DecoderLayer", "Phi3Model"),
     "gemma2": ("Gemma2DecoderLayer", None),  # every released Gemma 2 and 3 has sliding-window layers: no stack
     "gemma3_text": ("Gemma3DecoderLayer", None),
+    "gemma3": ("Gemma3DecoderLayer", None),  # Gemma 3 4B and up: the text layers beside a vision tower
 }
 LAYER_CLASSES = tuple(layer for layer, _ in FAST_ARCHITECTURES.values())
 DECODER_CLASSES = tuple(decoder for _, decoder in FAST_ARCHITECTURES.values() if decoder is not None)
