@@ -3,12 +3,17 @@ the target alone and resumes where it pays again, at batch 1 and in a batch, on 
 prices the test sets (so nothing depends on this machine); greedy outputs stay the target's own, a seeded sampled
 row never follows the gate, and the reason reaches each row's stats."""
 
+import sys
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from specdec_cli.engine import SamplingParams
+from specdec_cli.drafters import DraftModelDrafter
+from specdec_cli.engine import FixedK, SamplingParams, SpeculativeDecoder
 from specdec_cli.engine.batched import BatchedDecoder, RowRequest
 from specdec_cli.engine.gate import DraftingGate
+from specdec_cli.session import make_policy
 
 from tests.engine.test_batched import CHEAP_DRAFT, FLAT_VERIFY, prompts
 from tests.conftest import perturbed_copy, tiny_causal_lm
@@ -149,3 +154,23 @@ def test_a_seeded_sampled_row_drafts_as_the_batch_policy_says_whatever_the_gate_
     assert [result.tokens for result in slow] == [result.tokens for result in fast]
     assert sum(result.stats.held_steps for result in slow) == 0
     assert sum(result.stats.drafted for result in slow) > 0
+
+
+def test_one_sequence_at_a_time_the_cost_model_stops_a_slowed_draft_and_says_why(target, near_draft, monkeypatch):
+    """Chat's policy (k = auto: the cost model on the clock) on the same priced clock: a dear draft is not used
+    after the first measured steps, the reply is the target's own, and its stats say why."""
+    clock = Clock()
+    monkeypatch.setattr(sys.modules[SpeculativeDecoder.__module__], "time", SimpleNamespace(perf_counter=clock))
+    priced = [Priced(target, clock, 0.010, 0.0005), Priced(near_draft, clock, 0.200, 0.0001)]
+    try:
+        prompt = prompts(1, seed=14)[0]
+        decoder = SpeculativeDecoder(target, DraftModelDrafter(near_draft), make_policy("auto"))
+        result = decoder.generate(prompt, SamplingParams(), 60)
+    finally:
+        for model in priced:
+            model.handle.remove()
+    alone = SpeculativeDecoder(target, None, FixedK(0)).generate(prompt, SamplingParams(), 60)
+    assert result.tokens == alone.tokens
+    assert result.stats.held_steps >= 0.6 * result.stats.steps
+    assert result.stats.policy.startswith("drafting did not pay: ")
+    assert result.stats.policy.endswith(" tok/s expected from the measured costs")
