@@ -267,3 +267,25 @@ def test_gemma3_with_a_vision_tower_runs_its_text_layers_on_the_fast_path(monkey
     assert all(layer._c_projections[1] is not None for layer in layers)
     verified, decoded = _verify_and_decode(fast)
     assert torch.equal(verified, decoded)
+
+
+@pytest.mark.parametrize("rope", ["llama3", "yarn", "linear"])
+def test_the_rotary_table_holds_a_scaled_ropes_own_numbers(rope):
+    """Llama 3's rope scaling (and yarn's, linear's) has fixed frequencies: the decoder stack's rotary table rows are
+    the rotary module's own numbers for those positions, bit for bit, past the table's first size; the stack reads
+    them from the table."""
+    decoder = tiny_causal_lm("llama3", layers=1).model
+    if rope != "llama3":
+        decoder.config.rope_parameters = {"rope_type": rope, "rope_theta": 10000.0, "factor": 4.0,
+                                          "original_max_position_embeddings": 64}
+        decoder.rotary_emb = type(decoder.rotary_emb)(decoder.config)
+    assert decoder.rotary_emb.rope_type == rope
+    hidden, first = torch.zeros(1, 1, decoder.config.hidden_size), 0
+    for tokens in [1, 2, 7, 16, 1] * 40 + [1200, 3]:
+        states = hidden.expand(1, tokens, -1)
+        positions = torch.arange(first, first + tokens).unsqueeze(0)
+        table = decoder_stack._rotary_rows(decoder, states, positions, first)
+        own = decoder.rotary_emb(states, positions)
+        assert all(torch.equal(row, part) for row, part in zip(table, own)), (first, tokens)
+        first += tokens
+    assert decoder._rotary_table[1][0].shape[1] >= first > decoder_stack.ROTARY_ROWS

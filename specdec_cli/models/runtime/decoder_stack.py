@@ -129,17 +129,19 @@ def stack_forward(self, input_ids: torch.Tensor | None = None, attention_mask: t
 
 
 ROTARY_ROWS = 1024  # positions a decoder's rotary table holds at first (it doubles as positions grow)
+TABLE_ROPES = ("default", "linear", "llama3", "yarn")  # fixed frequencies: transformers' dynamic_rope_update skips them
 
 
 def _rotary_rows(decoder: torch.nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor,
                  first: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin (1, T, D) float32 for the rotary embedding at `position_ids`. For positions first, first + 1, ...
-    (`first` given) and the default rope, rows of a table the decoder keeps: the rotary module's own numbers for
-    those positions, bit for bit (each element is one product and a cos or sin: it does not depend on the other
-    positions computed with it; tested), without its ~10 torch operations a forward, which run with the caches
-    cold after a forward's weights streamed through them."""
+    (`first` given) and a rope whose frequencies are fixed (TABLE_ROPES), rows of a table the decoder keeps: the
+    rotary module's own numbers for those positions, bit for bit (each element is one product and a cos or sin,
+    times a fixed factor: it does not depend on the other positions computed with it; tested), without its ~10 torch
+    operations a forward, which run with the caches cold after a forward's weights streamed through them. The
+    dynamic ropes ("dynamic", "longrope") change their frequencies with the positions asked: computed each time."""
     rotary = decoder.rotary_emb
-    if first is None or getattr(rotary, "rope_type", None) != "default":
+    if first is None or getattr(rotary, "rope_type", None) not in TABLE_ROPES:
         return tuple(part.float().contiguous() for part in rotary(hidden, position_ids))
     tokens, held = hidden.shape[1], decoder.__dict__.get("_rotary_table")
     source = rotary.inv_freq.data_ptr()
