@@ -50,9 +50,9 @@ def build_tokenizer(path: Path | None = None, corpus: list[str] | None = None, v
 
 
 def tiny_config(arch: str, vocab_size: int, tokenizer):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
 
-    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
+    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "phi3": Phi3Config}[arch]
     return config_class(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -181,7 +181,7 @@ def random_blocks(kind: str, rows: int, width: int, generator):
 
 def build_4bit_gguf(path: Path, arch: str = "qwen2", kind: str = "Q4_K", seed: int = 0, kinds: dict | None = None,
                     split_max_tensors: int = 0, sizes: tuple[int, int, int] | None = None) -> dict:
-    """A tiny random `arch` model (llama, qwen2 or qwen3; hidden 256: Q4_K needs rows of 256; qwen3's heads must be
+    """A tiny random `arch` model (llama, qwen2, qwen3 or phi3; hidden 256: Q4_K needs rows of 256; qwen3's heads must be
     transformers' default 128 wide, its GGUF config leaves them out: sizes=(512, ...)) written as a `.gguf` whose
     Linear weights are random `kind` blocks (Q4_0, Q4_1 or Q4_K, as most of a Q4_K_M file's are), the rest F32.
     llama's q/k rows are stored as written, so transformers' reordering of them on load moves them. Returns {gguf

@@ -155,16 +155,19 @@ def test_the_load_line_says_when_transformers_layers_run(arch, says):
         assert line.endswith(" · " + says), line
 
 
-def test_a_qwen3_gguf_read_in_place_runs_the_fast_path(tmp_path, specdec_home):
-    """A Qwen3 `.gguf` in q4 (its 4-bit blocks kept, its q/k norms among the float tensors) is transformers' own
-    conversion of the file and runs the whole decoder in C, a verify the one-token logits bit for bit."""
+@pytest.mark.parametrize("arch, sizes", [("qwen3", (512, 512, 2)), ("phi3", (256, 512, 2))])
+def test_a_gguf_read_in_place_runs_the_fast_path(tmp_path, specdec_home, arch, sizes):
+    """A Qwen3 `.gguf` in q4 (its 4-bit blocks kept, its q/k norms among the float tensors; heads 128 wide, the
+    width transformers' GGUF config assumes) and a Phi-3 one (q/k/v and gate/up fused in the file too) are
+    transformers' own conversion of the file and run the whole decoder in C, a verify the one-token logits bit for
+    bit."""
     from specdec_cli.models import load_model
 
     from tests.models.test_gguf_in_place import _converted, _differences, _read_in_place
     from tests.tiny import build_4bit_gguf
 
-    path = tmp_path / "qwen3.gguf"
-    build_4bit_gguf(path, arch="qwen3", kind="Q4_K", sizes=(512, 512, 2))
+    path = tmp_path / f"{arch}.gguf"
+    build_4bit_gguf(path, arch=arch, kind="Q4_K", sizes=sizes)
     assert _differences(_read_in_place(path), _converted(path)) == []
     loaded = load_model(str(path), quantization="q4", dtype="float32", progress=False)
     assert "transformers' layers" not in loaded.describe("target")
