@@ -80,7 +80,8 @@ class _Loaded:  # what prefill.attach and wanted read of a LoadedModel
         self.model = model
 
 
-@pytest.fixture(scope="module", params=[("qwen2", 2), ("llama", 0)], ids=["qwen2", "llama"])
+@pytest.fixture(scope="module", params=[("qwen2", 2), ("llama", 0), ("qwen3", 0), ("phi3-partial", 0)],
+                ids=["qwen2", "llama", "qwen3", "phi3-partial"])
 def pair(request):
     """(a q4 target reading its prompts on AMX, its float model)"""
     float_model = tiny_causal_lm(request.param[0], seed=request.param[1], logit_scale=8.0, layers=4)
