@@ -37,17 +37,20 @@ TARGET_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 DRAFT_SPECIAL = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|extra_0|>"]
 
 
-def target_tokenizer(vocab_size: int = 300):
-    """Byte-level BPE: the 256 byte characters, the special tokens, then merges learnt from TARGET_CORPUS."""
+def target_tokenizer(vocab_size: int = 300, corpus: list[str] | None = None, specials_last: bool = False):
+    """Byte-level BPE: the 256 byte characters, the special tokens, then merges learnt from `corpus` (TARGET_CORPUS);
+    `specials_last`: the special tokens after the merges instead (the highest ids, as Qwen's and Llama 3's)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=TARGET_SPECIAL, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    backend.train_from_iterator(TARGET_CORPUS, trainer=trainer)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[] if specials_last else TARGET_SPECIAL,
+                                  show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(corpus or TARGET_CORPUS, trainer=trainer)
+    if specials_last:
+        backend.add_special_tokens(TARGET_SPECIAL)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer

@@ -86,13 +86,22 @@ class Benchmark:
             counter.close()
         return self.runs
 
+    def _draft_prompt(self, prompt_ids: list[int]) -> list[int]:
+        """The prompt as the draft reads it: the target's ids, or, for a draft of another tokenizer, their text in
+        the draft's own ids (the target's ids lie past the rows of a smaller vocabulary)."""
+        if self.draft is None or self.draft.vocabulary_overlap is None:
+            return prompt_ids
+        text = self.target.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        return self.draft.tokenizer.encode(text, add_special_tokens=True)
+
     def _warm_up(self, counter: ForwardCounter) -> None:
         """One short generation per configuration (also noting which models each runs), then the timing
         of single-token forwards of each model for the cost ratio c."""
         first_prompt = self.prompt_ids[0]
         for config in self.configs:
             self._counted_run(config, first_prompt, WARMUP_TOKENS, counter)
-        seconds = {role: forward_seconds(self._models[role], first_prompt) for role in (TARGET, DRAFT)
+        prompts = {TARGET: first_prompt, DRAFT: self._draft_prompt(first_prompt)}
+        seconds = {role: forward_seconds(self._models[role], prompts[role]) for role in (TARGET, DRAFT)
                    if role in self._models}
         self.warmup = {f"{role}_forward_seconds": value for role, value in seconds.items()}
         if DRAFT in seconds:

@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 from specdec_cli.cli import app
 
 from tests.cli_result import assert_exited
-from tests.tiny import build_tiny_model
-from tests.two_tokenizers import draft_tokenizer, target_tokenizer
+from tests.tiny import CORPUS, build_tiny_model
+from tests.two_tokenizers import DRAFT_CORPUS, TARGET_CORPUS, draft_tokenizer, target_tokenizer
 
 WIDE = {"COLUMNS": "250", "NO_COLOR": None, "FORCE_COLOR": None}
 COMMON = ["--dtype", "float32", "--device", "cpu", "-t", "0", "--max-new-tokens", "10"]
@@ -25,7 +25,11 @@ PROMPTS = [{"id": "a", "prompt": "The quick brown fox"}, {"id": "b", "messages":
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("cross-vocab-pair")
-    build_tiny_model(root / "target", arch="qwen2", seed=0, tokenizer=target_tokenizer())
+    # The target's vocabulary is the larger, its ChatML tokens last (ids past the draft's rows, as Qwen's are past
+    # SmolLM2's): a target id fed to the draft fails.
+    target_tok = target_tokenizer(700, TARGET_CORPUS + DRAFT_CORPUS + CORPUS, specials_last=True)
+    assert target_tok.convert_tokens_to_ids("<|im_start|>") >= len(draft_tokenizer())
+    build_tiny_model(root / "target", arch="qwen2", seed=0, tokenizer=target_tok)
     build_tiny_model(root / "draft", arch="llama", seed=1, tokenizer=draft_tokenizer())
     return str(root / "target"), str(root / "draft")
 

@@ -71,11 +71,12 @@ def test_a_draft_of_another_tokenizer_loads_with_its_overlap_said_before_weights
     monkeypatch.setattr(loaded_module, "_load_weights", lambda *args: said.append("weights") or real(*args))
     target, draft = load_pair(str(llama_folder), str(other_tokenizer_folder), device="cpu", progress=False,
                               say=said.append)
-    assert draft.vocabulary_overlap is not None and target.vocabulary_overlap is None
-    assert said == [preflight.cross_vocabulary_line(draft.vocabulary_overlap, str(llama_folder),
-                                                    str(other_tokenizer_folder)), "weights", "weights"]
+    shares = preflight.vocabulary_shares(target.tokenizer, draft.tokenizer)
+    assert draft.vocabulary_overlap == shares[0] and target.vocabulary_overlap is None
+    assert said == [preflight.cross_vocabulary_line(shares, str(llama_folder), str(other_tokenizer_folder)),
+                    "weights", "weights"]
     assert said[0].startswith(f"note: the draft {other_tokenizer_folder} has another tokenizer than the target "
-                              f"{llama_folder} and shares 79% of its tokens")  # trained on other text, same bytes
+                              f"{llama_folder}: it has 79% of the target's tokens")  # trained on other text, same bytes
 
 
 def test_the_overlap_counts_token_strings_as_text():
@@ -91,21 +92,25 @@ def test_the_overlap_counts_token_strings_as_text():
                                backend_tokenizer=SimpleNamespace(decoder=decoder))
 
     byte_level = tokenizer(["Ġthe", "the", "Ġdog", "ĊĊ", "Ã©", "Ã"], ["<|im_end|>"], decoders.ByteLevel())
-    sentencepiece = tokenizer(["▁the", "the", "<0x0A>", "é", "▁cat", "<0xC3>"], ["<s>", "<|im_end|>"],
+    sentencepiece = tokenizer(["▁the", "the", "<0x0A>", "é", "▁cat", "▁sat", "▁mat", "▁on", "<0xC3>"],
+                              ["<s>", "<|im_end|>"],
                               decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback()]))
     # The target's whole-character tokens: " the", "the", " dog", "\n\n", "é"; the draft has " the", "the", "é".
+    # The draft's: " the", "the", "\n", "é", " cat", " sat", " mat", " on"; the target has " the", "the", "é".
+    assert preflight.vocabulary_shares(byte_level, sentencepiece) == pytest.approx((3 / 5, 3 / 8))
     assert preflight.vocabulary_overlap(byte_level, sentencepiece) == pytest.approx(3 / 5)
-    # The draft's: " the", "the", "\n", "é", " cat"; the target has " the", "the", "é".
-    assert preflight.vocabulary_overlap(sentencepiece, byte_level) == pytest.approx(3 / 5)
+    assert preflight.vocabulary_shares(sentencepiece, byte_level) == pytest.approx((3 / 8, 3 / 5))
 
 
-@pytest.mark.parametrize("overlap, opening", [(0.3, "warning: "), (0.5, "note: ")])
-def test_the_overlap_line_warns_when_the_vocabularies_share_little(overlap, opening):
-    line = preflight.cross_vocabulary_line(overlap, "big", "small")
-    assert line.startswith(f"{opening}the draft small has another tokenizer than the target big and shares "
-                           f"{overlap:.0%} of its tokens; it drafts text, which the target verifies as its own "
-                           "tokens (lossless)")
-    assert ("little of it may be accepted" in line) == (overlap < preflight.LOW_OVERLAP)
+@pytest.mark.parametrize("shares, opening", [((0.26, 0.3), "warning: "), ((0.26, 0.8), "note: "), ((0.5, 0.1), "note: ")])
+def test_the_line_warns_only_when_even_the_smaller_vocabulary_shares_little(shares, opening):
+    """A small draft vocabulary holds little of a large target's (SmolLM2's 49,152 tokens: 26% of Qwen2.5's 151,643,
+    and 80% of its own are Qwen's) and drafts well enough: the smaller side's share decides the warning."""
+    line = preflight.cross_vocabulary_line(shares, "big", "small")
+    assert line.startswith(f"{opening}the draft small has another tokenizer than the target big: it has "
+                           f"{shares[0]:.0%} of the target's tokens, and the target {shares[1]:.0%} of its own; it "
+                           "drafts text, which the target verifies as its own tokens (lossless)")
+    assert ("little of it may be accepted" in line) == (max(shares) < preflight.LOW_OVERLAP)
     assert "\n" not in line
 
 

@@ -335,9 +335,10 @@ def load_pair(
         overlap = None
         if draft_tokenizer is not target_tokenizer and preflight.tokenizer_difference(target_tokenizer,
                                                                                       draft_tokenizer) is not None:
-            overlap = preflight.vocabulary_overlap(target_tokenizer, draft_tokenizer)
+            shares = preflight.vocabulary_shares(target_tokenizer, draft_tokenizer)
+            overlap = shares[0]
             if say is not None:
-                say(preflight.cross_vocabulary_line(overlap, target, draft))
+                say(preflight.cross_vocabulary_line(shares, target, draft))
         target_model, draft_model = _load_weights(target_plan, target_tokenizer), _load_weights(draft_plan, draft_tokenizer)
         draft_model.vocabulary_overlap = overlap
         return target_model, draft_model

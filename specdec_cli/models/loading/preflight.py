@@ -77,24 +77,35 @@ def check_tokenizers_compatible(target_tokenizer, draft_tokenizer, target_name: 
         raise _incompatible(target_name, draft_name, why)
 
 
-# A draft of another tokenizer whose vocabulary holds less than this share of the target's tokens is warned about:
-# its text is made of words the target splits otherwise, and little of it is likely to be accepted.
+# A pair of tokenizers whose smaller vocabulary has less than this share of its tokens in the other's is warned about:
+# the draft's text is made of words the target splits otherwise, and little of it is likely to be accepted. (The
+# smaller one's share: a small draft vocabulary cannot hold most of a large target's tokens, and need not, since its
+# text is tokenised again for the target.)
 LOW_OVERLAP = 0.5
 
 
+def vocabulary_shares(target_tokenizer, draft_tokenizer) -> tuple[float, float]:
+    """(the share of the target's token strings that the draft's vocabulary has too, the share of the draft's that
+    the target's has), both written as text: a byte-level BPE's byte characters (Ġ for a space) and SentencePiece's
+    ▁ and <0xNN> byte tokens read back as the characters they stand for; special and added tokens and parts of
+    characters left out."""
+    target_tokens, draft_tokens = _token_texts(target_tokenizer), _token_texts(draft_tokenizer)
+    common = len(target_tokens & draft_tokens)
+    return common / max(len(target_tokens), 1), common / max(len(draft_tokens), 1)
+
+
 def vocabulary_overlap(target_tokenizer, draft_tokenizer) -> float:
-    """The share of the target's token strings (its special and added tokens and parts of characters left out) that
-    the draft's vocabulary has too, both written as text: a byte-level BPE's byte characters (Ġ for a space) and SentencePiece's ▁ and
-    <0xNN> byte tokens read back as the characters they stand for."""
-    target_tokens = _token_texts(target_tokenizer)
-    return len(target_tokens & _token_texts(draft_tokenizer)) / max(len(target_tokens), 1)
+    """The share of the target's token strings that the draft's vocabulary has too (`vocabulary_shares`)."""
+    return vocabulary_shares(target_tokenizer, draft_tokenizer)[0]
 
 
-def cross_vocabulary_line(overlap: float, target_name: str, draft_name: str) -> str:
-    """The one line a pair of different tokenizers gets: a note, or a warning where they share little."""
-    said = (f"the draft {draft_name} has another tokenizer than the target {target_name} and shares {overlap:.0%} of "
-            "its tokens; it drafts text, which the target verifies as its own tokens (lossless)")
-    if overlap < LOW_OVERLAP:
+def cross_vocabulary_line(shares: tuple[float, float], target_name: str, draft_name: str) -> str:
+    """The one line a pair of different tokenizers gets (`shares`: `vocabulary_shares`): a note, or a warning where
+    even the smaller vocabulary has little of itself in the other."""
+    said = (f"the draft {draft_name} has another tokenizer than the target {target_name}: it has {shares[0]:.0%} of "
+            f"the target's tokens, and the target {shares[1]:.0%} of its own; it drafts text, which the target "
+            "verifies as its own tokens (lossless)")
+    if max(shares) < LOW_OVERLAP:
         return (f"warning: {said}, but with so few tokens in common little of it may be accepted: a draft of the "
                 "target's family, or --drafter ngram, may be faster")
     return f"note: {said}"
