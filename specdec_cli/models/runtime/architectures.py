@@ -3,13 +3,13 @@ stack), and in one line why a model does not.
 
 The fast path computes a Llama-style layer: RMSNorm, q/k/v, the rotary embedding (over the whole head, or its first
 dims: Phi-4-mini), attention, o, RMSNorm, a gated MLP. Qwen2 adds q/k/v biases, Qwen3 an RMSNorm over each head of q
-and k, Mistral is Llama's layer (with a sliding window in some), Phi-3 keeps q/k/v and gate/up fused already. Gemma 2
-and 3 add norms of the
-attention's and the MLP's outputs, RMSNorms that scale by 1 + weight, a GELU (tanh form), Gemma 3 Qwen3's q/k norms
-and Gemma 2 soft-capped attention scores; their embedding scaling, per-layer rotary tables and soft-capped logits stay
-in transformers' decoder and head around the layers. A sliding window is in the masks transformers' decoder forward
-makes for each layer, which the layers apply as they are: such a model runs its layers lean, one by one, not the
-decoder stack (whose forward makes one mask for every layer; DECODER_CLASSES are the decoders it runs).
+and k, Mistral is Llama's layer (with a sliding window in some), Phi-3 keeps q/k/v and gate/up fused already. Gemma
+2 and 3 add norms of the attention's and the MLP's outputs, RMSNorms that scale by 1 + weight, a GELU (tanh form),
+Gemma 3 Qwen3's q/k norms too, Gemma 2 soft-capped attention scores; their embedding scaling, per-layer rotary
+tables and soft-capped logits stay in transformers' decoder and head around the layers. A sliding window is in the
+masks transformers' decoder forward makes for each layer, which the layers apply as they are: such a model runs its
+layers lean, one by one, not the decoder stack (whose forward makes one mask for every layer; DECODER_CLASSES are
+the decoders it runs).
 
 A model of another architecture, or one with something the fast path does not compute (another activation, attention
 that is not causal), keeps transformers' layers, which give the same logits slower; its load line says so
