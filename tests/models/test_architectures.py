@@ -292,3 +292,24 @@ def test_the_rotary_table_holds_a_scaled_ropes_own_numbers(rope):
         assert all(torch.equal(row, part) for row, part in zip(table, own)), (first, tokens)
         first += tokens
     assert decoder._rotary_table[1][0].shape[1] >= first > decoder_stack.ROTARY_ROWS
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "phi3-partial"])
+def test_a_q4_batch_of_a_new_architecture_gives_each_row_what_batch_one_gives_it(arch):
+    """The batched engine packs rows into one sequence under a boolean mask, which the C stack takes: a Qwen3 (q/k
+    norms) and a Phi-4-mini-shaped (partial rotary) q4 target give every row what it gets alone, greedy rows the
+    target alone's tokens."""
+    from tests.conftest import perturbed_copy
+    from tests.engine.test_batched_q4 import BUDGETS, SAMPLED, alone, batch_of, requests
+
+    float_target = _model(arch)
+    target = quantize(float_target, "q4")
+    draft = quantize(perturbed_copy(float_target, noise=0.15, seed=7), "q4", exact_rows=False)
+    wanted = requests()
+    batched = batch_of(target, draft, "model", 3, batch_size=3).generate_many(wanted)
+    one_by_one = [batch_of(target, draft, "model", 3, batch_size=3).generate_many([request])[0] for request in wanted]
+    assert [len(result.tokens) for result in batched] == BUDGETS
+    assert [result.tokens for result in batched] == [result.tokens for result in one_by_one]
+    greedy = [index for index in range(len(wanted)) if index not in SAMPLED]
+    assert [batched[index].tokens for index in greedy] == [alone(target, wanted[index]) for index in greedy]
+    assert target.model._c_stack[1] is not None and sum(result.stats.accepted for result in batched) > 0
