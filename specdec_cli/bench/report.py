@@ -37,12 +37,13 @@ def _measurement_cells(row: dict) -> list[str]:
 
 
 def measurement_table(benchmark: Benchmark, by_category: bool) -> Table:
+    rows = benchmark.summary()
     table = Table(
         "configuration", "tok/s", "median tok/s", "speedup", "range", "1st step s", "decode tok/s", "decode ×",
         "accept", "tok/step", "accept @1/2/3/4", "draft %", "memory MiB", "identical",
-        title=_title(benchmark), caption=_caption(benchmark), caption_justify="left",
+        title=_title(benchmark), caption=_caption(benchmark) + _policy_lines(rows), caption_justify="left",
     )
-    for row in benchmark.summary():
+    for row in rows:
         table.add_row(*_measurement_cells(row))
     for category in benchmark.categories() if by_category else ():
         table.add_section()
@@ -50,6 +51,15 @@ def measurement_table(benchmark: Benchmark, by_category: bool) -> Table:
         for row in benchmark.summary(category):
             table.add_row(*_measurement_cells(row | {"configuration": "  " + row["configuration"]}))
     return table
+
+
+def _policy_lines(rows: list[dict]) -> str:
+    """The policy's choices where it held steps back: each such configuration's drafted and held shares of its
+    steps, and the reason it gave last."""
+    return "".join(
+        f"\npolicy, {escape(row['configuration'])}: drafted on {row['drafted_steps']:.0%} of steps, held back "
+        f"{row['held_steps']:.0%} ({escape(row['policy'] or '')})"
+        for row in rows if row.get("held_steps"))
 
 
 def _title(benchmark: Benchmark | ThroughputBenchmark) -> str:

@@ -98,6 +98,8 @@ class Run:
     tree_nodes: int = 0
     tree_accepted: int = 0
     tree_places: dict[str, list[int]] = field(default_factory=dict)  # per place in the tree (GenerationStats')
+    held_steps: int = 0  # steps the policy kept from drafting because drafting measured slower (GenerationStats')
+    policy: str | None = None  # why, the last time it did
 
     @classmethod
     def from_stats(cls, configuration: str, tokens: list[int], stats: GenerationStats, finish_reason: str,
@@ -110,7 +112,8 @@ class Run:
         return cls(configuration, -1, -1, tokens, stats.seconds, stats.steps, finish_reason, working_bytes,
                    stats.drafted, stats.accepted, stats.drafted_at, stats.accepted_at, stats.draft_seconds,
                    stats.verify_seconds, prefill, stats.lookup_steps, stats.lookup_drafted, stats.lookup_accepted,
-                   stats.tree_steps, stats.tree_nodes, stats.tree_accepted, stats.tree_places)
+                   stats.tree_steps, stats.tree_nodes, stats.tree_accepted, stats.tree_places, stats.held_steps,
+                   stats.policy)
 
     def stats(self) -> GenerationStats:
         """The run as the engine's stats (drafting counts 0 where not reported), to merge with others."""
@@ -121,6 +124,7 @@ class Run:
             lookup_drafted=self.lookup_drafted, lookup_accepted=self.lookup_accepted, tree_steps=self.tree_steps,
             tree_nodes=self.tree_nodes, tree_accepted=self.tree_accepted,
             tree_places={place: list(counts) for place, counts in self.tree_places.items()},
+            held_steps=self.held_steps, policy=self.policy,
         )
 
 

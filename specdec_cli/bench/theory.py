@@ -91,9 +91,14 @@ def _first_step(run: Run) -> tuple[float, int] | None:
 def _drafting_fields(runs: list[Run], total: GenerationStats) -> dict:
     """Acceptance and the draft/verify split; None for runs that do not report drafting (HF peers)."""
     if not runs or any(run.drafted is None for run in runs):
-        return {"acceptance_rate": None, "acceptance_at": [None] * POSITIONS, "draft_share": None}
+        return {"acceptance_rate": None, "acceptance_at": [None] * POSITIONS, "draft_share": None,
+                "drafted_steps": None, "held_steps": None, "policy": None}
     drafting_seconds = total.draft_seconds + total.verify_seconds
     return {
+        # the policy's choices: the share of steps that drafted, of those it held back, and its last reason
+        "drafted_steps": _ratio(total.drafted_steps, total.steps),
+        "held_steps": _ratio(total.held_steps, total.steps),
+        "policy": total.policy,
         "acceptance_rate": _ratio(total.accepted, total.drafted),
         "acceptance_at": total.acceptance_at(POSITIONS),
         "draft_share": _ratio(total.draft_seconds, drafting_seconds) if total.drafted else None,

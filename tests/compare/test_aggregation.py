@@ -45,6 +45,16 @@ def test_acceptance_by_position_and_the_draft_share():
     assert row["draft_share"] == pytest.approx(2.0 / 5.0)
 
 
+def test_the_policys_choices_per_configuration():
+    """The share of steps that drafted and of those the policy held back (drafting measured slower), and why."""
+    reason = "drafting did not pay: 9.0 vs 12.0 tok/s expected from the measured costs"
+    held = [Run(**{**SPEC_RUNS[0].__dict__, "steps": 6, "held_steps": 3, "policy": reason}), SPEC_RUNS[1]]
+    row = summary_row(SPEC, held, BASELINE_RUNS, greedy=True, memory_bytes=0)
+    assert (row["drafted_steps"], row["held_steps"], row["policy"]) == (pytest.approx(6 / 9), pytest.approx(3 / 9),
+                                                                        reason)
+    assert summary_row(BASE, BASELINE_RUNS, BASELINE_RUNS, greedy=True, memory_bytes=0)["drafted_steps"] == 0
+
+
 def test_a_single_different_token_shows_in_the_identical_count():
     row = summary_row(SPEC, SPEC_RUNS, BASELINE_RUNS, greedy=True, memory_bytes=0)
     assert (row["identical"], row["compared"]) == (1, 2)
