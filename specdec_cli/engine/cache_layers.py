@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 
 class GrowingLayer(DynamicLayer):
@@ -115,10 +115,13 @@ def _is_prefix_view(held: torch.Tensor, buffer: torch.Tensor) -> bool:
 
 
 def new_cache(config) -> DynamicCache:
-    """transformers' `DynamicCache` for `config`, its full-attention layers `GrowingLayer`s (sliding-window and
-    other kinds keep their own class)."""
+    """transformers' `DynamicCache` for `config`, its full-attention and sliding-window layers `GrowingLayer`s
+    (other kinds keep their own class). A sliding-window layer holds every key, not only the window's: transformers'
+    own sliding layer drops the keys that leave the window, which a rollback after a rejected draft then needs back;
+    the window is the attention mask's (it masks keys past the window by position), so the outputs are the same."""
     cache = DynamicCache(config=config)
-    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    cache.layers = [GrowingLayer() if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) else layer
+                    for layer in cache.layers]
     return cache
 
 

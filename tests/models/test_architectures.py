@@ -125,17 +125,10 @@ def test_a_verify_gives_the_one_token_logits_bit_for_bit(arch, quantization):
     assert torch.equal(verified, decoded)
 
 
-# The engine's cache keeps transformers' DynamicSlidingWindowLayer for a sliding-window layer (engine/cache_layers.py's
-# new_cache), which drops the keys that fall out of the window, so cutting the cache back after a rejected draft leaves
-# the wrong keys: speculation over a model with a sliding window is not the target alone. A bug of the engine's, left
-# to it: strict, so its fix is seen here.
-SLIDING_CACHE_BUG = pytest.mark.xfail(strict=True, reason="engine/cache_layers.py: a sliding-window cache layer "
-                                                         "cannot be cut back after a rejection")
-
-
-@pytest.mark.parametrize("arch", [pytest.param(arch, marks=SLIDING_CACHE_BUG) if arch in WINDOWED else arch
-                                  for arch in FAST + list(SLOW)])
+@pytest.mark.parametrize("arch", FAST + list(SLOW))
 def test_speculative_greedy_is_the_q4_target_alone(arch):
+    """Sliding-window models included: the engine's cache keeps every key of a sliding layer, so a rollback after a
+    rejected draft finds the keys it needs (transformers' sliding layer dropped them)."""
     target = quantize(_model(arch), "q4")
     draft = quantize(_model(arch, seed=1, hidden=32), "q4", exact_rows=False)
     result = SpeculativeDecoder(target, DraftModelDrafter(draft), FixedK(3)).generate(IDS[:20], SamplingParams(), 16)
