@@ -48,18 +48,17 @@ def _percent(fraction: float) -> str:
 
 def _drafting(numbers: Mapping[str, float]) -> str:
     if not numbers["drafted"]:
-        return "nothing drafted" + _held(numbers)
-    drafted_steps = numbers.get("drafted_steps")
-    share = f", on {drafted_steps}/{numbers['steps']} steps" if drafted_steps is not None and "steps" in numbers else ""
+        return "nothing drafted"
     return (
-        f"{_percent(numbers['acceptance_rate'])} accepted ({numbers['accepted']}/{numbers['drafted']} drafted{share})"
-        + _held(numbers)
+        f"{_percent(numbers['acceptance_rate'])} accepted ({numbers['accepted']}/{numbers['drafted']} drafted)"
     )
 
 
-def _held(numbers: Mapping[str, float]) -> str:
-    """Why the policy stopped drafting, where it did (`policy`: the measurement)."""
-    return f" · {numbers['policy']}" if numbers.get("policy") else ""
+def _held(numbers: Mapping[str, float]) -> list[str]:
+    """Where the policy kept steps from drafting (drafting measured slower): on how many, and why."""
+    if not numbers.get("held_steps"):
+        return []
+    return [f"no drafting on {numbers['held_steps']}/{numbers['steps']} steps ({numbers.get('policy') or 'the policy'})"]
 
 
 def stats_line(numbers: Mapping[str, float], label: str = "", note: str = "") -> Text:
@@ -71,6 +70,7 @@ def stats_line(numbers: Mapping[str, float], label: str = "", note: str = "") ->
         f"{numbers['new_tokens']} token{'' if numbers['new_tokens'] == 1 else 's'}",
         f"{numbers['tokens_per_second']:.1f} tok/s",
         _drafting(numbers),
+        *_held(numbers),
         f"{numbers['tokens_per_step']:.2f} tokens/step",
         f"draft {numbers['draft_seconds']:.2f}s, verify {numbers['verify_seconds']:.2f}s",
     ]

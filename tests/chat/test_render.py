@@ -52,12 +52,12 @@ def test_stats_line_with_nothing_drafted_a_label_and_a_note():
     )
 
 
-def test_stats_line_says_the_drafted_steps_and_why_the_policy_stopped_drafting():
+def test_stats_line_says_on_how_many_steps_and_why_the_policy_stopped_drafting():
     numbers = {**NUMBERS, "steps": 16, "drafted_steps": 6, "held_steps": 10,
                "policy": "drafting did not pay: 9.1 vs 12.0 tok/s expected from the measured costs"}
     assert render.stats_line(numbers).plain == (
-        "42 tokens · 12.3 tok/s · 75% accepted (30/40 drafted, on 6/16 steps) · drafting did not pay: 9.1 vs 12.0 "
-        "tok/s expected from the measured costs · 2.62 tokens/step · draft 1.20s, verify 2.35s"
+        "42 tokens · 12.3 tok/s · 75% accepted (30/40 drafted) · no drafting on 10/16 steps (drafting did not pay: "
+        "9.1 vs 12.0 tok/s expected from the measured costs) · 2.62 tokens/step · draft 1.20s, verify 2.35s"
     )
 
 

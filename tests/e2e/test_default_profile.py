@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SPECDEC = Path(sys.executable).with_name("specdec")  # the console script installed beside this Python
 STATS_LINE = re.compile(
     r"(?P<new>\d+) tokens? · [\d.]+ tok/s · (?:\d+% accepted \((?P<accepted>\d+)/(?P<drafted>\d+) drafted\)|nothing drafted)"
+    r"(?: · no drafting on \d+/\d+ steps \([^)]*\))?"  # where the policy stopped drafting: on how many steps, and why
     r" · (?P<per_step>[\d.]+) tokens/step · draft [\d.]+s, verify [\d.]+s(?P<cut> · cut at \d+ tokens \(--max-new-tokens\))?"
 )
 
