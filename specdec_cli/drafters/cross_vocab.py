@@ -96,6 +96,8 @@ class CrossVocabDrafter(Drafter):
         if not context or (room is not None and len(context) + k > room):
             return EMPTY_DRAFT
         drafted = self.model_drafter.propose(context, k, GREEDY, generator).ids
+        if not drafted:
+            return EMPTY_DRAFT
         text, ended = self.drafted_text(context, drafted)
         return Draft(self.target_ids(text, ended)[:k])
 
