@@ -249,7 +249,7 @@ def build_batched_decoder(target: LoadedModel, draft: LoadedModel | None, drafte
         raise InputError(f"the {drafter} drafter needs a draft model", "pass --draft NAME, or --drafter ngram")
     if uses_draft and cross_vocabulary(draft):
         raise InputError("a batch drafts only with a draft of the target's tokenizer; this draft has another one",
-                         "decode one request at a time (--batch-size 1), or use --drafter ngram")
+                         "compare one request at a time (leave out --batch-size), or use --drafter ngram")
     vocabulary = draft_vocabulary(draft.tokenizer, draft.vocab_size) if uses_draft else None
     draft_model = None
     if uses_draft:

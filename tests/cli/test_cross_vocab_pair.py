@@ -91,3 +91,14 @@ def test_compare_rows_for_the_pair_are_identical_to_the_target_alone(pair, tmp_p
     # assisted generation, given both tokenizers
     assert all(run["tokens"] == baseline[run["prompt_index"]] for run in drafted)
     assert "the tree drafter drafts the cascade's chains (a tree needs a draft of the target's tokenizer)" in result.stderr
+
+
+def test_compare_batch_size_refuses_the_pair_in_one_line(pair, tmp_path):
+    """`run` decodes the pair one request at a time; compare's throughput mode, which batches, says why it cannot."""
+    target, draft = pair
+    result = invoke("compare", "--target", target, "--draft", draft, "--drafter", "model", "--k", "2", "--n-prompts",
+                    "1", "--category", "code", "--batch-size", "2", *COMMON, home=tmp_path / "home")
+    assert_exited(result, 2)
+    assert result.stderr.splitlines()[-1] == ("error: a batch drafts only with a draft of the target's tokenizer; this "
+                                              "draft has another one — compare one request at a time (leave out "
+                                              "--batch-size), or use --drafter ngram")
