@@ -50,7 +50,7 @@ def test_no_budget_from_a_curve_that_says_nothing(seconds):
 def loaded(model, name="org/big", quantization=None):
     return SimpleNamespace(model=model, name=name, quantization=quantization, dtype=torch.float32,
                            tokenizer=tokenless_tokenizer(), eos_token_ids=(2,),
-                           vocab_size=model.config.vocab_size)
+                           vocab_size=model.config.vocab_size, vocabulary_overlap=None)
 
 
 def calibration(*entries):

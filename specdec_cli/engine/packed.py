@@ -75,9 +75,14 @@ class PackedCache:
             return
         if not self.reuse_prompts:
             self.single.reset()
-        # a model's prefill path reads it as the one-sequence decoder does, from what reading it alone would hold
-        self.single.prefill(list(ids[:-1]), fresh=True)
-        self.single.extend(ids, 1)  # only what it does not share with the prompt it holds
+        # `ids` are a row's prompt but its last token, which the row's first step feeds: a model's prefill path reads
+        # all of them, as the one-sequence decoder reads a prompt but its last token (kv.py), from what reading it
+        # alone would hold; what the path does not take, the model's own forward reads (only what it does not share
+        # with the prompt it holds). Reading all but the last of `ids` by the path and that one by the model gave a
+        # row another entry at that place than the one-sequence decoder has, and another greedy text.
+        self.single.prefill(list(ids), fresh=True)
+        if self.single.ids != list(ids):
+            self.single.extend(ids, 1)
         start = len(self.owner)
         for layer, source in zip(self.cache.layers, self.single.cache.layers):
             layer.update(source.keys, source.values)  # appended after the rows already held

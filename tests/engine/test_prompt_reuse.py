@@ -150,7 +150,8 @@ def test_the_batched_engine_reuses_prompts_for_the_roles_given(row_wise, draft, 
 def test_run_chat_and_compare_reuse_prompts_exactly_where_the_target_computes_rows_alone(float_target, row_wise, draft):
     def loaded(model, name):
         return SimpleNamespace(model=model, name=name, quantization=None, dtype=torch.float32, eos_token_ids=(2,),
-                               tokenizer=tokenless_tokenizer(), vocab_size=model.config.vocab_size)
+                               tokenizer=tokenless_tokenizer(), vocab_size=model.config.vocab_size,
+                               vocabulary_overlap=None)
 
     small = loaded(draft, "org/small")
     assert build_decoder(loaded(row_wise, "org/big"), small, "model", 3).reuse_prompts
@@ -239,13 +240,33 @@ def test_with_a_row_exact_path_reset_keeps_the_prompt_and_the_tokens_stay_those_
 
 
 def test_packed_admission_with_a_row_exact_path_gives_each_row_what_reading_it_alone_gives(with_path):
+    """The batched engine admits a row's prompt but its last token (its first step feeds that one), and each of
+    those entries is the one-sequence decoder's: the path reads what it reads (the table's counts), no more."""
     model, path = with_path
     packed = PackedCache(model, reuse_prompts=True)
     for row, (prompt, by_path, _) in enumerate(PATH_PROMPTS):
         path.read.clear()
-        packed.admit(row, prompt)
-        assert sum(path.read) == by_path
-        assert same_entries(packed.single, read_alone(model, prompt))
+        packed.admit(row, prompt[:-1])
+        assert sum(path.read) == by_path, prompt
+        alone = read_alone(model, prompt)
+        alone.crop(len(prompt) - 1)
+        assert same_entries(packed.single, alone), prompt
+
+
+def test_a_batch_with_a_prefill_path_gives_each_row_the_one_sequence_decoders_tokens(with_path, draft):
+    """As `run` decodes the prompts (a q4 target whose prompts the AMX path reads): batched, with and without
+    drafting, each row's greedy tokens are those of the one-sequence decoder over the same prompts in order."""
+    model, _ = with_path
+    prompts = [prompt for prompt, _, _ in PATH_PROMPTS]
+    single = SpeculativeDecoder(model, None, FixedK(0), reuse_prompts=True)
+    expected = []
+    for prompt in prompts:
+        single.reset()
+        expected.append(single.generate(prompt, SamplingParams(), 10).tokens)
+    for drafter, k in (("none", 0), ("model", 3)):
+        batched = BatchedDecoder(model, draft if k else None, drafter, batch_size=3, k=k, reuse_prompts=["target"])
+        results = batched.generate_many([RowRequest(prompt, SamplingParams(), 10) for prompt in prompts])
+        assert [result.tokens for result in results] == expected, drafter
 
 
 def test_a_copy_that_rounds_rows_by_their_forward_is_read_anew(with_path):

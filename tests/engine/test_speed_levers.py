@@ -233,7 +233,7 @@ def test_auto_is_draft_or_not_with_the_survival_cut_and_a_fixed_k_drafts_exactly
                                      make_policy)
 
     draft = SimpleNamespace(model=llama_near_draft, tokenizer=None, vocab_size=llama_near_draft.config.vocab_size,
-                            name="tiny draft", quantization=None, dtype=torch.float32)
+                            name="tiny draft", quantization=None, dtype=torch.float32, vocabulary_overlap=None)
     auto, fixed = make_drafter("cascade", draft, "auto"), make_drafter("cascade", draft, 4)
     assert auto.model_drafter.min_survival == AUTO_SURVIVAL and fixed.model_drafter.min_survival == 0.0
     assert auto.model_drafter.window.size == make_drafter("model", draft, "auto").window.size == DRAFT_WINDOW
@@ -411,7 +411,7 @@ def test_a_large_vocabulary_draft_scores_its_frequent_ids_by_default_and_stays_l
     vocab = DRAFT_VOCAB * 2
     target = tiny_causal_lm("llama", vocab_size=vocab, hidden=16, logit_scale=4.0)
     draft_model = tiny_causal_lm("llama", vocab_size=vocab, hidden=16, logit_scale=4.0)  # same seed: it agrees
-    draft = SimpleNamespace(model=draft_model, tokenizer=None, vocab_size=vocab)
+    draft = SimpleNamespace(model=draft_model, tokenizer=None, vocab_size=vocab, vocabulary_overlap=None)
     first, second = make_drafter("cascade", draft, "auto"), make_drafter("model", draft, "auto")
     assert len(first.model_drafter.subset) == DRAFT_VOCAB and first.model_drafter.head is second.head
     assert draft_vocabulary(None, DRAFT_VOCAB * 3 // 2) is None
