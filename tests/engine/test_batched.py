@@ -47,16 +47,6 @@ class LateDisagreeing(torch.nn.Module):
         return output
 
 
-@pytest.fixture(scope="module")
-def target():
-    return tiny_causal_lm("llama", seed=0, logit_scale=8.0)
-
-
-@pytest.fixture(scope="module")
-def near_draft(target):
-    return perturbed_copy(target, noise=0.15, seed=7)
-
-
 # Forward-cost curves ({tokens: seconds}) on which drafting pays: a verify of 40 tokens costs little more than one,
 # a draft forward a thirtieth of a verify. k=auto then drafts, so its cases compare a batch that drafted with
 # batch size 1, not the target with itself.

@@ -16,17 +16,6 @@ from specdec_cli.engine.gate import DraftingGate
 from specdec_cli.session import make_policy
 
 from tests.engine.test_batched import CHEAP_DRAFT, FLAT_VERIFY, prompts
-from tests.conftest import perturbed_copy, tiny_causal_lm
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_causal_lm("llama", seed=0, logit_scale=8.0)
-
-
-@pytest.fixture(scope="module")
-def near_draft(target):
-    return perturbed_copy(target, noise=0.15, seed=7)
 
 
 def steps(gate: DraftingGate, rows: int, count: int, draft_rate: float, plain_rate: float) -> list[bool]:
