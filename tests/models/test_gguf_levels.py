@@ -11,11 +11,11 @@ import torch
 
 from specdec_cli.drafters import DraftModelDrafter
 from specdec_cli.engine import FixedK, SamplingParams, SpeculativeDecoder
-from specdec_cli.engine.kv import CachedModel
 from specdec_cli.models import load_model
 from specdec_cli.models.formats.levels import LevelsLinear
 from specdec_cli.models.native import binding
 from tests.conftest import hf_greedy
+from tests.models.test_gguf_q4 import verify_is_decoding
 from tests.tiny import build_4bit_gguf
 
 pytest.importorskip("gguf")
@@ -69,23 +69,7 @@ def test_a_type_without_a_kernel_is_still_requantised_and_said(tmp_path):
 
 def test_a_verify_is_one_token_decoding_bit_for_bit_in_one_call_or_layer_by_layer(mixed_gguf):
     path, _ = mixed_gguf
-    stacked, layered = (load_model(str(path), quantization="q4", progress=False).model for _ in range(2))
-    del layered.model.forward  # transformers' forward: the lean layers one C call at a time, not the stack's one
-    ids = [(11 * i + 5) % 90 + 3 for i in range(40)]
-    results = []
-    for model in (stacked, layered):
-        verify, decode = CachedModel(model), CachedModel(model)
-        verify.extend(ids[:30], 1)
-        decode.extend(ids[:30], 1)
-        verified = verify.extend(ids, 10)
-        decoded = torch.cat([decode.extend(ids[:n], 1) for n in range(31, 41)])
-        assert torch.equal(verified, decoded)
-        results.append(verified)
-    assert torch.equal(*results)
-    # and what they compute is the file's model: the float one up to the int8 activations' rounding
-    float_model = load_model(str(path), progress=False, dtype="float32").model
-    expected = float_model(input_ids=torch.tensor([ids])).logits[0, 30:].float()
-    assert torch.linalg.norm(results[0] - expected) <= 5e-2 * torch.linalg.norm(expected)
+    verify_is_decoding(path, float_dtype="float32")
 
 
 def test_speculative_greedy_is_the_target_alone(mixed_gguf, tmp_path):

@@ -87,12 +87,17 @@ def test_a_q4_k_gguf_runs_on_its_own_4_bit_values(qwen2_q4k_gguf):
     assert torch.isfinite(logits).all()
 
 
-def test_a_q4_k_model_verifies_what_it_decodes_token_by_token_bit_for_bit_in_one_call_or_layer_by_layer(
-        qwen2_q4k_gguf):
-    path, _ = qwen2_q4k_gguf
+VERIFIED_IDS = [(11 * i + 5) % 90 + 3 for i in range(40)]
+
+
+def verify_is_decoding(path, float_dtype: str | None = None) -> None:
+    """A .gguf read in place in q4, its whole decoder in one C call and its lean layers one C call each: each verifies
+    10 tokens as it decodes them one by one, bit for bit, both give the same logits, and those are the file's float
+    model's (`float_dtype`: how it loads; None, its default) up to the int8 activations' rounding (~1e-2; a layout
+    read wrongly gives ~1)."""
     stacked, layered = (load_model(str(path), quantization="q4", progress=False).model for _ in range(2))
     del layered.model.forward  # transformers' forward: the lean layers one C call at a time, not the stack's one
-    ids = [(11 * i + 5) % 90 + 3 for i in range(40)]
+    ids = VERIFIED_IDS
     results = []
     for model in (stacked, layered):
         verify, decode = CachedModel(model), CachedModel(model)
@@ -103,11 +108,16 @@ def test_a_q4_k_model_verifies_what_it_decodes_token_by_token_bit_for_bit_in_one
         assert torch.equal(verified, decoded)
         results.append(verified)
     assert torch.equal(*results)
-    # and what they compute is the file's model: the float one (its weights through bfloat16) up to the int8
-    # activations' rounding (~1e-2; a layout read wrongly gives ~1)
-    float_model = load_model(str(path), progress=False).model
+    options = {} if float_dtype is None else {"dtype": float_dtype}
+    float_model = load_model(str(path), progress=False, **options).model
     expected = float_model(input_ids=torch.tensor([ids])).logits[0, 30:].float()
     assert torch.linalg.norm(results[0] - expected) <= 5e-2 * torch.linalg.norm(expected)
+
+
+def test_a_q4_k_model_verifies_what_it_decodes_token_by_token_bit_for_bit_in_one_call_or_layer_by_layer(
+        qwen2_q4k_gguf):
+    path, _ = qwen2_q4k_gguf
+    verify_is_decoding(path)  # against the float model with its weights through bfloat16 (its default)
 
 
 def test_a_q4_0_gguf_runs_on_the_files_weights_bit_for_bit(tmp_path):
