@@ -231,27 +231,49 @@ def load_profile(name: str) -> Profile:
     return _parse(name, files[name])
 
 
-# llama.cpp's names for files whose layers are mostly 4-bit blocks q4 keeps as they are (Q4_0, Q4_1, Q4_K_S, Q4_K_M, Q4_K_L):
-# a file's name, or a hub tag, carries it (the demo pair's files too); IQ4 and 5-to-8-bit types are not among them.
-_FOUR_BIT_GGUF = re.compile(r"(?:^|[^a-z0-9])q4_(?:0|1|k(?:_[sml])?)(?:\.gguf)?$", re.IGNORECASE)
+# llama.cpp's names for files whose layers are mostly of the types specdec runs in place, each with the file's own
+# weights (q4 keeps Q4_0, Q4_1 and Q4_K blocks; the levels matmul Q5_0, Q5_K, Q6_K and Q8_0): Q4_0, Q4_1, Q4_K_S/M/L,
+# Q5_0, Q5_K_S/M, Q6_K, Q8_0. A file's name, or a hub tag, carries it (the demo pair's files too); IQ types, Q2_K,
+# Q3_K and Q5_1 are not among them.
+_IN_PLACE_GGUF = re.compile(r"(?:^|[^a-z0-9])(?:q4_(?:0|1|k(?:_[sml])?)|q5_(?:0|k(?:_[sm])?)|q6_k|q8_0)(?:\.gguf)?$",
+                            re.IGNORECASE)
+_TAGGED = re.compile(r"(?:^|[^a-z0-9])(?:i?q\d|f16|bf16|f32)", re.IGNORECASE)  # a name that says its type
+IN_PLACE_TYPES = {"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_K", "Q6_K", "Q8_0"}
 
 
-def four_bit_gguf(spec: str) -> bool:
-    """Whether `spec` names a .gguf of 4-bit layers by its quantisation tag: a local file's name, a hub repository's
-    file by tag (`org/name:Q4_K_M`), or a demo model."""
+def in_place_gguf(spec: str) -> bool:
+    """Whether `spec` names a .gguf whose layers specdec runs in place, in the file's own types: by its quantisation
+    tag (a local file's name, a hub repository's file by tag `org/name:Q4_K_M`, a demo model), or, for a local file
+    whose name says no type, by the types of its 2-D tensors (most of them of `IN_PLACE_TYPES`)."""
     from specdec_cli.models.loading.demo import DEMO_MODELS, DEMO_PREFIX
     from specdec_cli.models.loading.hub import gguf_tag
 
     demo = DEMO_MODELS.get(spec.removeprefix(DEMO_PREFIX)) if spec.startswith(DEMO_PREFIX) else None
     tagged = gguf_tag(spec)
     name = demo.file_name if demo else tagged[2] if tagged else Path(spec).name if spec.lower().endswith(".gguf") else ""
-    return _FOUR_BIT_GGUF.search(name) is not None
+    if _IN_PLACE_GGUF.search(name) is not None:
+        return True
+    if demo or tagged or not name or _TAGGED.search(Path(name).stem) is not None or not Path(spec).is_file():
+        return False
+    return _mostly_in_place(Path(spec))
+
+
+def _mostly_in_place(path: Path) -> bool:
+    """Whether most of a .gguf's 2-D tensors (its layers) are of a type specdec runs in place (the header only)."""
+    try:
+        from gguf import GGUFReader
+
+        kinds = [tensor.tensor_type.name for tensor in GGUFReader(path).tensors if len(tensor.shape) == 2]
+    except Exception:  # not a readable .gguf: the loader says what is wrong with it
+        return False
+    return bool(kinds) and sum(kind in IN_PLACE_TYPES for kind in kinds) * 2 > len(kinds)
 
 
 def gguf_target_format(spec: str, device: str) -> str | None:
-    """A target's format where nothing names one: q4 for a .gguf of 4-bit layers on a CPU where q4 runs (it keeps the
-    file's blocks: the weights the user chose), else None (any other model runs as it is given)."""
-    if not four_bit_gguf(spec):
+    """A target's format where nothing names one: q4 for a .gguf of quantised layers specdec runs in place on a CPU where
+    q4 runs (`in_place_gguf`: the in-place read keeps the file's blocks, the weights the user chose), else None (any
+    other model runs as it is given)."""
+    if not in_place_gguf(spec):
         return None
     from specdec_cli.models.device import resolve_device
     from specdec_cli.models.formats.q4 import kernel_problem

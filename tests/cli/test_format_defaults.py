@@ -95,8 +95,11 @@ def test_a_4bit_gguf_target_runs_in_q4_its_own_blocks(q4_k_m_gguf, specdec_home)
     ("org/model-GGUF@main:q4_0", {}, "q4"),
     ("demo:qwen2.5-coder-1.5b", {}, "q4"),                # the demo files are Q4_K_M
     ("models/model-Q4_K_S.gguf", {}, "q4"),
-    ("org/model-GGUF:Q8_0", {}, None),                    # not 4-bit: as it is (converted to the dtype)
-    ("org/model-GGUF:IQ4_XS", {}, None),                  # 4-bit, but not blocks q4 keeps
+    ("org/model-GGUF:Q8_0", {}, "q4"),                    # in place too: the levels matmul keeps Q8_0, Q6_K, Q5_0/K
+    ("org/model-GGUF:Q6_K", {}, "q4"),
+    ("models/model-Q5_K_M.gguf", {}, "q4"),
+    ("org/model-GGUF:IQ4_XS", {}, None),                  # types without a kernel: as it is (converted to the dtype)
+    ("org/model-GGUF:Q3_K_M", {}, None),
     ("models/model-f16.gguf", {}, None),
     ("org/model", {}, None),                              # a hub id of float weights: the weights as given
     ("org/model-GGUF:Q4_K_M", {"device": "cuda"}, None),  # q4 runs on the CPU only
@@ -104,6 +107,18 @@ def test_a_4bit_gguf_target_runs_in_q4_its_own_blocks(q4_k_m_gguf, specdec_home)
 ])
 def test_what_a_target_runs_in_where_nothing_names_a_format(target, flags, expected):
     assert choose(target=target, **{"device": "cpu", **flags}).target_quantization == expected
+
+
+def test_a_local_gguf_whose_name_says_no_type_runs_in_place_where_its_layers_are_of_types_with_kernels(tmp_path):
+    """Read from the file's tensor table: most 2-D tensors Q4_K (or Q6_K) runs in place; F32 ones as they are."""
+    from tests.tiny import build_4bit_gguf, build_tiny_gguf
+
+    quantised, mixed, plain = tmp_path / "mine.gguf", tmp_path / "other.gguf", tmp_path / "plain.gguf"
+    build_4bit_gguf(quantised, kind="Q4_K")
+    build_4bit_gguf(mixed, kind="Q4_K", kinds={"ffn": "Q6_K", "attn": "Q8_0"})
+    build_tiny_gguf(plain)
+    assert [choose(target=str(path), device="cpu").target_quantization for path in (quantised, mixed, plain)] == [
+        "q4", "q4", None]
 
 
 def test_a_draft_without_a_format_is_auto_and_a_flag_or_profile_still_wins(specdec_home):
