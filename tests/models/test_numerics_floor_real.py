@@ -29,12 +29,13 @@ QUESTIONS = [
     "What is 17 times 23? Explain how you computed it.",
 ]
 NEW_TOKENS = 64
-# Measured over the 256 teacher-forced positions on 2026-12-07 (Intel Xeon with AMX, 2 cores), two runs: top-1 agreement
-# with bfloat16 q4 0.945 and 0.949, int8 0.949 and 0.953; mean KL(bfloat16 || format) q4 0.0112, int8 0.0076 nats.
-# The bounds sit a little outside them. KL is the finer of the two: one layer's scale 1.25x off (the planted bug below)
-# moved q4's agreement by one position (0.945) but doubled its KL (0.0208); 1.5x: 0.898 and 0.052.
-FLOORS = {"q4": 0.92, "int8": 0.92}
-KL_CEILINGS = {"q4": 0.016, "int8": 0.011}
+# Measured over the 256 teacher-forced positions on 2026-12-07 (Intel Xeon with AMX, 2 cores): top-1 agreement with
+# bfloat16 int8 0.949 and 0.953 (two runs), mean KL(bfloat16 || int8) 0.0076 nats. q4 since it keeps the file's Q6_K
+# layers exactly (the levels matmul; it requantised them to 4 bits before): agreement 0.996, KL 0.0006 (it was 0.945
+# and 0.0112). The bounds sit a little outside them. One layer's scale 1.25x off (the planted bug below) now gives q4
+# 0.961 and 0.0106: outside both.
+FLOORS = {"q4": 0.98, "int8": 0.92}
+KL_CEILINGS = {"q4": 0.003, "int8": 0.011}
 PLANTED_SCALE = 1.25
 
 
