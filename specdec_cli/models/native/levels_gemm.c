@@ -117,14 +117,7 @@ static void lv_block_vnni(const uint8_t *w, LvForm f, LvTokens x, int64_t g_begi
     switch (m_count) {
         LV_CASE(1) LV_CASE(2) LV_CASE(3) LV_CASE(4) LV_CASE(5) LV_CASE(6) LV_CASE(7) LV_CASE(8)
     }
-    if (out) {
-        __mmask16 lanes = (__mmask16)((1u << out->lanes) - 1u);
-        __m512 bias = out->bias ? _mm512_maskz_loadu_ps(lanes, out->bias) : _mm512_setzero_ps();
-        for (int j = 0; j < m_count; j++)
-            _mm512_mask_storeu_ps(out->y + j * out->stride, lanes,
-                                  out->bias ? _mm512_add_ps(total[j], bias) : total[j]);
-    } else
-        for (int j = 0; j < m_count; j++) _mm512_storeu_ps(sums + j * LV_ROWS, total[j]);
+    q4_finish_vnni(total, m_count, sums, out);  /* LV_ROWS == Q4_ROWS: the same 16 rows a block */
 }
 #undef LV_CASE
 #undef LV_VNNI_GROUP

@@ -7,7 +7,9 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-#define LV_ROWS 16        /* output rows per block */
+#include "q4_layout.h"
+
+#define LV_ROWS Q4_ROWS   /* output rows per block: q4's, whose finish (q4_finish_vnni) stores them */
 #define LV_GROUP 32       /* input channels per activation scale (specdec_q8_groups) */
 #define LV_VALUE_BYTES 512 /* a group's levels: 8 chunks of 64 bytes, 16 rows × 4 channels each */
 #define LV_TILE 8         /* tokens held in registers at once (AVX512) */
@@ -44,13 +46,9 @@ typedef struct {
     int64_t groups;
 } LvTokens;
 
-/* Where a block's last groups leave their sums: token j's `lanes` rows at y + j·stride, + bias[lane]. */
-typedef struct {
-    float *y;
-    int64_t stride;
-    const float *bias;
-    int64_t lanes;
-} LvOut;
+/* Where a block's last groups leave their sums: q4's (token j's `lanes` rows at y + j·stride, + bias[lane]), so the
+   VNNI block hands its sums to q4's own finish (q4_finish_vnni). */
+typedef Q4Out LvOut;
 
 static inline void lv_prefetch_ahead(const uint8_t *p, int64_t group_bytes) {
     for (int64_t line = 0; line < group_bytes; line += 64)
