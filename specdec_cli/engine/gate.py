@@ -54,6 +54,7 @@ class _Occupancy:
 
     choice: str = DRAFT
     wait: int = 0          # steps of `choice` before the next probe
+    last_wait: int = 0     # the wait set after the last probe (doubles while the choice is confirmed)
     probing: int = 0       # steps of the other choice still to take in the current probe
     probe_tokens: int = 0  # what the current probe's steps committed, and their seconds (the switch included)
     probe_seconds: float = 0.0
@@ -73,7 +74,6 @@ class DraftingGate:
         self.longest_wait, self.probe_share = longest_wait, probe_share
         self.margin, self.min_steps, self.decay = margin, min_steps, decay
         self._occupancies: dict[int, _Occupancy] = {}
-        self._waits: dict[int, int] = {}  # each occupancy's last wait between probes (doubles when confirmed)
 
     def drafts(self, rows: int) -> bool:
         """Whether a step of `rows` live rows may draft."""
@@ -113,8 +113,8 @@ class DraftingGate:
             nearest = min(self._occupancies, key=lambda known: (abs(known - rows), known), default=None)
             choice = self._occupancies[nearest].choice if nearest is not None else DRAFT
             why = self._occupancies[nearest].why if nearest is not None else None
-            self._occupancies[rows] = _Occupancy(choice=choice, wait=self.first_probe, why=why)
-            self._waits[rows] = self.probe_every // 2
+            self._occupancies[rows] = _Occupancy(choice=choice, wait=self.first_probe, last_wait=self.probe_every // 2,
+                                                 why=why)
         return self._occupancies[rows]
 
     def _judge(self, rows: int, state: _Occupancy) -> None:
@@ -126,17 +126,17 @@ class DraftingGate:
             draft, plain = state.rates[DRAFT].per_second, state.rates[PLAIN].per_second
             state.why = (f"drafting did not pay at batch {rows}: {draft:.1f} vs {plain:.1f} tok/s measured"
                          if state.choice == PLAIN else None)
-            self._waits[rows] = self.probe_every
+            state.last_wait = self.probe_every
         elif known:
-            self._waits[rows] = self._confirmed_wait(rows, state, current)
+            state.last_wait = self._confirmed_wait(state, current)
         else:
-            self._waits[rows] = self.probe_every
-        state.wait = self._waits[rows]
+            state.last_wait = self.probe_every
+        state.wait = state.last_wait
 
-    def _confirmed_wait(self, rows: int, state: _Occupancy, current: _Rate) -> int:
+    def _confirmed_wait(self, state: _Occupancy, current: _Rate) -> int:
         """Twice the last wait, and at least enough steps of the current choice that the probe's loss (its seconds
         less what its tokens take at the current rate) is `probe_share` of them; at most `longest_wait`."""
         loss = state.probe_seconds - state.probe_tokens / max(current.per_second, 1e-9)
         step_seconds = current.seconds / max(current.steps, 1e-9)
         covering = loss / (self.probe_share * step_seconds) if step_seconds > 0 else 0.0
-        return int(min(max(self._waits[rows] * 2, covering, self.probe_every), self.longest_wait))
+        return int(min(max(state.last_wait * 2, covering, self.probe_every), self.longest_wait))
