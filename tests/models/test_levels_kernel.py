@@ -40,7 +40,7 @@ def _file_weight(raw: np.ndarray, kind: str) -> torch.Tensor:
 def _layer(kind: str, width: int, rows: int, bias: bool = False, seed: int = 0) -> tuple[LevelsLinear, np.ndarray]:
     raw = random_blocks(kind, rows, width, np.random.default_rng(seed))
     biases = torch.randn(rows, generator=torch.Generator().manual_seed(seed)) if bias else None
-    return LevelsLinear.from_parts(*gguf_levels.level_parts(raw, TYPES[kind]), biases, width), raw
+    return LevelsLinear.from_tables(*gguf_levels.level_parts(raw, TYPES[kind]), biases, width), raw
 
 
 @pytest.fixture(params=list(CODE_PATHS))
@@ -73,8 +73,14 @@ def test_each_types_layer_holds_ggufs_own_dequantisation_bit_for_bit(kind):
     layer, raw = _layer(kind, 768, 40, seed=3)
     ours, theirs = layer.dequantized_weight(), _file_weight(raw, kind)
     assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32))  # every bit, the sign of a zero too
-    # bits a weight: 5- and 6-bit levels packed (4 bits and the rest), steps (and minimums) float32 per 32 or 16
-    assert layer.packed_weight.numel() * 8 == {"Q8_0": 9, "Q6_K": 8, "Q5_0": 6, "Q5_K": 7}[kind] * 48 * 768
+
+
+@pytest.mark.parametrize("kind", list(TYPES))
+def test_each_types_layer_reads_the_files_own_bytes_a_weight(kind):
+    """The file's factors kept as it keeps them (Q8_0 and Q5_0: d float16; Q6_K: sc a byte, d float16 per 256), so a
+    layer of whole blocks of rows is the file's bytes; Q5_K's 6-bit sc and m take a byte each (180 bytes a 256)."""
+    layer, raw = _layer(kind, 768, 48, seed=3)
+    assert layer.packed_weight.numel() * {"Q5_K": 176}.get(kind, 1) == raw.nbytes * {"Q5_K": 180}.get(kind, 1)
 
 
 @pytest.mark.parametrize("kind", list(TYPES))

@@ -4,8 +4,10 @@ loader (loading/gguf_model.py): the file's weights bit for bit, each `step·(lev
 - Q5_0 (32): w = d·(q − 16), q 5-bit: level q, offset 16, step d;
 - Q6_K (256; sub-blocks of 16): w = d·sc·(q − 32), sc int8: level q, offset 32, a step d·sc per 16 channels;
 - Q5_K (256; sub-blocks of 32): w = d·sc·q − dmin·m, sc and m 6-bit: level q, step d·sc, minimum −dmin·m.
-Every step and minimum is an exact float32 product (11-bit float16 by an 8-bit integer), as gguf's own dequantisation
-makes it, so the kernel multiplies by what `gguf.quants.dequantize` gives, element for element. The levels are read
+Each keeps the file's own factors (levels.Form.tables): Q8_0 and Q5_0 their float16 d, the K types their sc (and m)
+a byte each and d (and dmin) float16 per 256 channels. The kernel makes every step and minimum from them as an exact
+float32 product (11-bit float16 by an 8-bit integer), as gguf's own dequantisation makes it, so it multiplies by what
+`gguf.quants.dequantize` gives, element for element. The levels are read
 from the bytes in gguf's own order (its dequantize_blocks, without the float steps)."""
 
 from __future__ import annotations
@@ -13,14 +15,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from specdec_cli.models.formats import levels
+
 # gguf.GGMLQuantizationType: channels a block, bytes a block
 Q5_0, Q8_0, Q5_K, Q6_K = 6, 8, 13, 14
 BLOCKS = {Q5_0: (32, 22), Q8_0: (32, 34), Q5_K: (256, 176), Q6_K: (256, 210)}
 
 
 def _halves(data: np.ndarray, offset: int) -> np.ndarray:
-    """(B, 1) float32 of the float16 at byte `offset` of each block."""
-    return data[:, offset:offset + 2].copy().view(np.float16).astype(np.float32)
+    """(B, 1) float16 of the float16 at byte `offset` of each block."""
+    return data[:, offset:offset + 2].copy().view(np.float16)
 
 
 def _shifted(packed: np.ndarray, runs: int, shifts: list[int], mask: int) -> np.ndarray:
@@ -29,37 +33,36 @@ def _shifted(packed: np.ndarray, runs: int, shifts: list[int], mask: int) -> np.
     return (moved & np.uint8(mask)).reshape(len(packed), -1)
 
 
-def _block_levels(blocks: np.ndarray, kind: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int, int]:
-    """(levels (B, channels) uint8, steps (B, sub-blocks) float32, minimums or None, offset, bits a level): `kind`'s
+def _block_levels(blocks: np.ndarray, kind: int) -> tuple[np.ndarray, list[np.ndarray], int]:
+    """(levels (B, channels) uint8, the form's tables (B, entries) each (levels.Form.tables), the form): `kind`'s
     blocks."""
-    if kind == Q8_0:
-        return blocks[:, 2:] ^ np.uint8(0x80), _halves(blocks, 0), None, 128, 8  # q + 128 as a byte
+    if kind == Q8_0:  # q + 128 as a byte; d as the file has it
+        return blocks[:, 2:] ^ np.uint8(0x80), [_halves(blocks, 0)], levels.form_code(1, False, 8, 128, levels.FLOAT16)
     if kind == Q5_0:
         high = (blocks[:, 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & np.uint32(1)
-        levels = _shifted(blocks[:, 6:], 1, [0, 4], 0x0F) | (high.astype(np.uint8) << np.uint8(4))
-        return levels, _halves(blocks, 0), None, 16, 5
-    if kind == Q6_K:
+        values = _shifted(blocks[:, 6:], 1, [0, 4], 0x0F) | (high.astype(np.uint8) << np.uint8(4))
+        return values, [_halves(blocks, 0)], levels.form_code(1, False, 5, 16, levels.FLOAT16)
+    if kind == Q6_K:  # sc int8 per 16 channels, d per 256: step d·sc
         low = _shifted(blocks[:, :128], 2, [0, 4], 0x0F)
         high = _shifted(blocks[:, 128:192], 2, [0, 2, 4, 6], 0x03)
-        steps = _halves(blocks, 208) * blocks[:, 192:208].view(np.int8).astype(np.float32)  # d·sc per 16
-        return low | (high << np.uint8(4)), steps, None, 32, 6
+        tables = [blocks[:, 192:208].view(np.int8), _halves(blocks, 208)]
+        return low | (high << np.uint8(4)), tables, levels.form_code(2, False, 6, 32, levels.FACTORS)
     from gguf.quants import Q4_K as Q4KBlocks
 
     sub_scales, sub_minimums = Q4KBlocks.get_scale_min(blocks[:, 4:16])  # (B, 8) each, 0..63
     low = _shifted(blocks[:, 48:], 4, [0, 4], 0x0F)
     high = _shifted(blocks[:, 16:48], 1, list(range(8)), 0x01)
-    steps = _halves(blocks, 0) * sub_scales.astype(np.float32)
-    minimums = -(_halves(blocks, 2) * sub_minimums.astype(np.float32))
-    return low | (high << np.uint8(4)), steps, minimums, 0, 5
+    tables = [sub_scales.astype(np.int8), sub_minimums.astype(np.int8), _halves(blocks, 0), _halves(blocks, 2)]
+    return low | (high << np.uint8(4)), tables, levels.form_code(1, True, 5, 0, levels.FACTORS)
 
 
-def level_parts(raw: np.ndarray, kind: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int, int]:
-    """A tensor's bytes (N, K/block · block bytes) uint8 → (levels (N, K) uint8, steps (N, K/32 · halves) float32,
-    minimums (N, K/32) float32 or None, offset, bits a level): LevelsLinear.from_parts' arguments."""
+def level_parts(raw: np.ndarray, kind: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], int]:
+    """A tensor's bytes (N, K/block · block bytes) uint8 → (levels (N, K) uint8, the form's tables (N, entries) each,
+    the form): LevelsLinear.from_tables' arguments."""
     size, rows = BLOCKS[kind][1], raw.shape[0]
-    levels, steps, minimums, offset, bits = _block_levels(np.ascontiguousarray(raw).reshape(-1, size), kind)
+    values, tables, form = _block_levels(np.ascontiguousarray(raw).reshape(-1, size), kind)
 
     def per_row(part: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(part).reshape(rows, -1))
 
-    return per_row(levels), per_row(steps), None if minimums is None else per_row(minimums), offset, bits
+    return per_row(values), tuple(per_row(table) for table in tables), form

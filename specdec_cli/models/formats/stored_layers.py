@@ -34,7 +34,7 @@ from specdec_cli.models.native import binding
 from specdec_cli.models.paths import atomic_file, specdec_home
 
 KIND = "layers"
-FORMAT = 2  # the entry's own layout (below); bump on a change to it
+FORMAT = 3  # the entry's own layout (below); bump on a change to it
 # the formats' code beside this module; with the native code, the bytes
 _CODE = ("q4.py", "gguf_q4.py", "levels.py", "gguf_levels.py", "int8.py")
 NOTE = "_specdec_q4_from_gguf"  # a model's note on its layers that an entry keeps (q4: taken from the .gguf, of all)
@@ -125,7 +125,7 @@ def _layer(kind: str, part: Callable[[str], torch.Tensor], in_features: int, out
         return (Q4Linear if kind == "q4" else Q4KLinear)(part("packed"), bias, in_features, out_features)
     if kind == "levels":
         packed, form = part("packed"), extra[0]
-        fits = (packed.dim() == 3 and packed.shape[-1] == levels.group_bytes(form)
+        fits = (packed.dim() == 3 and packed.shape[-1] == levels.unit_bytes(form)
                 and packed.shape[0] * levels.ROWS >= out_features)
         return LevelsLinear(packed, form, bias, in_features, out_features) if fits else None
     if kind == "int8":

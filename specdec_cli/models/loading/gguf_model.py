@@ -123,7 +123,7 @@ def _q4_layer(tensor, processor, linear: torch.nn.Linear,
     if order is not None and shape_fits:
         rows = raw if np.array_equal(order, np.arange(len(order))) else raw[order]
         if kind in gguf_levels.BLOCKS:
-            return LevelsLinear.from_parts(*gguf_levels.level_parts(rows, kind), bias, linear.in_features), True
+            return LevelsLinear.from_tables(*gguf_levels.level_parts(rows, kind), bias, linear.in_features), True
         parts = block_parts(rows, kind)
         if kind == Q4_K:
             return Q4KLinear.from_k_parts(*parts, bias, linear.in_features), True

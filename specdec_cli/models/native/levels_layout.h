@@ -19,30 +19,48 @@
 
 /* A layer's form, one int: bit 0 two halves (a step, and a minimum where there are minimums, per 16 channels; else
    per 32), bit 1 minimums stored, bit 2 levels above 127 (the AVX2 code then multiplies another way), bits 3-4 the
-   levels' bits above 4 where they are packed (1: 5-bit levels, 2: 6-bit; 0: a byte each), bits 8 on the offset o (0,
-   or a power of two up to 128): w = step·(level − o) + minimum. */
+   levels' bits above 4 where they are packed (1: 5-bit levels, 2: 6-bit; 0: a byte each), bits 5-6 how the steps
+   are stored (LV_FLOAT32, LV_FLOAT16, LV_FACTORS), bits 8 on the offset o (0, or a power of two up to 128):
+   w = step·(level − o) + minimum. */
+enum { LV_FLOAT32 = 0, LV_FLOAT16 = 1, LV_FACTORS = 2 };
+#define LV_SUPER 8 /* groups of a LV_FACTORS unit: a .gguf's K block of 256 channels */
+
 typedef struct {
-    int halves, mins, wide, high_bits;
-    float offset;
+    int halves, mins, wide, high_bits, steps, offset;
     int64_t value_bytes; /* a block's group's levels: 512 bytes, or packed 256 + 64 · high_bits */
-    int64_t group_bytes; /* a block's group: levels, then halves × 16 float32 steps, then as many minimums */
+    int64_t unit_groups; /* groups of a unit: their levels, then the unit's table of steps (1, or LV_SUPER) */
+    int64_t unit_bytes;  /* a block's unit: levels, then the table (the top of levels_gemm.c) */
 } LvForm;
 
 static inline LvForm lv_form(int form) {
-    LvForm f = {(form & 1) ? 2 : 1, (form >> 1) & 1, (form >> 2) & 1, (form >> 3) & 3, (float)(form >> 8), 0, 0};
+    LvForm f = {(form & 1) ? 2 : 1, (form >> 1) & 1, (form >> 2) & 1, (form >> 3) & 3, (form >> 5) & 3, form >> 8,
+                0, 1, 0};
     f.value_bytes = f.high_bits ? 256 + 64 * f.high_bits : LV_VALUE_BYTES;
-    f.group_bytes = f.value_bytes + 64 * f.halves * (1 + f.mins);
+    int64_t entries = f.halves * (1 + f.mins); /* steps and minimums per group, 16 rows each */
+    if (f.steps == LV_FACTORS) {
+        f.unit_groups = LV_SUPER;
+        f.unit_bytes = LV_SUPER * (f.value_bytes + 16 * entries) + 32 * (1 + f.mins);
+    } else
+        f.unit_bytes = f.value_bytes + 16 * entries * (f.steps == LV_FLOAT32 ? 4 : 2);
     return f;
+}
+
+/* Where group g of a block (w) lies: its levels, and its unit's table. */
+static inline const uint8_t *lv_group(const uint8_t *w, LvForm f, int64_t g) {
+    return w + (g / f.unit_groups) * f.unit_bytes + (g % f.unit_groups) * f.value_bytes;
+}
+
+static inline const uint8_t *lv_table(const uint8_t *w, LvForm f, int64_t g) {
+    return w + (g / f.unit_groups) * f.unit_bytes + f.unit_groups * f.value_bytes;
 }
 
 /* The activations as a layer call quantised them (specdec_q8_groups), read per token j and group g: `values` as
    int32 (4 channels each, 8 a group), `scales` s, and for half h of the group (halves: 16 channels each; one: all
-   32) `half_sums` s·Σa over it; `offset_sums` 128·Σa per half as integers (the AVX2 code of a wide form adds them
-   back; NULL otherwise). */
+   32) `half_sums` s·Σa over it and `half_ints` Σa as an integer (the offset's −o·Σa joins the exact sum). */
 typedef struct {
     const int32_t *values;
     const float *scales, *half_sums;
-    const int32_t *offset_sums;
+    const int32_t *half_ints;
     int64_t groups;
 } LvTokens;
 
@@ -50,9 +68,11 @@ typedef struct {
    VNNI block hands its sums to q4's own finish (q4_finish_vnni). */
 typedef Q4Out LvOut;
 
-static inline void lv_prefetch_ahead(const uint8_t *p, int64_t group_bytes) {
-    for (int64_t line = 0; line < group_bytes; line += 64)
-        _mm_prefetch((const char *)(p + LV_AHEAD + line), _MM_HINT_T1);
+/* The lines LV_AHEAD bytes past group g of a block (w) into L2, a group's share of its unit. */
+static inline void lv_prefetch_ahead(const uint8_t *w, LvForm f, int64_t g) {
+    int64_t share = f.unit_bytes / f.unit_groups;
+    for (int64_t line = 0; line < share; line += 64)
+        _mm_prefetch((const char *)(w + g * share + LV_AHEAD + line), _MM_HINT_T1);
 }
 
 /* The AVX2 code of one block (levels_avx2.c), which levels_gemm.c's loop calls where isa is 1. */

@@ -191,8 +191,8 @@ def _described(layer: torch.nn.Module) -> CLinear | None:
                        0, packed.data_ptr(), None, None, bias)
     if isinstance(layer, LevelsLinear):
         packed = layer.packed_weight
-        return CLinear(4, layer.in_features, layer.out_features, packed.shape[1], layer.form, packed.data_ptr(), None,
-                       None, bias)
+        return CLinear(4, layer.in_features, layer.out_features, levels.packed_groups(packed, layer.form), layer.form,
+                       packed.data_ptr(), None, None, bias)
     if isinstance(layer, PerTokenInt8Linear) and layer.own_kernel:
         packed = layer.packed_weight
         return CLinear(1, layer.in_features, layer.out_features, packed.shape[1], 2 ** (layer.bits - 1) - 1,
