@@ -55,7 +55,7 @@ static inline __m256 lv_add_group_avx2(__m256 total, __m256i low, __m256i high, 
 }
 
 /* lv_values_vnni (levels_gemm.c) for this side's 8 rows: a group's 8 chunks of levels as bytes. */
-__attribute__((target("avx2")))
+__attribute__((target("avx2"), always_inline))
 static inline void lv_values_avx2(const uint8_t *p, LvForm f, int side, __m256i v[8]) {
     if (!f.high_bits) {
         for (int c = 0; c < 8; c++) v[c] = _mm256_loadu_si256((const __m256i *)(p + 64 * c + 32 * side));
@@ -91,7 +91,7 @@ static inline void lv_values_avx2(const uint8_t *p, LvForm f, int side, __m256i 
         __m256 step[2], minimum[2];                                                                           \
         lv_values_avx2(p, f, side, v);                                                                        \
         for (int h = 0; h < f.halves; h++)                                                                    \
-            lv_steps_avx2(lv_table(w, f, g), f, g % f.unit_groups, h, side, step + h, minimum + h);          \
+            lv_steps_avx2(lv_table(w, f, g), f, g & (f.unit_groups - 1), h, side, step + h, minimum + h);          \
         for (int c = 0; f.wide && c < 8; c++) { /* u − 128 as a signed byte, and its size */                 \
             v[c] = _mm256_xor_si256(v[c], _mm256_set1_epi8((char)0x80));                                      \
             magnitude[c] = _mm256_abs_epi8(v[c]);                                                             \
@@ -114,9 +114,9 @@ static inline void lv_values_avx2(const uint8_t *p, LvForm f, int side, __m256i 
         break;
 
 /* This side's 8 rows of one block for up to LV_AVX2_TILE tokens (as levels_gemm.c's lv_block_vnni takes a block). */
-__attribute__((target("avx2,fma,f16c")))
-static void lv_side_avx2(const uint8_t *w, LvForm f, int side, LvTokens x, int64_t g_begin, int64_t g_end,
-                         int64_t m_count, float *sums, int accumulate, const LvOut *out) {
+__attribute__((target("avx2,fma,f16c"), always_inline))
+static inline void lv_side_avx2(const uint8_t *w, LvForm f, int side, LvTokens x, int64_t g_begin, int64_t g_end,
+                                int64_t m_count, float *sums, int accumulate, const LvOut *out) {
     const __m256i ones = _mm256_set1_epi16(1);
     const int offset = (f.wide ? 128 : 0) - f.offset; /* the wide sign trick's sums are Σ (u − 128)·a */
     __m256 total[LV_AVX2_TILE];
@@ -142,6 +142,15 @@ static void lv_side_avx2(const uint8_t *w, LvForm f, int side, LvTokens x, int64
 #undef LV_AVX2_GROUP
 #undef LV_DOT
 
+/* lv_side_avx2 compiled for each .gguf type's form (LV_BY_FORM), and for any other. */
+__attribute__((target("avx2,fma,f16c")))
+static void lv_side_by_form(const uint8_t *w, LvForm f, int side, LvTokens x, int64_t g_begin, int64_t g_end,
+                            int64_t m_count, float *sums, int accumulate, const LvOut *out) {
+#define LV_SIDE(form) lv_side_avx2(w, form, side, x, g_begin, g_end, m_count, sums, accumulate, out)
+    LV_BY_FORM(f, LV_SIDE)
+#undef LV_SIDE
+}
+
 /* A block on AVX2: each tile of LV_AVX2_TILE tokens, each side of 8 rows. */
 void specdec_levels_block_avx2(const uint8_t *w, LvForm f, LvTokens x, int64_t g_begin, int64_t g_end,
                                int64_t m_count, float *sums, int accumulate, const LvOut *out) {
@@ -152,7 +161,7 @@ void specdec_levels_block_avx2(const uint8_t *w, LvForm f, LvTokens x, int64_t g
         LvOut piece;
         if (out) piece = (LvOut){out->y + m0 * out->stride, out->stride, out->bias, out->lanes};
         for (int side = 0; side < 2; side++)
-            lv_side_avx2(w, f, side, part, g_begin, g_end, count, sums ? sums + m0 * LV_ROWS : NULL, accumulate,
-                         out ? &piece : NULL);
+            lv_side_by_form(w, f, side, part, g_begin, g_end, count, sums ? sums + m0 * LV_ROWS : NULL, accumulate,
+                            out ? &piece : NULL);
     }
 }

@@ -81,7 +81,7 @@ static inline __m512 lv_add_group_vnni(__m512 total, __m512i low, __m512i high, 
 /* A group's 8 chunks of levels (p: the group) as bytes, as the top of the file lays them out: each plane of top bits
    loaded once, and each chunk's bits moved to bits 4.. of its bytes by one shift (within 16-bit lanes: what crosses
    into the next byte lands outside the mask) and joined by one ternary-logic op, v | (moved & mask). */
-__attribute__((target("avx512f,avx512bw")))
+__attribute__((target("avx512f,avx512bw"), always_inline))
 static inline void lv_values_vnni(const uint8_t *p, LvForm f, __m512i v[8]) {
     if (!f.high_bits) {
         for (int c = 0; c < 8; c++) v[c] = _mm512_loadu_si512((const void *)(p + 64 * c));
@@ -114,7 +114,7 @@ static inline void lv_values_vnni(const uint8_t *p, LvForm f, __m512i v[8]) {
         __m512 step[2], minimum[2];                                                                           \
         lv_values_vnni(p, f, v);                                                                              \
         for (int h = 0; h < f.halves; h++)                                                                    \
-            lv_steps_vnni(lv_table(w, f, g), f, g % f.unit_groups, h, step + h, minimum + h);                 \
+            lv_steps_vnni(lv_table(w, f, g), f, g & (f.unit_groups - 1), h, step + h, minimum + h);                 \
         for (int j = 0; j < T; j++) {                                                                         \
             const int32_t *a4 = x.values + (j * x.groups + g) * 8, *ints = x.half_ints + (j * x.groups + g) * f.halves; \
             __m512i low = _mm512_set1_epi32(-f.offset * ints[0]);                                             \
@@ -140,9 +140,9 @@ static inline void lv_values_vnni(const uint8_t *p, LvForm f, __m512i v[8]) {
 /* One block of 16 rows (w), groups [g_begin, g_end), up to LV_TILE tokens (x: the tile's first token's); `sums`
    (LV_TILE, 16) added to when `accumulate`, else started from 0; with `out` (the block's last groups) the sums go
    to y (+ bias) instead, masked past the last row. */
-__attribute__((target("avx512f,avx512bw,avx512vnni,fma,f16c")))
-static void lv_block_vnni(const uint8_t *w, LvForm f, LvTokens x, int64_t g_begin, int64_t g_end, int64_t m_count,
-                          float *sums, int accumulate, const LvOut *out) {
+__attribute__((target("avx512f,avx512bw,avx512vnni,fma,f16c"), always_inline))
+static inline void lv_block_of_form(const uint8_t *w, LvForm f, LvTokens x, int64_t g_begin, int64_t g_end,
+                                    int64_t m_count, float *sums, int accumulate, const LvOut *out) {
     __m512 total[LV_TILE];
     for (int j = 0; j < LV_TILE; j++)
         total[j] = accumulate && j < m_count ? _mm512_loadu_ps(sums + j * LV_ROWS) : _mm512_setzero_ps();
@@ -153,6 +153,15 @@ static void lv_block_vnni(const uint8_t *w, LvForm f, LvTokens x, int64_t g_begi
 }
 #undef LV_CASE
 #undef LV_VNNI_GROUP
+
+/* lv_block_of_form compiled for each .gguf type's form (LV_BY_FORM), and for any other. */
+__attribute__((target("avx512f,avx512bw,avx512vnni,fma,f16c")))
+static void lv_block_vnni(const uint8_t *w, LvForm f, LvTokens x, int64_t g_begin, int64_t g_end, int64_t m_count,
+                          float *sums, int accumulate, const LvOut *out) {
+#define LV_BLOCK(form) lv_block_of_form(w, form, x, g_begin, g_end, m_count, sums, accumulate, out)
+    LV_BY_FORM(f, LV_BLOCK)
+#undef LV_BLOCK
+}
 
 /* y (M, N) = x · Wᵀ (+ bias), x as `tokens` holds it, W packed (ceil(N/16) blocks × units × unit_bytes). Up to a
    tile of tokens: one pass over each block's weights. More: LV_CHUNK groups at a time, so a block's chunk stays in L1

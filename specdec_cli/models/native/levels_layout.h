@@ -26,32 +26,50 @@ enum { LV_FLOAT32 = 0, LV_FLOAT16 = 1, LV_FACTORS = 2 };
 #define LV_SUPER 8 /* groups of a LV_FACTORS unit: a .gguf's K block of 256 channels */
 
 typedef struct {
-    int halves, mins, wide, high_bits, steps, offset;
+    int code, halves, mins, wide, high_bits, steps, offset;
     int64_t value_bytes; /* a block's group's levels: 512 bytes, or packed 256 + 64 · high_bits */
     int64_t unit_groups; /* groups of a unit: their levels, then the unit's table of steps (1, or LV_SUPER) */
+    int unit_shift;      /* log2 of unit_groups: a group's unit and place in it without a division */
     int64_t unit_bytes;  /* a block's unit: levels, then the table (the top of levels_gemm.c) */
 } LvForm;
 
 static inline LvForm lv_form(int form) {
-    LvForm f = {(form & 1) ? 2 : 1, (form >> 1) & 1, (form >> 2) & 1, (form >> 3) & 3, (form >> 5) & 3, form >> 8,
-                0, 1, 0};
+    LvForm f = {form, (form & 1) ? 2 : 1, (form >> 1) & 1, (form >> 2) & 1, (form >> 3) & 3, (form >> 5) & 3, form >> 8,
+                0, 1, 0, 0};
     f.value_bytes = f.high_bits ? 256 + 64 * f.high_bits : LV_VALUE_BYTES;
     int64_t entries = f.halves * (1 + f.mins); /* steps and minimums per group, 16 rows each */
     if (f.steps == LV_FACTORS) {
         f.unit_groups = LV_SUPER;
+        f.unit_shift = 3;
         f.unit_bytes = LV_SUPER * (f.value_bytes + 16 * entries) + 32 * (1 + f.mins);
     } else
         f.unit_bytes = f.value_bytes + 16 * entries * (f.steps == LV_FLOAT32 ? 4 : 2);
     return f;
 }
 
+/* The .gguf types' forms (formats/gguf_levels.py), for which LV_BY_FORM compiles the code with every field of the
+   form a constant: their branches and shift counts folded away. Any other form runs the same code, reading f. */
+#define LV_Q8_0_FORM (4 | LV_FLOAT16 << 5 | 128 << 8)
+#define LV_Q5_0_FORM (1 << 3 | LV_FLOAT16 << 5 | 16 << 8)
+#define LV_Q6_K_FORM (1 | 2 << 3 | LV_FACTORS << 5 | 32 << 8)
+#define LV_Q5_K_FORM (2 | 1 << 3 | LV_FACTORS << 5)
+#define LV_FORM_CASE(CODE, CALL) \
+    case CODE:                   \
+        CALL(lv_form(CODE));     \
+        break;
+#define LV_BY_FORM(f, CALL)                                                                   \
+    switch ((f).code) {                                                                       \
+        LV_FORM_CASE(LV_Q8_0_FORM, CALL) LV_FORM_CASE(LV_Q5_0_FORM, CALL)                     \
+        LV_FORM_CASE(LV_Q6_K_FORM, CALL) LV_FORM_CASE(LV_Q5_K_FORM, CALL) default: CALL(f); \
+    }
+
 /* Where group g of a block (w) lies: its levels, and its unit's table. */
 static inline const uint8_t *lv_group(const uint8_t *w, LvForm f, int64_t g) {
-    return w + (g / f.unit_groups) * f.unit_bytes + (g % f.unit_groups) * f.value_bytes;
+    return w + (g >> f.unit_shift) * f.unit_bytes + (g & (f.unit_groups - 1)) * f.value_bytes;
 }
 
 static inline const uint8_t *lv_table(const uint8_t *w, LvForm f, int64_t g) {
-    return w + (g / f.unit_groups) * f.unit_bytes + f.unit_groups * f.value_bytes;
+    return w + (g >> f.unit_shift) * f.unit_bytes + f.unit_groups * f.value_bytes;
 }
 
 /* The activations as a layer call quantised them (specdec_q8_groups), read per token j and group g: `values` as
@@ -68,11 +86,11 @@ typedef struct {
    VNNI block hands its sums to q4's own finish (q4_finish_vnni). */
 typedef Q4Out LvOut;
 
-/* The lines LV_AHEAD bytes past group g of a block (w) into L2, a group's share of its unit. */
+/* The lines LV_AHEAD bytes past group g of a block (w) into L2 (prefetcht1), a group's share of its unit. The
+   builtin: GCC 12 drops _mm_prefetch's where the form is a constant (LV_BY_FORM). */
 static inline void lv_prefetch_ahead(const uint8_t *w, LvForm f, int64_t g) {
-    int64_t share = f.unit_bytes / f.unit_groups;
-    for (int64_t line = 0; line < share; line += 64)
-        _mm_prefetch((const char *)(w + g * share + LV_AHEAD + line), _MM_HINT_T1);
+    int64_t share = f.unit_bytes >> f.unit_shift;
+    for (int64_t line = 0; line < share; line += 64) __builtin_prefetch(w + g * share + LV_AHEAD + line, 0, 2);
 }
 
 /* The AVX2 code of one block (levels_avx2.c), which levels_gemm.c's loop calls where isa is 1. */
