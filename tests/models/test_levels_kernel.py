@@ -6,6 +6,9 @@ into one keep every layer's weights."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -81,6 +84,18 @@ def test_each_types_layer_reads_the_files_own_bytes_a_weight(kind):
     layer of whole blocks of rows is the file's bytes; Q5_K's 6-bit sc and m take a byte each (180 bytes a 256)."""
     layer, raw = _layer(kind, 768, 48, seed=3)
     assert layer.packed_weight.numel() * {"Q5_K": 176}.get(kind, 1) == raw.nbytes * {"Q5_K": 180}.get(kind, 1)
+
+
+def test_the_kernels_constant_forms_are_the_gguf_types_forms():
+    """levels_layout.h compiles the matmul for each .gguf type's form as a constant (LV_BY_FORM); a form there that is
+    not the one the type gets would leave that type on the code that reads its form, slower."""
+    header = (Path(binding.__file__).parent / "levels_layout.h").read_text(encoding="utf-8")
+    for name, value in (("LV_FLOAT32", "0"), ("LV_FLOAT16", "1"), ("LV_FACTORS", "2")):
+        header = header.replace(name, value)
+    constant = {name: eval(expression, {"__builtins__": {}})  # digits, | and << only: C's and Python's precedence
+                for name, expression in re.findall(r"#define LV_(\w+)_FORM \(([\d |<]+)\)", header)}
+    given = {kind: _layer(kind, 256, 16)[0].form for kind in TYPES}
+    assert constant == given
 
 
 @pytest.mark.parametrize("kind", list(TYPES))
