@@ -95,6 +95,7 @@ def test_the_kernels_constant_forms_are_the_gguf_types_forms():
     constant = {name: eval(expression, {"__builtins__": {}})  # digits, | and << only: C's and Python's precedence
                 for name, expression in re.findall(r"#define LV_(\w+)_FORM \(([\d |<]+)\)", header)}
     given = {kind: _layer(kind, 256, 16)[0].form for kind in TYPES}
+    given["K_MIX"] = _k_mix(256)[0].form
     assert constant == given
 
 
@@ -144,6 +145,38 @@ def test_layers_of_different_types_fused_keep_each_layers_weights_and_rows():
     x = _inputs(3, 512)
     reference = _reference(joined, x)
     assert (joined(x).double() - reference).abs().amax() <= 1e-5 * (1 + reference.abs().amax())
+
+
+def _k_mix(width: int) -> tuple[LevelsLinear, list[torch.nn.Module]]:
+    """A Q4_K q and k beside a Q6_K v fused (a Q4_K_M file's attention), and the parts."""
+    parts = [Q4KLinear.from_k_parts(*_q4k_parts(48, width), None, width), _layer("Q6_K", width, 21, seed=1)[0]]
+    return fused(parts), parts
+
+
+def test_a_q4k_and_q6k_fused_keep_their_factors_and_weights(code_path):
+    """Fused, a Q4_K q and k and a Q6_K v keep their factors (sc and m a byte per 16 channels, d and dmin float16 per
+    256: 7.125 bits a weight, where the general form takes 12), each layer's weights, and the kernel its definition,
+    each token's output its own."""
+    joined, parts = _k_mix(1280)
+    assert joined.packed_weight.numel() * 8 == 7.125 * 1280 * 80  # 48 + 21 rows: 5 blocks of 16
+    assert torch.equal(joined.dequantized_weight(), torch.cat([part.dequantized_weight() for part in parts]))
+    x = _inputs(11, 1280)
+    reference, together = _reference(joined, x), joined(x)
+    assert (together.double() - reference).abs().amax() <= 1e-5 * (1 + reference.abs().amax())
+    assert torch.equal(torch.cat([joined(x[i:i + 1]) for i in range(11)]), together)
+
+
+def test_a_fused_k_mix_on_vnni_and_avx2_agrees_bit_for_bit(monkeypatch):
+    library, isa, _ = binding.library()
+    if isa < 2:
+        pytest.skip("this CPU has no AVX512-VNNI")
+    joined, _ = _k_mix(1280)
+    x = _inputs(11, 1280)
+    outputs = []
+    for path in (2, 1):
+        monkeypatch.setattr(binding, "library", lambda path=path: (library, path, None))
+        outputs.append(joined(x))
+    assert torch.equal(*outputs)
 
 
 def test_layers_of_one_type_fused_keep_their_bytes():

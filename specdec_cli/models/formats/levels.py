@@ -211,6 +211,28 @@ def general_parts(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, t
     return levels, steps, minimums, bits
 
 
+def factor_parts(layer: torch.nn.Module) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], int] | None:
+    """A .gguf K type's layer (Q4_K, Q5_K, Q6_K) as (levels, the tables of the mixed FACTORS form: sc and m int8 per
+    16 channels, d and dmin float16 per 256, bits a level) with the same weights: Q6_K's offset as its minimum
+    −(32·d)·sc (32·d exact in float16 where it is below 2048), the others' factors as they are, per half twice. None
+    for any other layer (and a Q6_K whose 32·d would not be a float16)."""
+    if isinstance(layer, q4.Q4KLinear):
+        levels, sub_scales, sub_minimums, d, dmin = layer.k_parts()
+        return levels, (*(table.to(torch.int8).repeat_interleave(2, dim=1) for table in (sub_scales, sub_minimums)),
+                        d, dmin), 4
+    shape = form_of(getattr(layer, "form", 0))
+    if not isinstance(layer, LevelsLinear) or shape.steps != FACTORS:
+        return None
+    levels, tables = layer.tables()
+    if shape.minimums:  # Q5_K: a factor per 32 channels, for both halves
+        sub_scales, sub_minimums, d, dmin = tables
+        return levels, (sub_scales.repeat_interleave(2, dim=1), sub_minimums.repeat_interleave(2, dim=1), d, dmin), 5
+    sub_scales, d = tables
+    if len(d) and float(d.float().abs().max()) >= 2048:
+        return None
+    return levels, (sub_scales, sub_scales, d, d * shape.offset), 6
+
+
 def matmul(x: torch.Tensor, packed: torch.Tensor, form: int, bias: torch.Tensor | None,
            out_features: int) -> torch.Tensor:
     """(M, K) float32 → (M, N) float32 = x Wᵀ (+ bias), x quantised per token and group of 32: one call into C."""
@@ -301,7 +323,8 @@ def fused(layers: list[torch.nn.Module], bias: torch.Tensor | None) -> LevelsLin
     """Levels layers (and q4 ones beside them: a .gguf's Q4_K q and k with its Q6_K v) as one levels layer whose rows
     are theirs side by side, every layer's weights bit for bit (`bias`: theirs joined): their bytes joined where all
     have one form and whole blocks of rows, their parts joined where all have one form, else every layer's parts in
-    the general form (two halves, minimums)."""
+    the form of factors per 16 channels (two halves, minimums: `factor_parts`) where all are .gguf K types, else the
+    general form (float32 steps and minimums per 16 channels)."""
     width, forms = layers[0].in_features, {getattr(layer, "form", None) for layer in layers}
     if len(forms) == 1 and None not in forms:
         if all(layer.out_features % ROWS == 0 for layer in layers):
@@ -311,6 +334,12 @@ def fused(layers: list[torch.nn.Module], bias: torch.Tensor | None) -> LevelsLin
         tables = tuple(torch.cat(table) for table in zip(*(layer_tables for _, layer_tables in joined)))
         levels = torch.cat([layer_levels for layer_levels, _ in joined])
         return LevelsLinear.from_tables(levels, tables, layers[0].form, bias, width)
+    factored = [factor_parts(layer) for layer in layers]
+    if None not in factored:  # the K types only: their factors, close to their bytes a weight
+        tables = tuple(torch.cat(table) for table in zip(*(parts[1] for parts in factored)))
+        levels = torch.cat([parts[0] for parts in factored])
+        form = form_code(2, True, max(parts[2] for parts in factored), 0, FACTORS)
+        return LevelsLinear.from_tables(levels, tables, form, bias, width)
     general = [general_parts(layer) for layer in layers]
     parts = [torch.cat([part[index] for part in general]) for index in range(3)]
     return LevelsLinear.from_parts(*parts, 0, max(part[3] for part in general), bias, width)

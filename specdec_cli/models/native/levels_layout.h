@@ -47,12 +47,13 @@ static inline LvForm lv_form(int form) {
     return f;
 }
 
-/* The .gguf types' forms (formats/gguf_levels.py), for which LV_BY_FORM compiles the code with every field of the
+/* The .gguf types' forms (formats/gguf_levels.py) and their usual fused mix, for which LV_BY_FORM compiles the code with every field of the
    form a constant: their branches and shift counts folded away. Any other form runs the same code, reading f. */
 #define LV_Q8_0_FORM (4 | LV_FLOAT16 << 5 | 128 << 8)
 #define LV_Q5_0_FORM (1 << 3 | LV_FLOAT16 << 5 | 16 << 8)
 #define LV_Q6_K_FORM (1 | 2 << 3 | LV_FACTORS << 5 | 32 << 8)
 #define LV_Q5_K_FORM (2 | 1 << 3 | LV_FACTORS << 5)
+#define LV_K_MIX_FORM (1 | 2 | 2 << 3 | LV_FACTORS << 5) /* a fused Q4_K q and k beside a Q6_K v (levels.fused) */
 #define LV_FORM_CASE(CODE, CALL) \
     case CODE:                   \
         CALL(lv_form(CODE));     \
@@ -60,7 +61,8 @@ static inline LvForm lv_form(int form) {
 #define LV_BY_FORM(f, CALL)                                                                   \
     switch ((f).code) {                                                                       \
         LV_FORM_CASE(LV_Q8_0_FORM, CALL) LV_FORM_CASE(LV_Q5_0_FORM, CALL)                     \
-        LV_FORM_CASE(LV_Q6_K_FORM, CALL) LV_FORM_CASE(LV_Q5_K_FORM, CALL) default: CALL(f); \
+        LV_FORM_CASE(LV_Q6_K_FORM, CALL) LV_FORM_CASE(LV_Q5_K_FORM, CALL)                     \
+        LV_FORM_CASE(LV_K_MIX_FORM, CALL) default: CALL(f);                                   \
     }
 
 /* Where group g of a block (w) lies: its levels, and its unit's table. */
