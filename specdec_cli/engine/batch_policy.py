@@ -73,9 +73,9 @@ class CostBatchK:
     def __init__(self, batch_size: int, verify_curve: dict[int, float] | None = None,
                  draft_curve: dict[int, float] | None = None, max_k: int = 12, max_lookup: int = 12,
                  prior_alpha: float = 0.6, prior_weight: float = 2.0, decay: float = 0.97, probe_every: int = 8,
-                 probe_k: int = 2) -> None:
+                 probe_k: int = 2, device: str = "cpu") -> None:
         self.batch_size = batch_size
-        verify_curve, draft_curve = _in_one_unit(verify_curve, draft_curve)
+        verify_curve, draft_curve = _in_one_unit(verify_curve, draft_curve, device)
         self.verify = VerifyCost(verify_curve)
         self.draft = VerifyCost(draft_curve)
         self.max_k, self.max_lookup, self.prior_alpha, self.prior_weight = max_k, max_lookup, prior_alpha, prior_weight
@@ -137,20 +137,28 @@ class CostBatchK:
         return expected * rows / max(seconds, 1e-9)
 
 
-# Without a measured curve: a forward of n tokens as one of 1 plus 5% a token (a flat-ish CPU or GPU
-# verify), a draft forward 30% of that — assumptions, used only until `specdec calibrate` measures.
-_FLAT = {1: 1.0, 16: 1.75}
-_DRAFT_SHARE = {1: 0.3, 16: 0.525}
+# Without a measured curve, assumed shapes (used only until `specdec calibrate` measures): a forward of n tokens
+# in units of one of 1 token, and a draft forward as a share of that. On a CPU a quantised target's verify grows
+# with its tokens from a few on (the demo target's q4 forward of 16 tokens cost 2.5-2.7 of one on AMD EPYC and Intel
+# Xeon: benchmarks/2026-12-02-forward-costs-avx512-interleaved.json, 2026-12-05-forward-costs-intel-amx.json; its
+# 0.5B draft about 0.35 of the target), so a batch of 8 drafting several tokens a row costs far more than a flat
+# curve says. Elsewhere (a GPU) one of 1 plus 5% a token, a draft forward 30% of that.
+_ASSUMED = {
+    "cpu": ({1: 1.0, 2: 1.07, 4: 1.3, 8: 1.7, 16: 2.7}, {1: 0.35, 2: 0.37, 4: 0.45, 8: 0.57, 16: 0.94}),
+    "flat": ({1: 1.0, 16: 1.75}, {1: 0.3, 16: 0.525}),
+}
 
 
-def _in_one_unit(verify: dict[int, float] | None, draft: dict[int, float] | None) -> tuple[dict, dict]:
-    """Both curves in one unit: a missing one is its assumed shape scaled to the measured one's one-token
-    cost (a calibrated target in seconds beside the assumed draft share would price a draft forward at
-    0.3 s), both assumed where neither was measured."""
+def _in_one_unit(verify: dict[int, float] | None, draft: dict[int, float] | None,
+                 device: str = "cpu") -> tuple[dict, dict]:
+    """Both curves in one unit: a missing one is its assumed shape (`_ASSUMED`: the CPU's on "cpu", else the flat
+    one) scaled to the measured one's one-token cost (a calibrated target in seconds beside the assumed draft share
+    would price a draft forward at 0.35 s), both assumed where neither was measured."""
+    assumed_verify, assumed_draft = _ASSUMED["cpu" if device == "cpu" else "flat"]
     if verify and not draft:
-        scale = verify[min(verify)] / _FLAT[1]
-        draft = {n: seconds * scale for n, seconds in _DRAFT_SHARE.items()}
+        scale = verify[min(verify)] / assumed_verify[1]
+        draft = {n: seconds * scale for n, seconds in assumed_draft.items()}
     elif draft and not verify:
-        scale = draft[min(draft)] / _DRAFT_SHARE[1]
-        verify = {n: seconds * scale for n, seconds in _FLAT.items()}
-    return verify or _FLAT, draft or _DRAFT_SHARE
+        scale = draft[min(draft)] / assumed_draft[1]
+        verify = {n: seconds * scale for n, seconds in assumed_verify.items()}
+    return verify or assumed_verify, draft or assumed_draft

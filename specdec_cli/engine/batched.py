@@ -124,7 +124,9 @@ class BatchedDecoder:
         self.draft_window = draft_window
         self.min_survival = AUTO_SURVIVAL if k == "auto" else 0.0
         self.context = smallest_context(context_length(target), context_length(draft) if uses_model else None)
-        self.policy = (CostBatchK(batch_size, verify_curve, draft_curve) if k == "auto" else FixedBatchK(int(k)))
+        device = next(target.parameters()).device.type  # the shape of the curves assumed where none was measured
+        self.policy = (CostBatchK(batch_size, verify_curve, draft_curve, device=device) if k == "auto"
+                       else FixedBatchK(int(k)))
         self.draft_from_the_start = self.policy.drafts_from_the_start()
         self.gate = gate if self.drafter != "none" else None
         self.clock = clock
