@@ -15,6 +15,25 @@ from tests.isolation import module_specdec_home, specdec_home  # noqa: F401  (au
 
 VOCAB = 96
 
+# Under pytest-xdist (`-n auto` in pyproject's addopts) each worker takes its share of the cores for torch's threads:
+# two workers of two threads each on two cores would oversubscribe them, and OpenMP's waits then cost far more.
+WORKER_MEMORY = 8 * 2**30  # a worker may load the real demo pair (and a test beside it): about this much at its peak
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: a worker per core, as many as the memory holds at WORKER_MEMORY each (two on CI's 2 cores and
+    24 GiB)."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(1, min(_cores(), memory // WORKER_MEMORY))
+
+
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    torch.set_num_threads(max(1, _cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 # A kernel test may skip in CI only where the CPU lacks the instructions it tests, and its reason names them:
 # "this CPU has no AMX", "this CPU has neither AVX512-VNNI nor AVX2".
