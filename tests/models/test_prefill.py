@@ -177,6 +177,27 @@ def test_who_may_read_prompts(target, specdec_home):
     assert prefill.resolve("none", torch.device("cpu"), "x", "q4", None, None) == "none"
 
 
+def test_auto_resolves_a_gguf_target_from_its_own_metadata_whether_or_not_it_was_converted(tmp_path, specdec_home):
+    """`--prefill auto` before loading read the target's config only from a bfloat16 conversion of its .gguf: a q4
+    target read in place (the default) had none until some command converted it, so the same `run` resolved "none"
+    (prompts read by q4) on a fresh machine and "bf16" (read on AMX) later, and gave other text (issue 61's flaky
+    e2e identity). Now the file's metadata answers where no conversion exists, and the answer is the same after."""
+    pytest.importorskip("gguf")
+    from specdec_cli.models.loading import gguf as gguf_loading
+    from tests.tiny import build_4bit_gguf
+
+    path = tmp_path / "tiny-q4_k.gguf"
+    build_4bit_gguf(path, arch="qwen2")
+    amx = {"amx_bf16", "amx_tile", "avx512_bf16"}
+    before = prefill.resolve("auto", torch.device("cpu"), str(path), "q4", None, None, flags=amx)
+    gguf_loading.ensure_converted(path, torch.bfloat16, None, progress=False)
+    after = prefill.resolve("auto", torch.device("cpu"), str(path), "q4", None, None, flags=amx)
+    assert before == after == "bf16"
+    assert prefill.resolve("auto", torch.device("cpu"), str(path), "q4", None, None, flags={"avx2"}) == "none"
+    assert prefill.resolve("auto", torch.device("cpu"), str(tmp_path / "absent.gguf"), "q4", None, None,
+                           flags=amx) == "none"
+
+
 def test_run_names_the_prompt_read_only_where_the_copy_reads_it():
     from specdec_cli.settings import DecodingSettings
 

@@ -209,17 +209,14 @@ def wanted(setting: str, target, flags: set[str] | None = None) -> bool:
 def resolve(setting: str, device: torch.device, target: str, quantization: str | None, draft: str | None,
             draft_quantization: str | None, flags: set[str] | None = None) -> str:
     """`setting` before anything is loaded, "bf16" or "none" (what `run` stores beside a file): `auto` as `wanted`
-    decides it, from the models' configs on this machine (none found: "none") and the pre-flight's estimates."""
+    decides it, from the target's config on this machine (its folder's, else its .gguf's metadata; none found:
+    "none") and the pre-flight's estimates."""
     if setting != "auto":
         return setting
-    from transformers import AutoConfig
+    from specdec_cli.models.loading.resolve import local_config
 
-    from specdec_cli.models.loading.resolve import local_config_folder
-
-    folder = local_config_folder(target)
-    if folder is None or device.type != "cpu" or quantization not in ("q4", "int8"):
+    if device.type != "cpu" or quantization not in ("q4", "int8") or (config := local_config(target)) is None:
         return "none"
-    config = AutoConfig.from_pretrained(folder)
     takes = slow_path_reason(config) is None and full_attention(config)
     if not takes or not _pays(target, quantization, flags):
         return "none"

@@ -158,3 +158,26 @@ def local_config_folder(spec: str) -> Path | None:
     else:
         config = None
     return config.parent if config is not None and config.is_file() else None
+
+
+def local_config(spec: str):
+    """`spec`'s config (a transformers PretrainedConfig) from what this machine holds, never the network; None where
+    it holds none: the config.json of its folder (`local_config_folder`), else the metadata of its .gguf — a local
+    file, or the demo's (joined now where it is not yet, as loading it joins it). So what is decided from a config
+    before loading (`--prefill auto`) does not change once a bfloat16 conversion of the file happens to be made: on
+    a machine where the demo target ran in place, `--prefill auto` resolved to "none" until some command converted
+    it, and to "bf16" after, and the same `run` then gave other text (issue 61's flaky identity test)."""
+    from transformers import AutoConfig
+
+    try:
+        folder = local_config_folder(spec)
+        if folder is not None:
+            return AutoConfig.from_pretrained(folder)
+        if demo.is_demo_spec(spec):
+            path = demo.ensure_joined(demo.demo_model(spec), progress=False)
+        elif (path := Path(spec).expanduser()).suffix.lower() != ".gguf" or not path.is_file():
+            return None
+        return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception:  # not installed, unreadable, a config transformers refuses: loading it says what is wrong
+        return None
+
