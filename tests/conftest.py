@@ -24,6 +24,7 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+@pytest.hookimpl(optionalhook=True)  # a run with -p no:xdist has no such hook
 def pytest_xdist_auto_num_workers(config) -> int:
     """`-n auto`: a worker per core, as many as the memory holds at WORKER_MEMORY each (two on CI's 2 cores and
     24 GiB)."""
