@@ -152,13 +152,18 @@ class Benchmark:
 
     def measure_quality(self, reference: LoadedModel) -> dict:
         """The target's greedy output (the baseline's first runs) against `reference`'s — the same model
-        unquantised — on the same prompts: identical prompts and the median first divergence (untimed)."""
-        baseline = {run.prompt_index: run.tokens for run in self.runs
-                    if run.configuration == self.configs[0].name and run.repeat == 0}
+        unquantised — on the same prompts: identical prompts and the median first divergence; and the tokens per
+        second of each on them (the reference timed after the configurations, one run: the speed a user who kept
+        the unquantised weights would get here)."""
+        first_runs = [run for run in self.runs if run.configuration == self.configs[0].name and run.repeat == 0]
+        baseline = {run.prompt_index: run.tokens for run in first_runs}
         with quiet_transformers():
-            tokens = reference_tokens(reference.model, self.prompt_ids, self.settings.max_new_tokens, self.eos_ids)
+            tokens, seconds = reference_tokens(reference.model, self.prompt_ids, self.settings.max_new_tokens,
+                                               self.eos_ids)
         label = self.target.precision + (", prompts read in bfloat16" if prompt_reader(self.target) != "target" else "")
-        self.quality = agreement(tokens, baseline) | {"target": label, "reference": reference.precision}
+        speeds = {"reference_tokens_per_second": sum(map(len, tokens.values())) / seconds if seconds > 0 else None,
+                  "target_tokens_per_second": _rate(first_runs)}
+        self.quality = agreement(tokens, baseline) | {"target": label, "reference": reference.precision} | speeds
         return self.quality
 
     # ---- results ----
@@ -237,3 +242,9 @@ def write_json(path: Path, report: dict) -> None:
     """Write the report whole or not at all: a temporary file beside `path`, renamed over it."""
     with replacing(path, "choose a writable path for --json") as temporary:
         temporary.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+
+
+def _rate(runs) -> float | None:
+    """Tokens per second over `runs` together."""
+    seconds = sum(run.seconds for run in runs)
+    return sum(len(run.tokens) for run in runs) / seconds if seconds > 0 else None

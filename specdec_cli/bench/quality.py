@@ -2,7 +2,8 @@
 unquantised greedy tokens on the same prompts. Speculation on a quantised target reproduces that quantised
 target exactly (tests prove it); what changes is the target itself, and this says by how much.
 
-Pure except for `reference_tokens`, which decodes with the engine (no timing: quality is not a speed)."""
+Pure except for `reference_tokens`, which decodes with the engine and times it: the speed the unquantised target
+would have had here on the same prompts, beside what quantising it changed."""
 
 from __future__ import annotations
 
@@ -33,10 +34,16 @@ def agreement(reference: dict[int, list[int]], quantised: dict[int, list[int]]) 
     }
 
 
-def reference_tokens(model, prompt_ids: Sequence[list[int]], max_new_tokens: int, eos_ids: Sequence[int]) -> dict[int, list[int]]:
-    """Greedy tokens of `model` alone for each prompt (prompt index → tokens), fresh caches per prompt."""
-    tokens = {}
+def reference_tokens(model, prompt_ids: Sequence[list[int]], max_new_tokens: int,
+                     eos_ids: Sequence[int]) -> tuple[dict[int, list[int]], float]:
+    """Greedy tokens of `model` alone for each prompt (prompt index → tokens), fresh caches per prompt, and the
+    seconds their decoding took together (after a warm-up of two tokens on the first prompt: a model's first forward
+    pays for its kernels' start)."""
+    if prompt_ids:
+        SpeculativeDecoder(model, None, FixedK(0), eos_ids).generate(prompt_ids[0], SamplingParams(), 2)
+    tokens, seconds = {}, 0.0
     for index, ids in enumerate(prompt_ids):
         decoder = SpeculativeDecoder(model, None, FixedK(0), eos_ids)
-        tokens[index] = decoder.generate(ids, SamplingParams(), max_new_tokens).tokens
-    return tokens
+        result = decoder.generate(ids, SamplingParams(), max_new_tokens)
+        tokens[index], seconds = result.tokens, seconds + result.stats.seconds
+    return tokens, seconds

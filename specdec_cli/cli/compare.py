@@ -6,7 +6,6 @@ options → bench.ThroughputBenchmark → one throughput table, progress, --json
 from __future__ import annotations
 
 import importlib.util
-import json
 import time
 from pathlib import Path
 from typing import Annotated
@@ -59,7 +58,8 @@ JsonOption = Annotated[Path | None, typer.Option(
     "--json", help="Write every raw measurement and the environment to this file.", rich_help_panel=_OUTPUT)]
 QualityOption = Annotated[bool, typer.Option(
     "--quality/--no-quality", help="With a quantised target and greedy decoding: also decode every prompt with the "
-    "target unquantised (untimed) and report how often the outputs are identical and where they first diverge.",
+    "target unquantised (timed) and report how often the outputs are identical, where they first diverge, and both "
+    "speeds.",
     rich_help_panel=_OUTPUT)]
 BatchSizeOption = Annotated[int | None, typer.Option(
     "--batch-size", help="Measure throughput at batch size B instead of one prompt at a time: the target alone, each "
@@ -146,7 +146,7 @@ def compare_command(
     for table in bench.theory_tables(benchmark.summary(), benchmark.warmup):  # --k 0 alone: no drafts, no theory
         console.print(table)
     if quality_line:
-        console.print(quality_line, markup=False)
+        console.print(quality_line, markup=False, soft_wrap=True)  # one line, however wide
     _write_results(((json_path, lambda path: bench.write_json(path, benchmark.report(by_category))),
                     (plot, lambda path: bench.write_plot(path, benchmark.summary()))))
 
@@ -352,12 +352,16 @@ def _measure_quality(benchmark: bench.Benchmark, choice) -> str:
     """Load the target unquantised and decode the prompts with it: what quantising the target changed."""
     from specdec_cli.models import load_model
 
-    error_console().print("quality: decoding the prompts with the target unquantised (untimed)", markup=False)
+    error_console().print("quality: decoding the prompts with the target unquantised (timed, after the configurations)", markup=False)
     reference = load_model(choice.target, device=choice.device, dtype=choice.dtype, quantization=None,
                            trust_remote_code=choice.trust_remote_code, allow_pickle=choice.allow_pickle)
     found = benchmark.measure_quality(reference)
     del reference
     diverged = found["median_first_divergence"]
     where = "" if diverged is None else f"; the others first differ at token {diverged:g} (median)"
+    ours, theirs = found["target_tokens_per_second"], found["reference_tokens_per_second"]
+    speed = (f"; the {found['reference']} target alone decoded them at {theirs:.1f} tok/s here, the "
+             f"quantised one at {ours:.1f} (×{ours / theirs:.2f}; one run)"
+             if ours and theirs else "")
     return (f"quality: the {found['target']} target's greedy output equals the {found['reference']} target's on "
-            f"{found['identical']}/{found['compared']} prompts{where}")
+            f"{found['identical']}/{found['compared']} prompts{where}{speed}")

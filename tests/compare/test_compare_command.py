@@ -205,10 +205,14 @@ def test_an_int8_target_is_compared_with_itself_unquantised(tiny_pair, tmp_path)
     quality = json.loads((tmp_path / "out.json").read_text())["quality"]
     assert quality["compared"] == 4 and 0 <= quality["identical"] <= 4
     assert quality["target"].startswith("int8") and quality["reference"] == "float32"
+    ours, theirs = quality["target_tokens_per_second"], quality["reference_tokens_per_second"]
+    assert ours > 0 and theirs > 0  # the float target's speed on the same prompts (issue 60), timed
     line = [line for line in result.stdout.splitlines() if line.startswith("quality:")]
     assert line == [f"quality: the {quality['target']} target's greedy output equals the float32 target's on "
                     f"{quality['identical']}/4 prompts" + ("" if quality["identical"] == 4 else
-                    f"; the others first differ at token {quality['median_first_divergence']:g} (median)")]
+                    f"; the others first differ at token {quality['median_first_divergence']:g} (median)") +
+                    f"; the float32 target alone decoded them at {theirs:.1f} tok/s here, the quantised one at "
+                    f"{ours:.1f} (×{ours / theirs:.2f}; one run)"]
 
 
 def test_an_unquantised_target_gets_no_quality_line(compared):
