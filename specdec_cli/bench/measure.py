@@ -58,6 +58,7 @@ class Benchmark:
         self.order = run_order(len(prompts), settings.repeats, len(self.configs))
         self.runs: list[Run] = []
         self.warmup: dict = {}
+        self.left_out: dict[str, str] = {}  # a peer that failed on this pair in the warm-up: its name, and why
         self.quality: dict | None = None
         self.models_used: dict[str, list[str]] = {}
         if plain_draft is not None and draft is not None:  # a draft of another tokenizer: HF is given both (peers.py)
@@ -98,14 +99,26 @@ class Benchmark:
         """One short generation per configuration (also noting which models each runs), then the timing
         of single-token forwards of each model for the cost ratio c."""
         first_prompt = self.prompt_ids[0]
-        for config in self.configs:
-            self._counted_run(config, first_prompt, WARMUP_TOKENS, counter)
+        for config in list(self.configs):
+            try:
+                self._counted_run(config, first_prompt, WARMUP_TOKENS, counter)
+            except Exception as error:  # transformers' own generate on a pair it does not take: a peer, not ours
+                if config.kind not in (HF_ASSISTED, HF_LOOKUP):
+                    raise
+                self._leave_out(config, f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200]}")
         prompts = {TARGET: first_prompt, DRAFT: self._draft_prompt(first_prompt)}
         seconds = {role: forward_seconds(self._models[role], prompts[role]) for role in (TARGET, DRAFT)
                    if role in self._models}
         self.warmup = {f"{role}_forward_seconds": value for role, value in seconds.items()}
         if DRAFT in seconds:
             self.warmup["c_forward"] = seconds[DRAFT] / seconds[TARGET]
+
+    def _leave_out(self, config: Configuration, why: str) -> None:
+        """Drop a peer that failed in the warm-up (before any timed run): the others are measured as if it had never
+        been asked for, and the report says why it is missing."""
+        self.configs.remove(config)
+        self.order = run_order(len(self.prompts), self.settings.repeats, len(self.configs))
+        self.left_out[config.name] = why
 
     def _counted_run(self, config: Configuration, prompt_ids: list[int], max_new_tokens: int, counter: ForwardCounter) -> Run:
         """A run that also notes which models it ran (a drafter may call the draft model only sometimes)."""
@@ -202,6 +215,8 @@ class Benchmark:
             "runs": [asdict(run) for run in self.runs],
             "summary": self.summary(),
         }
+        if self.left_out:
+            report["left_out"] = self.left_out
         if self.quality is not None:
             report["quality"] = self.quality
         if by_category:

@@ -137,6 +137,9 @@ def compare_command(
                                    tree_default=lambda k: tree_nodes(target_model, k))
     benchmark = bench.Benchmark(target_model, draft_model, configs, chosen_prompts, bench_settings, plain_draft)
     _measure(benchmark, json_path)
+    for name, why in benchmark.left_out.items():
+        error_console().print(f"note: {name} failed on this pair in its warm-up and is left out ({why}; transformers' "
+                              f"own code)", markup=False)
     _say_background(benchmark.background)
     quality_line = None
     if quality and target_model.quantization and bench_settings.params.greedy:
@@ -262,7 +265,6 @@ def _measure(benchmark: bench.Benchmark, json_path: Path | None) -> None:
     a benchmark that fails or is killed keeps what it measured; on Ctrl-C it is marked "interrupted"."""
     total = len(benchmark.order)
     n_prompts = len(benchmark.prompts)
-    per_prompt = len(benchmark.configs) * benchmark.settings.repeats
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     console = error_console()
     started = time.perf_counter()
@@ -271,7 +273,9 @@ def _measure(benchmark: bench.Benchmark, json_path: Path | None) -> None:
         task = progress.add_task("warming up", total=total)
 
         def advance(done: int, _total: int, prompt: int, config: bench.Configuration) -> None:
-            progress.update(task, completed=done, description=f"prompt {prompt + 1}/{n_prompts} · {config.name}")
+            progress.update(task, completed=done, total=len(benchmark.order),
+                            description=f"prompt {prompt + 1}/{n_prompts} · {config.name}")
+            per_prompt = len(benchmark.configs) * benchmark.settings.repeats  # fewer where a peer was left out
             if json_path and done % per_prompt == 0:
                 _write_partial(json_path, benchmark.report(by_category=False) | {"partial": True}, failed, console)
             if not console.is_terminal and done % per_prompt == 0:  # no live bar: one line per prompt instead
