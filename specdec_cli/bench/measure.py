@@ -76,10 +76,17 @@ class Benchmark:
         try:
             with quiet_transformers():
                 self._warm_up(counter)
-                for done, (prompt, repeat, index) in enumerate(self.order, start=1):
-                    config = self.configs[index]
-                    run = self._counted_run(config, self.prompt_ids[prompt], self.settings.max_new_tokens, counter)
-                    run.prompt_index, run.repeat = prompt, repeat
+                plan, done = [(prompt, repeat, self.configs[index]) for prompt, repeat, index in self.order], 0
+                for prompt, repeat, config in plan:
+                    if config.name in self.left_out:
+                        continue
+                    try:
+                        run = self._counted_run(config, self.prompt_ids[prompt], self.settings.max_new_tokens,
+                                                counter)
+                    except Exception as error:  # a peer on a prompt it does not take: see `_leave_out`
+                        self._leave_out(config, error)
+                        continue
+                    run.prompt_index, run.repeat, done = prompt, repeat, done + 1
                     self.runs.append(run)
                     if on_progress:
                         on_progress(done, len(self.order), prompt, config)
@@ -102,10 +109,8 @@ class Benchmark:
         for config in list(self.configs):
             try:
                 self._counted_run(config, first_prompt, WARMUP_TOKENS, counter)
-            except Exception as error:  # transformers' own generate on a pair it does not take: a peer, not ours
-                if config.kind not in (HF_ASSISTED, HF_LOOKUP):
-                    raise
-                self._leave_out(config, f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200]}")
+            except Exception as error:
+                self._leave_out(config, error)
         prompts = {TARGET: first_prompt, DRAFT: self._draft_prompt(first_prompt)}
         seconds = {role: forward_seconds(self._models[role], prompts[role]) for role in (TARGET, DRAFT)
                    if role in self._models}
@@ -113,12 +118,18 @@ class Benchmark:
         if DRAFT in seconds:
             self.warmup["c_forward"] = seconds[DRAFT] / seconds[TARGET]
 
-    def _leave_out(self, config: Configuration, why: str) -> None:
-        """Drop a peer that failed in the warm-up (before any timed run): the others are measured as if it had never
-        been asked for, and the report says why it is missing."""
+    def _leave_out(self, config: Configuration, error: Exception) -> None:
+        """A peer whose run raised (transformers' own generate on a pair it does not take: HF's universal assisted
+        generation raised IndexError on a real pair of two tokenizers): its runs so far are dropped and the others are
+        measured as if it had never been asked for; the report says why it is missing. Our own configurations raise."""
+        if config.kind not in (HF_ASSISTED, HF_LOOKUP):
+            raise error
+        kept = [(prompt, repeat, self.configs[index]) for prompt, repeat, index in self.order
+                if self.configs[index] is not config]
         self.configs.remove(config)
-        self.order = run_order(len(self.prompts), self.settings.repeats, len(self.configs))
-        self.left_out[config.name] = why
+        self.order = [(prompt, repeat, self.configs.index(other)) for prompt, repeat, other in kept]
+        self.runs = [run for run in self.runs if run.configuration != config.name]
+        self.left_out[config.name] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200]}"
 
     def _counted_run(self, config: Configuration, prompt_ids: list[int], max_new_tokens: int, counter: ForwardCounter) -> Run:
         """A run that also notes which models it ran (a drafter may call the draft model only sometimes)."""

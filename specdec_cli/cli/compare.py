@@ -138,7 +138,7 @@ def compare_command(
     benchmark = bench.Benchmark(target_model, draft_model, configs, chosen_prompts, bench_settings, plain_draft)
     _measure(benchmark, json_path)
     for name, why in benchmark.left_out.items():
-        error_console().print(f"note: {name} failed on this pair in its warm-up and is left out ({why}; transformers' "
+        error_console().print(f"note: {name} failed on this pair and is left out ({why}; transformers' "
                               f"own code)", markup=False)
     _say_background(benchmark.background)
     quality_line = None
