@@ -119,18 +119,22 @@ def test_a_tokens_output_does_not_depend_on_the_others(code_path, kind):
     assert torch.equal(torch.cat([layer(x[i:i + 1]) for i in range(20)]), together)
 
 
-@pytest.mark.parametrize("kind", list(TYPES))
-def test_the_vnni_and_avx2_code_agree_bit_for_bit(monkeypatch, kind):
+def _on_vnni_and_avx2(monkeypatch, layer: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """The layer's output on the VNNI code, then on the AVX2 code (skipped on a CPU without AVX512-VNNI)."""
     library, isa, _ = binding.library()
     if isa < 2:
         pytest.skip("this CPU has no AVX512-VNNI")
-    layer, _ = _layer(kind, 1280, 37, bias=True, seed=7)
-    x = _inputs(11, 1280)
     outputs = []
     for path in (2, 1):
         monkeypatch.setattr(binding, "library", lambda path=path: (library, path, None))
         outputs.append(layer(x))
-    assert torch.equal(*outputs)
+    return outputs
+
+
+@pytest.mark.parametrize("kind", list(TYPES))
+def test_the_vnni_and_avx2_code_agree_bit_for_bit(monkeypatch, kind):
+    layer, _ = _layer(kind, 1280, 37, bias=True, seed=7)
+    assert torch.equal(*_on_vnni_and_avx2(monkeypatch, layer, _inputs(11, 1280)))
 
 
 def test_layers_of_different_types_fused_keep_each_layers_weights_and_rows():
@@ -167,16 +171,8 @@ def test_a_q4k_and_q6k_fused_keep_their_factors_and_weights(code_path):
 
 
 def test_a_fused_k_mix_on_vnni_and_avx2_agrees_bit_for_bit(monkeypatch):
-    library, isa, _ = binding.library()
-    if isa < 2:
-        pytest.skip("this CPU has no AVX512-VNNI")
     joined, _ = _k_mix(1280)
-    x = _inputs(11, 1280)
-    outputs = []
-    for path in (2, 1):
-        monkeypatch.setattr(binding, "library", lambda path=path: (library, path, None))
-        outputs.append(joined(x))
-    assert torch.equal(*outputs)
+    assert torch.equal(*_on_vnni_and_avx2(monkeypatch, joined, _inputs(11, 1280)))
 
 
 def test_layers_of_one_type_fused_keep_their_bytes():
