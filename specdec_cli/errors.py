@@ -4,6 +4,12 @@ They are raised anywhere below the CLI and caught once at the CLI edge (`cli/app
 them without a traceback (`--debug` shows it)."""
 
 
+def first_line(error: Exception) -> str:
+    """An error's message for a one-line report: its first line, at most 200 characters ("no message" where empty)."""
+    text = str(error).strip()
+    return text.splitlines()[0][:200] if text else "no message"
+
+
 class SpecdecError(Exception):
     """A failure the user can fix. `hint` says how."""
 

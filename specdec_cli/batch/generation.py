@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from specdec_cli.batch.records import Completion
 from specdec_cli.batch.requests import Request
-from specdec_cli.errors import SpecdecError
+from specdec_cli.errors import SpecdecError, first_line
 
 if TYPE_CHECKING:
     from specdec_cli.batch.loop import Outcome
@@ -195,8 +195,3 @@ def _why(note: str | None, batch_size: int | str, curve: dict | None) -> str:
 
 def _given(value, default):
     return default if value is None else value
-
-
-def first_line(error: Exception) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:200] if text else "no message"

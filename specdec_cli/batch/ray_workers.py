@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 from itertools import zip_longest
 from typing import TYPE_CHECKING
 
-from specdec_cli.batch.generation import ModelGeneration, first_line
+from specdec_cli.batch.generation import ModelGeneration
 from specdec_cli.batch.loop import Outcome
 from specdec_cli.batch.records import Completion
 from specdec_cli.batch.requests import Request
 from specdec_cli.engine.stats import GenerationStats
-from specdec_cli.errors import InputError, MissingExtraError, ModelLoadError, SpecdecError
+from specdec_cli.errors import InputError, MissingExtraError, ModelLoadError, SpecdecError, first_line
 
 if TYPE_CHECKING:
     from specdec_cli.settings import DecodingSettings, ModelChoice

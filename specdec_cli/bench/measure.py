@@ -33,7 +33,7 @@ from specdec_cli.bench.runs import (
 )
 from specdec_cli.bench.theory import summary_row
 from specdec_cli.engine import GenerationStats, cut_at_eos
-from specdec_cli.errors import InputError
+from specdec_cli.errors import InputError, first_line
 from specdec_cli.models import LoadedModel
 from specdec_cli.models.loading.preflight import held_weight_bytes
 from specdec_cli.models.paths import replacing
@@ -129,7 +129,7 @@ class Benchmark:
         self.configs.remove(config)
         self.order = [(prompt, repeat, self.configs.index(other)) for prompt, repeat, other in kept]
         self.runs = [run for run in self.runs if run.configuration != config.name]
-        self.left_out[config.name] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200]}"
+        self.left_out[config.name] = f"{type(error).__name__}: {first_line(error)}"
 
     def _counted_run(self, config: Configuration, prompt_ids: list[int], max_new_tokens: int, counter: ForwardCounter) -> Run:
         """A run that also notes which models it ran (a drafter may call the draft model only sometimes)."""
@@ -179,14 +179,14 @@ class Benchmark:
         unquantised — on the same prompts: identical prompts and the median first divergence; and the tokens per
         second of each on them (the reference timed after the configurations, one run: the speed a user who kept
         the unquantised weights would get here)."""
-        first_runs = [run for run in self.runs if run.configuration == self.configs[0].name and run.repeat == 0]
-        baseline = {run.prompt_index: run.tokens for run in first_runs}
+        baseline = {run.prompt_index: run.tokens for run in self.runs
+                    if run.configuration == self.configs[0].name and run.repeat == 0}
         with quiet_transformers():
             tokens, seconds = reference_tokens(reference.model, self.prompt_ids, self.settings.max_new_tokens,
                                                self.eos_ids)
         label = self.target.precision + (", prompts read in bfloat16" if prompt_reader(self.target) != "target" else "")
         speeds = {"reference_tokens_per_second": sum(map(len, tokens.values())) / seconds if seconds > 0 else None,
-                  "target_tokens_per_second": _rate(first_runs)}
+                  "target_tokens_per_second": self.summary()[0]["tokens_per_second"]}  # the table's own figure
         self.quality = agreement(tokens, baseline) | {"target": label, "reference": reference.precision} | speeds
         return self.quality
 
@@ -268,9 +268,3 @@ def write_json(path: Path, report: dict) -> None:
     """Write the report whole or not at all: a temporary file beside `path`, renamed over it."""
     with replacing(path, "choose a writable path for --json") as temporary:
         temporary.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
-
-
-def _rate(runs) -> float | None:
-    """Tokens per second over `runs` together."""
-    seconds = sum(run.seconds for run in runs)
-    return sum(len(run.tokens) for run in runs) / seconds if seconds > 0 else None

@@ -356,7 +356,8 @@ def _measure_quality(benchmark: bench.Benchmark, choice) -> str:
     """Load the target unquantised and decode the prompts with it: what quantising the target changed."""
     from specdec_cli.models import load_model
 
-    error_console().print("quality: decoding the prompts with the target unquantised (timed, after the configurations)", markup=False)
+    error_console().print("quality: decoding the prompts with the target unquantised (timed, after the configurations)",
+                          markup=False)
     reference = load_model(choice.target, device=choice.device, dtype=choice.dtype, quantization=None,
                            trust_remote_code=choice.trust_remote_code, allow_pickle=choice.allow_pickle)
     found = benchmark.measure_quality(reference)
