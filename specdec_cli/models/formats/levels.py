@@ -5,9 +5,9 @@ the group, 16 channels, where the form says two halves) and where the form has t
 two (or 0) for the whole layer. The steps are stored as the file stores them (`Form.tables`): Q8_0's and Q5_0's
 float16 d (FLOAT16), the K types' sc (and m) a byte each and d (and dmin) float16 per 256 channels (FACTORS: the kernel
 makes d·sc and −dmin·m); a fused mix of K types their factors per 16 channels (`factor_parts`), any other mix
-float32 steps and minimums (FLOAT32). Activations are quantised per token and group of 32 as q4's are, and the matmul (native/levels_gemm.c, levels_avx2.c) is exact integer sums
-followed by the same float steps for every token: a k-token verify gives each token its one-token forward's numbers
-bit for bit.
+float32 steps and minimums (FLOAT32). Activations are quantised per token and group of 32 as q4's are, and the
+matmul (native/levels_gemm.c, levels_avx2.c) is exact integer sums followed by the same float steps for every token:
+a k-token verify gives each token its one-token forward's numbers bit for bit.
 
 Why: these types keep more than 4 bits a weight; requantised to q4 the model is no longer the file's (Q6_K: 7.9%
 weight error). Each of them is `step·(level − offset) + minimum` with each step and minimum an exact float32 product

@@ -47,8 +47,9 @@ static inline LvForm lv_form(int form) {
     return f;
 }
 
-/* The .gguf types' forms (formats/gguf_levels.py) and their usual fused mix, for which LV_BY_FORM compiles the code with every field of the
-   form a constant: their branches and shift counts folded away. Any other form runs the same code, reading f. */
+/* The .gguf types' forms (formats/gguf_levels.py) and their usual fused mix, for which LV_BY_FORM compiles the code
+   with every field of the form a constant: their branches and shift counts folded away. Any other form runs the same
+   code, reading f. */
 #define LV_Q8_0_FORM (4 | LV_FLOAT16 << 5 | 128 << 8)
 #define LV_Q5_0_FORM (1 << 3 | LV_FLOAT16 << 5 | 16 << 8)
 #define LV_Q6_K_FORM (1 | 2 << 3 | LV_FACTORS << 5 | 32 << 8)
