@@ -198,6 +198,31 @@ def test_auto_resolves_a_gguf_target_from_its_own_metadata_whether_or_not_it_was
                            flags=amx) == "none"
 
 
+def test_a_gguf_targets_metadata_is_read_once_for_the_resolution_and_the_load(tmp_path, specdec_home, monkeypatch):
+    """Reading a .gguf's config parses all its metadata (~9 s for the demo target's file): `--prefill auto`'s
+    resolution and the load share one read per process (gguf.config_of), where the demo pair's start read its target's
+    three times and its draft's twice."""
+    pytest.importorskip("gguf")
+    from transformers import AutoConfig
+
+    from specdec_cli.models import load_model
+    from tests.tiny import build_4bit_gguf
+
+    path = tmp_path / "tiny-q4_k.gguf"
+    build_4bit_gguf(path, arch="qwen2")
+    reads, original = [], AutoConfig.from_pretrained.__func__
+
+    def counted(cls, *args, **kwargs):
+        reads.append(kwargs.get("gguf_file"))
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(AutoConfig, "from_pretrained", classmethod(counted))
+    assert prefill.resolve("auto", torch.device("cpu"), str(path), "q4", None, None,
+                           flags={"amx_bf16", "amx_tile", "avx512_bf16"}) == "bf16"
+    loaded = load_model(str(path), quantization="q4", dtype="float32", progress=False)
+    assert reads.count(path.name) == 1 and loaded.model.config.hidden_size == 256
+
+
 def test_run_names_the_prompt_read_only_where_the_copy_reads_it():
     from specdec_cli.settings import DecodingSettings
 

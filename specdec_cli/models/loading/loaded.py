@@ -21,7 +21,7 @@ from specdec_cli.models.formats import stored_layers
 from specdec_cli.models.formats.quant import (check_quantization, compute_dtype, precision, quantization_config,
                                               resolve_auto)
 from specdec_cli.models.loading import gguf_model, preflight
-from specdec_cli.models.loading.gguf import require_gguf, shared_readers
+from specdec_cli.models.loading.gguf import config_of, require_gguf, shared_readers
 from specdec_cli.models.loading.resolve import ModelSource, check_weight_format, resolve, weights_folder
 from specdec_cli.models.progress import library_bars, status
 from specdec_cli.models.runtime.decoder_stack import slow_path
@@ -143,7 +143,10 @@ def _load_config(plan: _Plan):
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(**plan.metadata_kwargs())
+        kwargs = plan.metadata_kwargs()
+        if "gguf_file" in kwargs:  # a .gguf not converted: its metadata, read once a process (gguf.config_of)
+            return config_of(plan.source.gguf_path)
+        return AutoConfig.from_pretrained(**kwargs)
     except StrictDataclassError as error:  # a value its config class refuses (heads that do not divide the width)
         raise _unreadable(plan, "config", error.__cause__ or error) from None
     except (OSError, ValueError, KeyError, *CUT_SHORT) as error:

@@ -177,7 +177,7 @@ def local_config(spec: str):
             path = demo.ensure_joined(demo.demo_model(spec), progress=False)
         elif (path := Path(spec).expanduser()).suffix.lower() != ".gguf" or not path.is_file():
             return None
-        return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        return gguf.config_of(path)
     except Exception:  # not installed, unreadable, a config transformers refuses: loading it says what is wrong
         return None
 
