@@ -180,7 +180,8 @@ def random_blocks(kind: str, rows: int, width: int, generator):
 
 
 def build_4bit_gguf(path: Path, arch: str = "qwen2", kind: str = "Q4_K", seed: int = 0, kinds: dict | None = None,
-                    split_max_tensors: int = 0, sizes: tuple[int, int, int] | None = None) -> dict:
+                    split_max_tensors: int = 0, sizes: tuple[int, int, int] | None = None, embedding: str = "F32",
+                    tied: bool = False) -> dict:
     """A tiny random `arch` model (llama, qwen2, qwen3 or phi3; hidden 256: Q4_K needs rows of 256; qwen3's heads must be
     transformers' default 128 wide, its GGUF config leaves them out: sizes=(512, ...)) written as a `.gguf` whose
     Linear weights are random `kind` blocks (Q4_0, Q4_1 or Q4_K, as most of a Q4_K_M file's are), the rest F32.
@@ -188,7 +189,8 @@ def build_4bit_gguf(path: Path, arch: str = "qwen2", kind: str = "Q4_K", seed: i
     tensor name: bytes}.
     kinds: {a piece of a gguf tensor name ("ffn_down"): its kind instead}; split_max_tensors: write a split set of
     parts of that many tensors (`path`'s name then gets -00001-of-0000N); sizes: (hidden, intermediate, layers)
-    instead of (256, 512, the tiny config's)."""
+    instead of (256, 512, the tiny config's); embedding: the input embedding's type (F32, F16, or random blocks of
+    a kind above); tied: no output tensor (the output layer is the embedding, as in files of tied models)."""
     import gguf
     import numpy as np
     from transformers import AutoModelForCausalLM
@@ -211,12 +213,15 @@ def build_4bit_gguf(path: Path, arch: str = "qwen2", kind: str = "Q4_K", seed: i
     for hf_name, tensor in model.state_dict().items():
         base, _, suffix = hf_name.rpartition(".")
         name = f"{names.get_name(base)}.{suffix}"
-        if tensor.dim() == 2 and base != "model.embed_tokens":
-            chosen = next((other for piece, other in (kinds or {}).items() if piece in name), kind)
+        if tied and base == "lm_head":
+            continue
+        chosen = embedding if base == "model.embed_tokens" else next(
+            (other for piece, other in (kinds or {}).items() if piece in name), kind)
+        if tensor.dim() == 2 and chosen not in ("F32", "F16"):
             blocks[name] = random_blocks(chosen, *tensor.shape, generator)
             writer.add_tensor(name, blocks[name], raw_dtype=gguf.GGMLQuantizationType[chosen])
         else:
-            writer.add_tensor(name, tensor.float().numpy())
+            writer.add_tensor(name, tensor.numpy().astype(np.float16 if chosen == "F16" else np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -224,10 +229,11 @@ def build_4bit_gguf(path: Path, arch: str = "qwen2", kind: str = "Q4_K", seed: i
     return blocks
 
 
-def build_gemma3_gguf(path: Path, kind: str = "Q4_K", seed: int = 0) -> None:
+def build_gemma3_gguf(path: Path, kind: str = "Q4_K", seed: int = 0, embedding: str = "F32") -> None:
     """A tiny random Gemma 3 (a sliding-window layer and a global one, q/k norms, tied embedding; hidden 256, heads
     128 wide) written as llama.cpp writes one: architecture gemma3, its Linear weights random `kind` blocks, its norms
-    stored as 1 + weight (transformers subtracts the 1 on load), the rest F32."""
+    stored as 1 + weight (transformers subtracts the 1 on load), the rest F32; the embedding `embedding` (F32, or
+    random blocks of a kind)."""
     import gguf
     import numpy as np
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
@@ -261,9 +267,10 @@ def build_gemma3_gguf(path: Path, kind: str = "Q4_K", seed: int = 0) -> None:
             continue  # tied to the embedding
         base, _, suffix = hf_name.rpartition(".")
         name = f"{names.get_name(base)}.{suffix}"
-        if tensor.dim() == 2 and base != "model.embed_tokens":
-            writer.add_tensor(name, random_blocks(kind, *tensor.shape, generator),
-                              raw_dtype=gguf.GGMLQuantizationType[kind])
+        chosen = embedding if base == "model.embed_tokens" else kind
+        if tensor.dim() == 2 and chosen != "F32":
+            writer.add_tensor(name, random_blocks(chosen, *tensor.shape, generator),
+                              raw_dtype=gguf.GGMLQuantizationType[chosen])
         else:
             values = tensor.float().numpy()
             if "norm" in name:  # random, so a norm read without transformers' -1 shows

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,9 +19,14 @@ from specdec_cli.models import load_model
 from specdec_cli.models.loading import gguf_model
 from specdec_cli.models.loading import loaded as loading
 from specdec_cli.models.loading.gguf import existing_conversions
-from specdec_cli.models.formats.q4 import Q4Linear, quantize_packed
+from specdec_cli.models.formats import gguf_rows
+from specdec_cli.models.formats.gguf_rows import BlockRows
+from specdec_cli.models.formats.levels import LevelsLinear
+from specdec_cli.models.formats.q4 import Q4KLinear, Q4Linear, quantize_packed
+from specdec_cli.engine.kv import CachedModel
 from specdec_cli.models.native import binding
-from tests.tiny import build_4bit_gguf
+from specdec_cli.models.runtime import decoder_stack
+from tests.tiny import build_4bit_gguf, build_gemma3_gguf
 
 pytestmark = pytest.mark.skipif(binding.library()[0] is None, reason=f"no q4 kernel: {binding.library()[2]}")
 IDS = torch.tensor([[1, 5, 9, 22, 7, 3, 11, 40, 2]])
@@ -48,7 +54,13 @@ def _differences(in_place: torch.nn.Module, converted: torch.nn.Module, requanti
                 wrong.append(name)
     linears = {name for name, module in converted.named_modules() if isinstance(module, torch.nn.Linear)}
     for name, reference in converted.named_parameters():
-        if name.rpartition(".")[0] not in linears and not torch.equal(in_place.get_parameter(name), reference):
+        if name.rpartition(".")[0] in linears:
+            continue
+        if isinstance(in_place.get_submodule(name.rpartition(".")[0]), BlockRows):  # every row looked up
+            ids = torch.arange(reference.shape[0]).unsqueeze(0)
+            if not torch.equal(in_place.get_input_embeddings()(ids)[0], reference):
+                wrong.append(name)
+        elif not torch.equal(in_place.get_parameter(name), reference):
             wrong.append(name)
     return wrong
 
@@ -80,6 +92,77 @@ def test_a_type_with_no_kernel_is_requantised_and_said(tmp_path, specdec_home):
     assert in_place.model._specdec_requantised == {"Q2_K": 2}
     assert in_place.describe("target").endswith(" · 13 of 15 layers kept as the .gguf's own blocks · 2 Q2_K "
                                                 "requantised to q4 (no kernel for that type yet)")
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q8_0", "Q6_K", "Q5_0", "F16"])
+def test_an_embedding_is_kept_as_the_files_own_bytes_and_looks_up_its_exact_rows(tmp_path, specdec_home, kind):
+    """No float table: the module holds the file's bytes of the embedding, and every row it looks up is what
+    transformers' conversion of the file holds (the model's other tensors as before)."""
+    path = tmp_path / "m.gguf"
+    build_4bit_gguf(path, embedding=kind)
+    in_place = _read_in_place(path)
+    embedding = in_place.get_input_embeddings()
+    assert isinstance(embedding, BlockRows) and "model.embed_tokens.weight" not in dict(in_place.named_parameters())
+    stored = gguf_model._Tensors([path]).by_name["token_embd.weight"]
+    assert embedding.blocks.numpy().tobytes() == np.asarray(stored.data).tobytes()
+    assert embedding.weight.shape == (embedding.num_embeddings, 256) and embedding.weight.is_meta
+    assert _differences(in_place, _converted(path)) == []
+
+
+def _float_rows(monkeypatch, path: Path):
+    """The model of `path` loaded as before this change: its embedding dequantised whole into a float32 table."""
+    with monkeypatch.context() as patch:
+        patch.setattr(gguf_rows, "keeps", lambda kind: False)
+        loaded = load_model(str(path), quantization="q4", dtype="float32", progress=False)
+    assert not isinstance(loaded.model.get_input_embeddings(), BlockRows)
+    return loaded.model
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_a_model_with_its_embedding_as_blocks_computes_what_the_float_table_computes(tmp_path, specdec_home,
+                                                                                     monkeypatch, arch):
+    """Through the decoder stack's one C call (which gathers rows of a table it is given) and transformers' forward
+    alike, prefill, decoding and verification give the logits of the same model with a float32 table, bit for bit."""
+    path = tmp_path / "m.gguf"
+    build_4bit_gguf(path, arch=arch, embedding="Q4_K")
+    blocks = load_model(str(path), quantization="q4", dtype="float32", progress=False).model
+    floats = _float_rows(monkeypatch, path)
+    assert isinstance(blocks.get_input_embeddings(), BlockRows)
+    assert blocks.model.forward.__func__ is decoder_stack.stack_forward
+    ours, theirs = CachedModel(blocks, prefill_chunk=8), CachedModel(floats, prefill_chunk=8)
+    ids = IDS[0].tolist()
+    for step in (lambda model: model.extend(ids, 1), lambda model: model.extend(ids + [4], 1),
+                 lambda model: model.extend(ids + [4, 8, 15, 16], 3)):
+        assert torch.equal(step(ours), step(theirs))
+    assert torch.equal(blocks(IDS).logits, floats(IDS).logits)  # transformers' own forward (no cache of ours)
+    with pytest.raises(IndexError, match="embedding"):
+        ours.extend(ids + [blocks.get_input_embeddings().num_embeddings], 1)
+
+
+def test_gemmas_scaled_embedding_kept_as_blocks_still_scales(tmp_path, specdec_home, monkeypatch):
+    """Gemma multiplies its embedding's rows by √hidden in the embedding's own forward: kept as blocks, it still does
+    (the same logits as its float table's)."""
+    path = tmp_path / "gemma.gguf"
+    build_gemma3_gguf(path, embedding="Q4_K")
+    blocks = load_model(str(path), quantization="q4", dtype="float32", progress=False).model
+    embedding = blocks.get_input_embeddings()
+    assert isinstance(embedding, BlockRows) and float(embedding.embed_scale) == 16.0
+    assert torch.equal(blocks(IDS).logits, _float_rows(monkeypatch, path)(IDS).logits)
+
+
+@pytest.mark.parametrize("kind, layer", [("Q4_K", Q4KLinear), ("Q8_0", LevelsLinear), ("F32", Q4Linear)])
+def test_a_tied_output_layer_is_made_from_the_embeddings_tensor(tmp_path, specdec_home, kind, layer):
+    """A file with no output tensor: the output layer is the embedding's blocks (a float table's q4, as before) and
+    computes with the embedding's own rows, as llama.cpp's does."""
+    path = tmp_path / "m.gguf"
+    build_4bit_gguf(path, embedding=kind, tied=True)
+    in_place = _read_in_place(path)
+    output, reference = in_place.get_output_embeddings(), _converted(path).get_input_embeddings().weight
+    assert type(output) is layer and in_place._specdec_requantised == {}
+    expected = reference if kind != "F32" else Q4Linear(quantize_packed(reference), None,
+                                                        *reference.shape[::-1]).dequantized_weight()
+    assert torch.equal(output.dequantized_weight(), expected)
+    assert in_place._specdec_q4_from_gguf == ((15, 15) if kind != "F32" else (14, 15))
 
 
 def test_a_split_set_reads_as_its_whole_file(tmp_path, specdec_home):

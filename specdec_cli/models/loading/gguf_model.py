@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from specdec_cli.errors import ModelLoadError
-from specdec_cli.models.formats import gguf_levels, stored_layers
+from specdec_cli.models.formats import gguf_levels, gguf_rows, stored_layers
 from specdec_cli.models.formats.gguf_q4 import BLOCKS, Q4_K, block_parts
 from specdec_cli.models.formats.levels import LevelsLinear
 from specdec_cli.models.formats.q4 import Q4KLinear, Q4Linear, quantize_packed
@@ -152,9 +152,10 @@ def _set(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
 
 def load_q4(path: Path, config, store: tuple[str, str] | None = None) -> torch.nn.Module:
     """The q4 model of the `.gguf` at `path` (or the split set it starts), its Linear layers Q4Linear, Q4KLinear or
-    LevelsLinear and everything else float32; `model._specdec_q4_from_gguf` = (layers kept as the file's blocks,
-    all linears), `model._specdec_requantised` = {a type with no kernel: how many layers of it were made q4 from
-    their values}. store: (key, label) of its stored layers (formats/stored_layers.py), read or made and stored."""
+    LevelsLinear, its input embedding the file's blocks where they are not F32 (formats/gguf_rows.py) and everything
+    else float32; `model._specdec_q4_from_gguf` = (layers kept as the file's blocks, all linears),
+    `model._specdec_requantised` = {a type with no kernel: how many layers of it were made q4 from their values}.
+    store: (key, label) of its stored layers (formats/stored_layers.py), read or made and stored."""
     from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
     tensors = _Tensors(split_parts(path))
@@ -163,13 +164,23 @@ def load_q4(path: Path, config, store: tuple[str, str] | None = None) -> torch.n
     names = get_gguf_hf_weights_map(model, processor)  # gguf tensor name -> the model's parameter name
     linears = _linear_names(model)
     in_linears = {f"{name}.{leaf}" for name in linears for leaf in ("weight", "bias")}
+    embedding = _embedding_tensor(model, names, tensors)
+    rows = embedding if embedding is not None and _rows_kept(embedding, processor) else None
     for gguf_name, hf_name in names.items():
-        if hf_name not in in_linears and gguf_name in tensors.by_name:
+        if hf_name not in in_linears and gguf_name in tensors.by_name and (rows is None or gguf_name != rows.name):
             _set(model, hf_name, _processed(tensors.by_name[gguf_name], processor))
+    if rows is not None:
+        gguf_rows.keep_as_blocks(model.get_input_embeddings(), np.asarray(rows.data).view(np.uint8),
+                                 int(rows.tensor_type))
     by_module = {hf_name.rpartition(".")[0]: gguf_name for gguf_name, hf_name in names.items()
                  if hf_name in in_linears and hf_name.endswith(".weight")}
+    output = next((name for name, linear in linears.items() if linear is model.get_output_embeddings()), None)
+    tied = output is not None and by_module.get(output) not in tensors.by_name and embedding is not None
+    if tied:  # a tied output layer (no tensor of its own): made from the embedding's tensor, as llama.cpp does
+        by_module[output] = embedding.name
     model = stored_layers.replace_linears_stored(
-        model, store, lambda whole: _linears_from_file(whole, linears, by_module, tensors, processor))
+        model, store, lambda whole: _linears_from_file(whole, linears, by_module, tensors, processor,
+                                                       output if tied else None))
     kept, total, *requantised = getattr(model, stored_layers.NOTE)
     model._specdec_q4_from_gguf = (kept, total)
     model._specdec_requantised = requantised[0] if requantised else {}
@@ -180,35 +191,42 @@ def load_q4(path: Path, config, store: tuple[str, str] | None = None) -> torch.n
     return model.eval()
 
 
-def _linears_from_file(model: torch.nn.Module, linears: dict, by_module: dict, tensors: _Tensors,
-                       processor) -> torch.nn.Module:
-    """Every Linear of `model` to q4 from the file, in place (the note: kept, all, {type: requantised})."""
+def _embedding_tensor(model: torch.nn.Module, names: dict[str, str], tensors: _Tensors):
+    """The file's tensor of the model's input embedding (None where it has none)."""
+    embedding = model.get_input_embeddings()
+    module_name = next(name for name, module in model.named_modules() if module is embedding)
+    gguf_name = next((gguf_name for gguf_name, hf_name in names.items() if hf_name == f"{module_name}.weight"), None)
+    return tensors.by_name.get(gguf_name) if gguf_name else None
+
+
+def _rows_kept(tensor, processor) -> bool:
+    """Whether the embedding `tensor` is kept as its blocks: a type that saves memory so, held as rows, and
+    transformers' processing of it a no-op (tried on a few rows of random values)."""
+    if not gguf_rows.keeps(int(tensor.tensor_type)) or np.asarray(tensor.data).ndim != 2:
+        return False
+    probe = np.random.default_rng(0).standard_normal((4, int(tensor.shape[0]))).astype(np.float32)
+    moved = processor.process(weights=probe.copy(), name=tensor.name, tensor_key_mapping={},
+                              parsed_parameters={"tensors": {}})
+    return isinstance(getattr(moved, "weights", None), np.ndarray) and np.array_equal(moved.weights, probe)
+
+
+def _linears_from_file(model: torch.nn.Module, linears: dict, by_module: dict, tensors: _Tensors, processor,
+                       tied: str | None) -> torch.nn.Module:
+    """Every Linear of `model` to q4 from the file, in place (the note: kept, all, {type: requantised, a `tied`
+    output layer made from a float embedding not counted: a float table is no type without a kernel})."""
     layers, kept, requantised = {}, 0, {}
     for module_name, linear in linears.items():
         tensor = tensors.by_name.get(by_module.get(module_name, ""))
         if tensor is None:
-            continue  # a tied output layer: made below from the embedding
+            continue  # said as a missing tensor by the caller
         bias_tensor = tensors.by_name.get(tensor.name[: -len("weight")] + "bias")
         bias = None if linear.bias is None or bias_tensor is None else _processed(bias_tensor, processor)
         layers[module_name], from_file = _q4_layer(tensor, processor, linear, bias)
         kept += from_file
-        if not from_file:
+        if not from_file and module_name != tied:
             requantised[tensor.tensor_type.name] = requantised.get(tensor.tensor_type.name, 0) + 1
-    _tie_output(model, linears, layers)
     for module_name, layer in layers.items():
         parent_name, _, child = module_name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, layer)
     setattr(model, stored_layers.NOTE, (kept, len(layers), requantised))
     return model
-
-
-def _tie_output(model: torch.nn.Module, linears: dict, layers: dict) -> None:
-    """A tied output layer (no tensor of its own in the file) gets its own q4 copy of the input embedding."""
-    output = model.get_output_embeddings()
-    name = next((name for name, linear in linears.items() if linear is output), None)
-    if name is None or name in layers:
-        return
-    embedding = model.get_input_embeddings().weight
-    if embedding.is_meta:
-        return  # said as a missing tensor by the caller
-    layers[name] = Q4Linear(quantize_packed(embedding.detach()), None, output.in_features, output.out_features)

@@ -16,6 +16,7 @@ import types
 
 import torch
 
+from specdec_cli.models.formats.gguf_rows import BlockRows
 from specdec_cli.models.native import binding
 from specdec_cli.models.runtime.architectures import DECODER_CLASSES, sliding_window, slow_path_reason
 from specdec_cli.models.runtime.lean_layers import (CLinear, Held, activation_kind, address, c_head_norms,
@@ -189,7 +190,8 @@ def _stack_in_c(decoder: torch.nn.Module, layers, cache, input_ids: torch.Tensor
     capacity = (ctypes.c_int64 * len(buffers))(*(key.shape[-2] for key, _ in buffers))
     visible = None if mask is None else mask[0, 0, :, -(cached + tokens):].to(torch.uint8).contiguous()
     cos, sin = rotary  # (1, T, D)
-    ids, embed, norm = input_ids.contiguous(), decoder.embed_tokens.weight, decoder.norm
+    embed, ids = _embedding_table(decoder.embed_tokens, input_ids)
+    norm = decoder.norm
     normed = torch.empty_like(hidden)
     library, library_isa, _ = binding.library()
     isa = library_isa if isa is None else isa
@@ -205,6 +207,14 @@ def _stack_in_c(decoder: torch.nn.Module, layers, cache, input_ids: torch.Tensor
     for layer in cache.layers:
         layer.written(tokens)
     return normed
+
+
+def _embedding_table(embedding: torch.nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a float32 table (rows, H), the ids (1, T) of its rows the C gathers): the embedding's own weight and the ids;
+    for one kept as a .gguf's blocks (formats/gguf_rows.py), the ids' rows, dequantised here, and 0..T-1."""
+    if isinstance(embedding, BlockRows):
+        return embedding.rows(input_ids[0]), torch.arange(input_ids.shape[1]).unsqueeze(0)
+    return embedding.weight, input_ids.contiguous()
 
 
 SLOW_PATH = "_specdec_slow_path"  # the attribute, on a model use_lean_layers left to transformers, saying why
