@@ -12,6 +12,7 @@ processors), so the model is the one transformers would build from the same file
 
 from __future__ import annotations
 
+import mmap
 import re
 import struct
 from pathlib import Path
@@ -24,6 +25,7 @@ from specdec_cli.models.formats import gguf_levels, gguf_rows, stored_layers
 from specdec_cli.models.formats.gguf_q4 import BLOCKS, Q4_K, block_parts
 from specdec_cli.models.formats.levels import LevelsLinear
 from specdec_cli.models.formats.q4 import Q4KLinear, Q4Linear, quantize_packed
+from specdec_cli.models.runtime import decoder_stack, lean_layers
 
 FROM_BLOCKS = {**BLOCKS, **gguf_levels.BLOCKS}  # the types whose blocks a layer keeps: channels, bytes a block
 
@@ -51,7 +53,7 @@ class _Tensors:
     def __init__(self, parts: list[Path]) -> None:
         from gguf import GGUFReader
 
-        self.by_name = {}
+        self.by_name, self._maps = {}, {}
         for part in parts:
             try:
                 readable = GGUFReader(str(part), "r").tensors
@@ -61,6 +63,21 @@ class _Tensors:
                                      "download the .gguf again (a cut or damaged file reads this way)") from None
             for tensor in readable:
                 self.by_name[tensor.name] = tensor
+                self._maps[tensor.name] = getattr(getattr(tensor.data, "base", None), "_mmap", None)
+
+    def release(self, tensor) -> None:
+        """Drop the file's pages of `tensor` from this process's resident memory once its bytes were made into a layer:
+        the system's page cache keeps them, but a load that touched every page of a 4 GiB file would otherwise count
+        all of them at its peak."""
+        mapped = self._maps.get(tensor.name)
+        if mapped is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = tensor.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
+        end = min(len(mapped), tensor.data_offset + tensor.n_bytes)
+        try:
+            mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
+        except (OSError, ValueError):  # the advice is only advice: memory then counts as before
+            pass
 
     @staticmethod
     def values(tensor) -> np.ndarray:
@@ -122,14 +139,29 @@ def _q4_layer(tensor, processor, linear: torch.nn.Linear,
                   and raw.shape[0] == linear.out_features)
     if order is not None and shape_fits:
         rows = raw if np.array_equal(order, np.arange(len(order))) else raw[order]
-        if kind in gguf_levels.BLOCKS:
-            return LevelsLinear.from_tables(*gguf_levels.level_parts(rows, kind), bias, linear.in_features), True
-        parts = block_parts(rows, kind)
-        if kind == Q4_K:
-            return Q4KLinear.from_k_parts(*parts, bias, linear.in_features), True
-        return Q4Linear.from_parts(*parts, bias, linear.in_features), True
+        if len(rows) <= CHUNK_ROWS:
+            return _from_blocks(rows, kind, bias, linear.in_features), True
+        pieces = [_from_blocks(rows[start:start + CHUNK_ROWS], kind,
+                               None if bias is None else bias[start:start + CHUNK_ROWS], linear.in_features)
+                  for start in range(0, len(rows), CHUNK_ROWS)]
+        return lean_layers.fused(pieces), True
     weight = _processed(tensor, processor)
     return Q4Linear(quantize_packed(weight), bias, linear.in_features, linear.out_features), False
+
+
+# A layer of more rows is made this many at a time, then joined (whole blocks of rows: their bytes side by side): the
+# unpacking's temporaries of a 152,064-row output layer took 3.1 GiB at once, a 7B file's load peak.
+CHUNK_ROWS = 16384
+
+
+def _from_blocks(rows: np.ndarray, kind: int, bias: torch.Tensor | None, width: int) -> Q4Linear | LevelsLinear:
+    """The layer of `rows` (rows, row bytes) of a `kind` the layers keep."""
+    if kind in gguf_levels.BLOCKS:
+        return LevelsLinear.from_tables(*gguf_levels.level_parts(rows, kind), bias, width)
+    parts = block_parts(rows, kind)
+    if kind == Q4_K:
+        return Q4KLinear.from_k_parts(*parts, bias, width)
+    return Q4Linear.from_parts(*parts, bias, width)
 
 
 def _processed(tensor, processor) -> torch.Tensor:
@@ -172,14 +204,16 @@ def load_q4(path: Path, config, store: tuple[str, str] | None = None) -> torch.n
     if rows is not None:
         gguf_rows.keep_as_blocks(model.get_input_embeddings(), np.asarray(rows.data).view(np.uint8),
                                  int(rows.tensor_type))
+        tensors.release(rows)
     by_module = {hf_name.rpartition(".")[0]: gguf_name for gguf_name, hf_name in names.items()
                  if hf_name in in_linears and hf_name.endswith(".weight")}
     output = next((name for name, linear in linears.items() if linear is model.get_output_embeddings()), None)
     tied = output is not None and by_module.get(output) not in tensors.by_name and embedding is not None
     if tied:  # a tied output layer (no tensor of its own): made from the embedding's tensor, as llama.cpp does
         by_module[output] = embedding.name
+    fused = decoder_stack.fuse_skeleton(model)  # q/k/v and gate/up made and stored as the lean layers run them
     model = stored_layers.replace_linears_stored(
-        model, store, lambda whole: _linears_from_file(whole, linears, by_module, tensors, processor,
+        model, store, lambda whole: _linears_from_file(whole, fused, by_module, tensors, processor,
                                                        output if tied else None))
     kept, total, *requantised = getattr(model, stored_layers.NOTE)
     model._specdec_q4_from_gguf = (kept, total)
@@ -210,23 +244,30 @@ def _rows_kept(tensor, processor) -> bool:
     return isinstance(getattr(moved, "weights", None), np.ndarray) and np.array_equal(moved.weights, probe)
 
 
-def _linears_from_file(model: torch.nn.Module, linears: dict, by_module: dict, tensors: _Tensors, processor,
+def _linears_from_file(model: torch.nn.Module, fused: dict, by_module: dict, tensors: _Tensors, processor,
                        tied: str | None) -> torch.nn.Module:
-    """Every Linear of `model` to q4 from the file, in place (the note: kept, all, {type: requantised, a `tied`
-    output layer made from a float embedding not counted: a float table is no type without a kernel})."""
-    layers, kept, requantised = {}, 0, {}
-    for module_name, linear in linears.items():
-        tensor = tensors.by_name.get(by_module.get(module_name, ""))
-        if tensor is None:
-            continue  # said as a missing tensor by the caller
-        bias_tensor = tensors.by_name.get(tensor.name[: -len("weight")] + "bias")
-        bias = None if linear.bias is None or bias_tensor is None else _processed(bias_tensor, processor)
-        layers[module_name], from_file = _q4_layer(tensor, processor, linear, bias)
-        kept += from_file
-        if not from_file and module_name != tied:
-            requantised[tensor.tensor_type.name] = requantised.get(tensor.tensor_type.name, 0) + 1
+    """Every Linear of `model` to q4 from the file, in place, a `fused` one (decoder_stack.fuse_skeleton) made of its
+    parts' layers (the note: the file's tensors kept, all, {type: requantised, a `tied` output layer made from a
+    float embedding not counted: a float table is no type without a kernel})."""
+    layers, kept, total, requantised = {}, 0, 0, {}
+    for module_name, linear in _linear_names(model).items():
+        made = []
+        for part_name, part in fused.get(module_name, [(module_name, linear)]):
+            tensor = tensors.by_name.get(by_module.get(part_name, ""))
+            if tensor is None:
+                break  # said as a missing tensor by the caller
+            bias_tensor = tensors.by_name.get(tensor.name[: -len("weight")] + "bias")
+            bias = None if part.bias is None or bias_tensor is None else _processed(bias_tensor, processor)
+            layer, from_file = _q4_layer(tensor, processor, part, bias)
+            tensors.release(tensor)
+            made.append(layer)
+            kept, total = kept + from_file, total + 1
+            if not from_file and part_name != tied:
+                requantised[tensor.tensor_type.name] = requantised.get(tensor.tensor_type.name, 0) + 1
+        else:
+            layers[module_name] = lean_layers.fused(made) if module_name in fused else made[0]
     for module_name, layer in layers.items():
         parent_name, _, child = module_name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, layer)
-    setattr(model, stored_layers.NOTE, (kept, len(layers), requantised))
+    setattr(model, stored_layers.NOTE, (kept, total, requantised))
     return model

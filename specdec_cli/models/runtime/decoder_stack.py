@@ -20,9 +20,9 @@ from specdec_cli.models.formats.gguf_rows import BlockRows
 from specdec_cli.models.native import binding
 from specdec_cli.models.runtime.architectures import DECODER_CLASSES, sliding_window, slow_path_reason
 from specdec_cli.models.runtime.lean_layers import (CLinear, Held, activation_kind, address, c_head_norms,
-                                                    c_mlp_norms, c_projections, fused, gate_up_parts, head_norms,
-                                                    layer_in_c, layer_projections, mlp_norms, norm_weight,
-                                                    prepare_norms,
+                                                    c_mlp_norms, c_projections, fused, gate_up_parts, has_lean_shape,
+                                                    head_norms, layer_in_c, layer_projections, mlp_norms,
+                                                    norm_weight, prepare_norms,
                                                     lean_forward, lean_norm, qkv_parts, takes_lean_forward)
 
 
@@ -242,6 +242,36 @@ def use_lean_layers(model: torch.nn.Module) -> torch.nn.Module:
             decoder.forward = types.MethodType(stack_forward, decoder)
             decoder.norm.forward = types.MethodType(lean_norm, decoder.norm)
     return model
+
+
+FUSED = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")), ("mlp", "gate_up_proj", ("gate_proj", "up_proj")))
+
+
+def fuse_skeleton(model: torch.nn.Module) -> dict[str, list[tuple[str, torch.nn.Linear]]]:
+    """In a model whose layers are still nn.Linear (a loader's skeleton), put where `use_lean_layers` will fuse q/k/v
+    and gate/up one nn.Linear of the fused shape (on the meta device) in place of the parts; returns {the fused
+    layer's name: [(each part's name, its Linear), in row order]}. A loader that makes the fused layers itself
+    (`lean_layers.fused` of the parts) keeps, and stores, them as they run: no second copy made as they fuse."""
+    if slow_path_reason(getattr(model, "config", None)) is not None:
+        return {}
+    made = {}
+    for layer_name, layer in model.named_modules():
+        if not has_lean_shape(layer):
+            continue
+        for owner_name, fused_name, part_names in FUSED:
+            owner = getattr(layer, owner_name)
+            parts = [owner._modules.get(name) for name in part_names]
+            if not all(type(part) is torch.nn.Linear for part in parts):
+                continue  # Phi-3's, fused already
+            with torch.device("meta"):
+                whole = torch.nn.Linear(parts[0].in_features, sum(part.out_features for part in parts),
+                                        bias=any(part.bias is not None for part in parts))
+            for name in part_names:
+                del owner._modules[name]
+            owner._modules[fused_name] = whole
+            made[f"{layer_name}.{owner_name}.{fused_name}"] = [
+                (f"{layer_name}.{owner_name}.{name}", part) for name, part in zip(part_names, parts)]
+    return made
 
 
 def _fuse(attention: torch.nn.Module, mlp: torch.nn.Module, config) -> None:

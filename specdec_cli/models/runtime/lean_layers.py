@@ -76,12 +76,17 @@ def _fused_bias(layers: list[torch.nn.Module]) -> torch.Tensor | None:
 
 
 def takes_lean_forward(layer: torch.nn.Module) -> bool:
-    if type(layer).__name__ not in LAYER_CLASSES or getattr(layer.forward, "__func__", None) is lean_forward:
+    if not has_lean_shape(layer) or getattr(layer.forward, "__func__", None) is lean_forward:
         return False
-    attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    projections = qkv_parts(attention) + gate_up_parts(mlp)
+    projections = qkv_parts(layer.self_attn) + gate_up_parts(layer.mlp)
     kinds = {Q4Linear if isinstance(projection, Q4_FAMILY) else type(projection) for projection in projections}
-    return (len(kinds) == 1 and kinds <= {Q4Linear, PerTokenInt8Linear} and activation_kind(mlp) is not None
+    return len(kinds) == 1 and kinds <= {Q4Linear, PerTokenInt8Linear}
+
+
+def has_lean_shape(layer: torch.nn.Module) -> bool:
+    """Whether `layer` is a layer the lean forward computes, whatever its projections' format: a fast architecture's
+    layer class, an activation the C layers have and RMSNorms."""
+    return (type(layer).__name__ in LAYER_CLASSES and activation_kind(getattr(layer, "mlp", None)) is not None
             and type(layer.input_layernorm).__name__.endswith("RMSNorm"))
 
 
