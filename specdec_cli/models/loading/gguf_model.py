@@ -25,6 +25,7 @@ from specdec_cli.models.formats import gguf_levels, gguf_rows, stored_layers
 from specdec_cli.models.formats.gguf_q4 import BLOCKS, Q4_K, block_parts
 from specdec_cli.models.formats.levels import LevelsLinear
 from specdec_cli.models.formats.q4 import Q4KLinear, Q4Linear, quantize_packed
+from specdec_cli.models.loading import gguf_file
 from specdec_cli.models.runtime import decoder_stack, lean_layers
 
 FROM_BLOCKS = {**BLOCKS, **gguf_levels.BLOCKS}  # the types whose blocks a layer keeps: channels, bytes a block
@@ -48,15 +49,14 @@ def split_parts(path: Path) -> list[Path]:
 
 
 class _Tensors:
-    """The tensors of a file or split set, by name: (its part's reader tensor) through gguf's memory-mapped reader."""
+    """The tensors of a file or split set, by name, memory-mapped (gguf_file.py: its header read, not its metadata
+    values)."""
 
     def __init__(self, parts: list[Path]) -> None:
-        from gguf import GGUFReader
-
         self.by_name, self._maps = {}, {}
         for part in parts:
             try:
-                readable = GGUFReader(str(part), "r").tensors
+                readable = gguf_file.tensors(part)
             except (ValueError, OSError, struct.error, EOFError) as error:  # a part cut short or damaged
                 why = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
                 raise ModelLoadError(f"cannot read the weights of {part.name}: {why}",
