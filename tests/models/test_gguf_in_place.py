@@ -114,15 +114,15 @@ def test_a_type_with_no_kernel_is_requantised_and_said(tmp_path, specdec_home):
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q8_0", "Q6_K", "Q5_0", "F16"])
 def test_an_embedding_is_kept_as_the_files_own_bytes_and_looks_up_its_exact_rows(tmp_path, specdec_home, kind):
-    """No float table: the module holds the file's bytes of the embedding, and every row it looks up is what
-    transformers' conversion of the file holds (the model's other tensors as before)."""
+    """No float table: the module reads the file's bytes of the embedding (its mapped pages), and every row it looks
+    up is what transformers' conversion of the file holds (the model's other tensors as before)."""
     path = tmp_path / "m.gguf"
     build_4bit_gguf(path, embedding=kind)
     in_place = _read_in_place(path)
     embedding = in_place.get_input_embeddings()
     assert isinstance(embedding, BlockRows) and "model.embed_tokens.weight" not in dict(in_place.named_parameters())
     stored = gguf_model._Tensors([path]).by_name["token_embd.weight"]
-    assert embedding.blocks.numpy().tobytes() == np.asarray(stored.data).tobytes()
+    assert np.asarray(embedding.blocks).tobytes() == np.asarray(stored.data).tobytes()
     assert embedding.weight.shape == (embedding.num_embeddings, 256) and embedding.weight.is_meta
     assert _differences(in_place, _converted(path)) == []
 
@@ -309,3 +309,35 @@ def test_a_load_and_its_first_forward_hold_about_the_files_bytes(tmp_path, specd
                              env={**os.environ, "SPECDEC_HOME": str(specdec_home)}, check=True)
         grown.append(json.loads(run.stdout.splitlines()[-1])["grown"] / path.stat().st_size)
     assert grown[0] < 2.3 and grown[1] < 1.4, grown
+
+
+def test_the_config_and_tokenizer_read_from_a_file_are_kept_for_the_next_load(tmp_path, specdec_home, monkeypatch):
+    """A first load keeps what it read from the file's metadata (config, tokenizer); the next load reads them back
+    without parsing the file's metadata (gguf's reader made to fail) and is the same model and tokenizer. A changed
+    file is read again."""
+    import gguf
+
+    from specdec_cli.models.loading import gguf as gguf_files
+
+    path = tmp_path / "m.gguf"
+    build_4bit_gguf(path)
+    first = load_model(str(path), quantization="q4", dtype="float32", progress=False)
+    assert gguf_files.kept_metadata(path) is not None
+    gguf_files._config_of.cache_clear()
+
+    def unread(*args, **kwargs):
+        raise AssertionError("the file's metadata was parsed again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", unread)
+        again = load_model(str(path), quantization="q4", dtype="float32", progress=False)
+    assert again.model.config.to_dict() == first.model.config.to_dict()
+    texts = ["hello world", "def f(x):\n    return x  # ü", "<|im_start|>user"]
+    assert [again.tokenizer.encode(text) for text in texts] == [first.tokenizer.encode(text) for text in texts]
+    chat = [{"role": "user", "content": "hi"}]
+    assert (again.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            == first.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+    assert again.eos_token_ids == first.eos_token_ids
+    assert torch.equal(again.model(IDS).logits, first.model(IDS).logits)
+    build_4bit_gguf(path, seed=1)  # another file at the same path
+    assert gguf_files.kept_metadata(path) is None

@@ -26,7 +26,7 @@ from typing import Iterator
 
 import torch
 
-from specdec_cli.errors import InsufficientMemoryError, MissingExtraError, ModelLoadError
+from specdec_cli.errors import InsufficientMemoryError, MissingExtraError, ModelLoadError, SpecdecError
 from specdec_cli.models.device import available_memory_bytes, dtype_name, format_gib
 from specdec_cli.models.formats.gguf_q4 import element_count
 from specdec_cli.models.paths import atomic_folder, cache_dir, check_room, one_maker
@@ -80,19 +80,89 @@ _SHARED_READERS: list[dict[Path, object]] = []
 
 def config_of(path: Path):
     """A .gguf's transformers config (from its metadata), read once per process and version of the file, a copy
-    each time (callers set attributes on theirs). Reading it parses every metadata value (the vocabulary: a string
-    per token), ~9 s for the demo target's file on an Intel Xeon here, and `--prefill auto`'s resolution before
-    loading and the load itself each need it."""
+    each time (callers set attributes on theirs), from the file's kept metadata (`kept_metadata`) where a load kept
+    it. Reading it from the file parses every metadata value (the vocabulary: a string per token), ~11 s for a
+    Qwen2.5-7B-shaped file's on an AMD EPYC here, and `--prefill auto`'s resolution before loading and the load
+    itself each need it."""
     stat = path.stat()
-    return copy.deepcopy(_config_of(str(path.resolve()), stat.st_size, stat.st_mtime_ns))
+    kept = kept_metadata(path)
+    return copy.deepcopy(_config_of(str(path.resolve()), stat.st_size, stat.st_mtime_ns, kept and str(kept)))
 
 
 @functools.lru_cache(maxsize=8)
-def _config_of(path: str, size: int, mtime_ns: int):
+def _config_of(path: str, size: int, mtime_ns: int, kept: str | None):
     from transformers import AutoConfig
 
     file = Path(path)
-    return AutoConfig.from_pretrained(str(file.parent), gguf_file=file.name)
+    if kept is None:
+        return AutoConfig.from_pretrained(str(file.parent), gguf_file=file.name)
+    config = AutoConfig.from_pretrained(kept)
+    config._name_or_path = str(file.parent)  # as read from the file
+    return config
+
+
+# What a kept metadata folder holds: the config, and in TOKENIZER the tokenizer's files as save_pretrained writes them
+# (apart: AutoTokenizer beside a config.json takes the config's model class, which rebuilds the pipeline; see below).
+TOKENIZER = "tokenizer"
+_KEPT = ("config.json", f"{TOKENIZER}/tokenizer_config.json")
+
+
+def metadata_folder(path: Path) -> Path:
+    """Where `path`'s config and tokenizer, as transformers reads them from its metadata, are kept once a load has
+    read them (`keep_metadata`): config.json and the tokenizer's files (in TOKENIZER), no weights. Reading them back takes half a
+    second where the file's metadata took ~20 s for a Qwen2.5-7B-shaped file here (the config and the tokenizer each
+    parse every value); keyed like a conversion, by the file's identity and the versions of the readers."""
+    return cache_dir("gguf-metadata") / _conversion_key(path, None)
+
+
+def kept_metadata(path: Path) -> Path | None:
+    """`metadata_folder(path)` where a load kept it whole, else None."""
+    try:
+        folder = metadata_folder(path)
+    except (OSError, SpecdecError):  # a home that cannot be made: read from the file, as before
+        return None
+    return folder if all((folder / name).is_file() for name in _KEPT) else None
+
+
+def keep_metadata(path: Path, config, tokenizer) -> None:
+    """Keep the config and tokenizer read from `path`'s metadata for the next load (whole or not at all; where it
+    cannot be written, or reads back as another tokenizer, the next load reads the file again).
+
+    The tokenizer is kept as its own tokenizers pipeline (tokenizer.json) read back by the generic fast class:
+    transformers' model classes (Qwen2Tokenizer, ...) rebuild their class's normaliser and pre-tokeniser from the
+    vocabulary instead of the file's, and a tokenizer made from a .gguf has its own (Qwen2's read back by its class
+    split "\n    " otherwise). What is kept is read back before it is kept and must be the same tokenizer."""
+    if kept_metadata(path) is not None:
+        return
+    from transformers import AutoTokenizer
+
+    try:
+        with atomic_folder(metadata_folder(path)) as staging:
+            config.save_pretrained(staging)
+            tokenizer.save_pretrained(staging / TOKENIZER)
+            settings = json.loads((staging / TOKENIZER / "tokenizer_config.json").read_text())
+            settings["tokenizer_class"] = "PreTrainedTokenizerFast"  # the pipeline as saved (see above)
+            (staging / TOKENIZER / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
+            if not _same_tokenizer(tokenizer, AutoTokenizer.from_pretrained(staging / TOKENIZER)):
+                raise _NotKept
+    except (_NotKept, OSError, ValueError, TypeError, KeyError, AttributeError, SpecdecError):
+        pass
+
+
+class _NotKept(Exception):
+    pass
+
+
+def _same_tokenizer(read, kept) -> bool:
+    """Whether the tokenizer `kept` reads back as is `read`: the same pipeline, special and added tokens and chat
+    template."""
+    return (getattr(read, "backend_tokenizer", None) is not None
+            and json.loads(read.backend_tokenizer.to_str()) == json.loads(kept.backend_tokenizer.to_str())
+            and read.all_special_tokens == kept.all_special_tokens and read.all_special_ids == kept.all_special_ids
+            and read.added_tokens_decoder == kept.added_tokens_decoder
+            and getattr(read, "chat_template", None) == getattr(kept, "chat_template", None)
+            and (read.bos_token_id, read.eos_token_id, read.pad_token_id, read.unk_token_id)
+            == (kept.bos_token_id, kept.eos_token_id, kept.pad_token_id, kept.unk_token_id))
 
 
 @contextmanager

@@ -20,8 +20,8 @@ from specdec_cli.models.device import dtype_name, resolve_device, resolve_dtype
 from specdec_cli.models.formats import stored_layers
 from specdec_cli.models.formats.quant import (check_quantization, compute_dtype, precision, quantization_config,
                                               resolve_auto)
-from specdec_cli.models.loading import gguf_model, preflight
-from specdec_cli.models.loading.gguf import config_of, require_gguf, shared_readers
+from specdec_cli.models.loading import gguf, gguf_model, preflight
+from specdec_cli.models.loading.gguf import config_of, keep_metadata, kept_metadata, require_gguf, shared_readers
 from specdec_cli.models.loading.resolve import ModelSource, check_weight_format, resolve, weights_folder
 from specdec_cli.models.progress import library_bars, status
 from specdec_cli.models.runtime.decoder_stack import slow_path
@@ -90,6 +90,8 @@ class _Plan:
     def metadata_kwargs(self) -> dict:
         """from_pretrained arguments that locate the config/tokenizer: a folder, or a .gguf file not converted yet."""
         folder = self.source.metadata_folder or self.source.converted_folder(self.dtype)
+        if folder is None and self.source.gguf_path is not None:
+            folder = kept_metadata(self.source.gguf_path)  # what a load read from the file's metadata
         if folder is not None:
             return {"pretrained_model_name_or_path": str(folder), "trust_remote_code": self.trust_remote_code}
         gguf_path = self.source.gguf_path
@@ -172,10 +174,17 @@ def _weight_bytes(plan: _Plan) -> int:
 def _load_tokenizer(plan: _Plan):
     from transformers import AutoTokenizer
 
+    kwargs = plan.metadata_kwargs()
+    kept = plan.source.gguf_path and kept_metadata(plan.source.gguf_path)
+    if kept and kwargs["pretrained_model_name_or_path"] == str(kept):  # the tokenizer's own folder in it
+        kwargs = {**kwargs, "pretrained_model_name_or_path": str(kept / gguf.TOKENIZER)}
     try:
-        return AutoTokenizer.from_pretrained(**plan.metadata_kwargs())
+        tokenizer = AutoTokenizer.from_pretrained(**kwargs)
     except (OSError, ValueError, KeyError, *CUT_SHORT) as error:
         raise _unreadable(plan, "tokenizer", error) from None
+    if "gguf_file" in kwargs:  # read from the file's metadata: kept for the next load (gguf.keep_metadata)
+        keep_metadata(plan.source.gguf_path, _load_config(plan), tokenizer)
+    return tokenizer
 
 
 # What a tokenizer is made of, but for its chat template: the draft never applies one (it reads the target's ids).
