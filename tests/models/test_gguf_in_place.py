@@ -213,15 +213,21 @@ def test_q_k_v_and_gate_up_are_fused_as_they_load_and_stored_fused(tmp_path, spe
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0", "Q4_0"])
 def test_a_large_layer_made_in_pieces_is_the_layer_made_whole(tmp_path, specdec_home, monkeypatch, kind):
-    """A layer of more rows than gguf_model.CHUNK_ROWS is made a piece at a time and joined: the same bytes as one
-    made whole, the file's values (here pieces of 64 rows, the output layer's 300 rows ending in a part-block)."""
+    """A layer of more rows than gguf_model.CHUNK_ROWS is made a piece at a time: the same bytes as one made whole,
+    the file's values (here pieces of 64 rows: the output layer's 300 rows end in a part-block, ffn_down's 256 and
+    the fused gate/up's parts' 512 do not)."""
     path = tmp_path / "m.gguf"
-    build_4bit_gguf(path, kinds={"output": kind})
-    whole = _read_in_place(path).lm_head
+    build_4bit_gguf(path, kinds={"output": kind, "ffn_down": kind})
+    whole = _read_in_place(path)
     monkeypatch.setattr(gguf_model, "CHUNK_ROWS", 64)
     in_place = _read_in_place(path)
-    assert type(in_place.lm_head) is type(whole) and in_place.lm_head.out_features == whole.out_features == 300
-    assert torch.equal(in_place.lm_head.packed_weight, whole.packed_weight)
+    pairs = [(in_place.lm_head, whole.lm_head)] + [
+        (in_place.model.layers[index].mlp.get_submodule(name), whole.model.layers[index].mlp.get_submodule(name))
+        for index, name in ((0, "down_proj"), (1, "gate_up_proj"))]
+    for ours, theirs in pairs:
+        assert type(ours) is type(theirs) and ours.out_features == theirs.out_features
+        assert torch.equal(ours.packed_weight, theirs.packed_weight)
+    assert in_place.lm_head.out_features == 300
     assert _differences(in_place, _converted(path)) == []
 
 

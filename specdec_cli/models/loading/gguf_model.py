@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from specdec_cli.errors import ModelLoadError
-from specdec_cli.models.formats import gguf_levels, gguf_rows, stored_layers
+from specdec_cli.models.formats import gguf_levels, gguf_rows, q4, stored_layers
 from specdec_cli.models.formats.gguf_q4 import BLOCKS, Q4_K, block_parts
 from specdec_cli.models.formats.levels import LevelsLinear
 from specdec_cli.models.formats.q4 import Q4KLinear, Q4Linear, quantize_packed
@@ -144,17 +144,36 @@ def _q4_layer(tensor, processor, linear: torch.nn.Linear,
         rows = raw if np.array_equal(order, np.arange(len(order))) else raw[order]
         if len(rows) <= CHUNK_ROWS:
             return _from_blocks(rows, kind, bias, linear.in_features), True
-        pieces = [_from_blocks(rows[start:start + CHUNK_ROWS], kind,
-                               None if bias is None else bias[start:start + CHUNK_ROWS], linear.in_features)
-                  for start in range(0, len(rows), CHUNK_ROWS)]
-        return lean_layers.fused(pieces), True
+        return _in_pieces(rows, kind, bias, linear.in_features), True
     weight = _processed(tensor, processor)
     return Q4Linear(quantize_packed(weight), bias, linear.in_features, linear.out_features), False
 
 
-# A layer of more rows is made this many at a time, then joined (whole blocks of rows: their bytes side by side): the
-# unpacking's temporaries of a 152,064-row output layer took 3.1 GiB at once, a 7B file's load peak.
-CHUNK_ROWS = 16384
+# A layer of more rows is made this many at a time (_in_pieces): the unpacking's temporaries of a 152,064-row output
+# layer took 3.1 GiB at once, a 7B file's load peak.
+CHUNK_ROWS = 4096
+
+
+def _in_pieces(rows: np.ndarray, kind: int, bias: torch.Tensor | None, width: int) -> Q4Linear | LevelsLinear:
+    """The layer of `rows`, made CHUNK_ROWS at a time: each piece's bytes are copied into the whole's as it is made
+    (blocks of q4.ROWS rows side by side, as fusing joins them), so the peak holds the whole and one piece; rows that
+    end in a part-block are joined by fusing the pieces."""
+    starts = range(0, len(rows), CHUNK_ROWS)
+    if len(rows) % q4.ROWS:
+        return lean_layers.fused([_from_blocks(rows[start:start + CHUNK_ROWS], kind,
+                                               None if bias is None else bias[start:start + CHUNK_ROWS], width)
+                                  for start in starts])
+    packed = first = None
+    for start in starts:
+        piece = _from_blocks(rows[start:start + CHUNK_ROWS], kind, None, width)
+        if packed is None:
+            first = piece
+            packed = torch.empty((len(rows) // q4.ROWS, *piece.packed_weight.shape[1:]),
+                                 dtype=piece.packed_weight.dtype)
+        packed[start // q4.ROWS:start // q4.ROWS + len(piece.packed_weight)] = piece.packed_weight
+    if isinstance(first, LevelsLinear):
+        return LevelsLinear(packed, first.form, bias, width, len(rows))
+    return type(first)(packed, bias, width, len(rows))
 
 
 def _from_blocks(rows: np.ndarray, kind: int, bias: torch.Tensor | None, width: int) -> Q4Linear | LevelsLinear:

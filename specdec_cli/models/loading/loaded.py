@@ -240,7 +240,7 @@ def output_rows(model) -> int:
 
 
 def _load_weights(plan: _Plan, tokenizer) -> LoadedModel:
-    if plan.source.kind == "gguf" and plan.quantization == "q4":  # read in place: no whole-model float conversion
+    if plan.source.kind == "gguf" and plan.quantization == "q4":  # read in place (_reads_in_place): no conversion
         with library_bars(False), status(f"loading {plan.source.spec} in q4 ...", plan.progress):
             parts = gguf_model.split_parts(plan.source.gguf_path)
             key = stored_layers.entry_key(None, parts, plan.dtype, "q4")
@@ -305,7 +305,10 @@ def load_model(
                  auto_formats=auto_formats)
     with _reading_gguf(plan):
         preflight.check_memory({spec: _weight_bytes(plan)}, plan.device)
-        return _load_weights(plan, _load_tokenizer(plan))
+        tokenizer = _load_tokenizer(plan)
+        if not _reads_in_place(plan):  # a conversion reads the file again: the same reader
+            return _load_weights(plan, tokenizer)
+    return _load_weights(plan, tokenizer)  # the metadata's reader let go first (hundreds of MB for a large vocabulary)
 
 
 def load_pair(
@@ -351,6 +354,18 @@ def load_pair(
             overlap = shares[0]
             if say is not None:
                 say(preflight.cross_vocabulary_line(shares, target, draft))
-        target_model, draft_model = _load_weights(target_plan, target_tokenizer), _load_weights(draft_plan, draft_tokenizer)
-        draft_model.vocabulary_overlap = overlap
-        return target_model, draft_model
+        if not (_reads_in_place(target_plan) and _reads_in_place(draft_plan)):  # a conversion: the same readers
+            return _pair_weights(target_plan, target_tokenizer, draft_plan, draft_tokenizer, overlap)
+    return _pair_weights(target_plan, target_tokenizer, draft_plan, draft_tokenizer, overlap)
+
+
+def _pair_weights(target_plan: _Plan, target_tokenizer, draft_plan: _Plan, draft_tokenizer,
+                  overlap: float | None) -> tuple[LoadedModel, LoadedModel]:
+    target_model, draft_model = _load_weights(target_plan, target_tokenizer), _load_weights(draft_plan, draft_tokenizer)
+    draft_model.vocabulary_overlap = overlap
+    return target_model, draft_model
+
+
+def _reads_in_place(plan: _Plan) -> bool:
+    """Whether `plan`'s weights are read without transformers' GGUF reader: a folder's, or a .gguf's in q4."""
+    return plan.source.kind != "gguf" or plan.quantization == "q4"
