@@ -56,7 +56,8 @@ def _differences(in_place: torch.nn.Module, converted: torch.nn.Module, requanti
         biases = [reference.bias if reference.bias is not None else torch.zeros(reference.out_features)
                   for reference in references]
         has_bias = any(reference.bias is not None for reference in references)
-        bias_equal = (layer.bias is not None) == has_bias and (not has_bias or torch.equal(layer.bias, torch.cat(biases)))
+        bias_equal = (layer.bias is not None) == has_bias and (
+            not has_bias or torch.equal(layer.bias, torch.cat(biases)))
         if not (torch.equal(layer.dequantized_weight(), expected) and bias_equal):
             wrong.append(name)
     linears = {name for name, module in converted.named_modules() if isinstance(module, torch.nn.Linear)}
