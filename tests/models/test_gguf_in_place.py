@@ -18,6 +18,7 @@ from specdec_cli.errors import ModelLoadError
 from specdec_cli.models import load_model
 from specdec_cli.models.loading import gguf_model
 from specdec_cli.models.loading import loaded as loading
+from specdec_cli.models.loading import preflight
 from specdec_cli.models.loading.gguf import existing_conversions
 from specdec_cli.models.formats import gguf_rows
 from specdec_cli.models.formats.gguf_rows import BlockRows
@@ -348,3 +349,20 @@ def test_the_config_and_tokenizer_read_from_a_file_are_kept_for_the_next_load(tm
     assert torch.equal(again.model(IDS).logits, first.model(IDS).logits)
     build_4bit_gguf(path, seed=1)  # another file at the same path
     assert gguf_files.kept_metadata(path) is None
+
+
+@pytest.mark.parametrize("kind, kinds, embedding", [("Q4_K", {}, "Q4_K"), ("Q8_0", {}, "F32"),
+                                                   ("Q4_K", {"attn_v": "Q6_K", "ffn_down": "Q8_0"}, "Q6_K")])
+def test_the_memory_pre_flight_counts_a_file_read_in_place_by_its_own_sizes(tmp_path, specdec_home, kind, kinds,
+                                                                            embedding):
+    """What the pre-flight expects a .gguf read in place to hold is what the loaded model holds (its layers' and
+    tensors' bytes, the mapped embedding's), to within the spare for fused layers of mixed types: neither a float32
+    embedding nor q4's 5 bits a weight for an 8.5-bit Q8_0 file."""
+    path = tmp_path / "m.gguf"
+    build_4bit_gguf(path, kind=kind, kinds=kinds, embedding=embedding, sizes=(512, 1024, 2))
+    plan = loading._plan(str(path), "cpu", "float32", "q4", False, False, False)
+    expected = loading._weight_bytes(plan)
+    model = load_model(str(path), quantization="q4", dtype="float32", progress=False).model
+    rows = model.get_input_embeddings()
+    held = preflight.held_weight_bytes(model) + (np.asarray(rows.blocks).nbytes if isinstance(rows, BlockRows) else 0)
+    assert held <= expected <= 1.25 * held, (held, expected)

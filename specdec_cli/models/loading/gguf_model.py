@@ -98,6 +98,27 @@ class _Tensors:
         return np.asarray(tensor.data)
 
 
+FUSING_SPARE = 1.1  # a fused layer of mixed types holds a little more than its parts (a Q4_K q/k + Q6_K v: 7.125 bits)
+
+
+def bytes_in_place(path: Path) -> int:
+    """What the model of the `.gguf` at `path` (or its split set) holds read in place, from its tensor table alone: a
+    matrix of a type the layers keep (or the embedding, in any type) its own bytes with FUSING_SPARE over them, any
+    other matrix q4's 5 bits a weight, everything else float32. The memory pre-flight's figure for it: the file's own
+    sizes, where a float32 embedding and q4's 5 bits a weight counted 2 GiB too many for a 7B file with a large
+    vocabulary, and too few for a Q8_0 one."""
+    total = 0.0
+    for tensor in _Tensors(split_parts(path)).by_name.values():
+        kind, elements = int(tensor.tensor_type), int(np.prod([int(size) for size in tensor.shape]))
+        if len(tensor.shape) != 2:
+            total += 4 * elements
+        elif kind in FROM_BLOCKS or tensor.name == "token_embd.weight":
+            total += FUSING_SPARE * tensor.n_bytes
+        else:
+            total += elements * 5 / 8
+    return int(total)
+
+
 def _processor(config):
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 

@@ -161,9 +161,15 @@ def _reading_gguf(*plans: _Plan):
 
 
 def _weight_bytes(plan: _Plan) -> int:
+    """The weights' bytes for the memory pre-flight: a .gguf read in place by its own tensors' sizes
+    (gguf_model.bytes_in_place), anything else from its config (whose model is built on the meta device either way:
+    a config transformers cannot build is said here)."""
     config = _load_config(plan)
     try:
-        return preflight.estimate_weight_bytes(config, plan.dtype, plan.quantization)
+        estimate = preflight.estimate_weight_bytes(config, plan.dtype, plan.quantization)
+        if plan.source.kind == "gguf" and plan.quantization == "q4":
+            return gguf_model.bytes_in_place(plan.source.gguf_path)
+        return estimate
     except SpecdecError:  # ours, already one line (a format's kernel choice, say): not the config's fault
         raise
     except Exception as error:  # the model class's own code on a config it cannot build (a head count of 0, say)
