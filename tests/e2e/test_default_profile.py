@@ -60,7 +60,9 @@ def check_models_line(stderr: str) -> None:
             # q4 keeps every layer of the demo files as the file has it (Q4_K in q4, gguf_q4.py; Q5_0, Q6_K and Q8_0
             # as levels layers, gguf_levels.py), says how many, and names no requantised type
             kept = {"target": " · 197 of 197", "draft": " · 169 of 169"}[role] if expected == "q4" else ""
-            ending = f" · {precision(expected, '')}" + (f"{kept} layers kept as the .gguf's own blocks" if kept else "")
+            types = {"target": "168 Q4_K, 29 Q6_K", "draft": "132 Q5_0, 13 Q8_0, 12 Q4_K, 12 Q6_K"}[role]
+            ending = f" · {precision(expected, '')}" + (
+                f"{kept} layers kept as the .gguf's own blocks ({types})" if kept else "")
             # the draft too where the target does and it reads on AMX with its own q4 weights
             reads = read == "bf16" and (role == "target" or prefill.reads_on_amx(expected))
             ending += " · prompts read in bfloat16 (--prefill)" if reads else ""

@@ -110,8 +110,8 @@ def test_a_type_with_no_kernel_is_requantised_and_said(tmp_path, specdec_home):
     in_place = load_model(str(path), quantization="q4", dtype="float32", progress=False)
     assert _differences(_read_in_place(path), _converted(path), requantised=("down_proj",)) == []
     assert in_place.model._specdec_requantised == {"Q2_K": 2}
-    assert in_place.describe("target").endswith(" · 13 of 15 layers kept as the .gguf's own blocks · 2 Q2_K "
-                                                "requantised to q4 (no kernel for that type yet)")
+    assert in_place.describe("target").endswith(" · 13 of 15 layers kept as the .gguf's own blocks (9 Q4_K, 2 Q6_K, "
+                                                "2 Q8_0) · 2 Q2_K requantised to q4 (no kernel for that type yet)")
 
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q8_0", "Q6_K", "Q5_0", "F16"])

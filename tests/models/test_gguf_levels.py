@@ -44,7 +44,8 @@ def test_each_layer_of_a_kernel_type_runs_on_the_files_weights_and_the_load_line
     loaded = load_model(str(path), quantization="q4", progress=False)
     model = loaded.model
     assert model._specdec_q4_from_gguf == (15, 15) and model._specdec_requantised == {}
-    assert loaded.describe("target").endswith("· 15 of 15 layers kept as the .gguf's own blocks")
+    assert loaded.describe("target").endswith(
+        "· 15 of 15 layers kept as the .gguf's own blocks (5 Q4_K, 4 Q6_K, 2 Q5_0, 2 Q5_K, 2 Q8_0)")
     assert "requantised" not in loaded.describe("target")
     layer = model.model.layers[1]
     for name, module, rows in (("blk.1.attn_output.weight", layer.self_attn.o_proj, slice(None)),
@@ -63,8 +64,8 @@ def test_a_type_without_a_kernel_is_still_requantised_and_said(tmp_path):
     build_4bit_gguf(path, kinds={"ffn_down": "Q2_K", "attn_v": "Q6_K"})
     loaded = load_model(str(path), quantization="q4", progress=False)
     assert loaded.model._specdec_requantised == {"Q2_K": 2}
-    assert loaded.describe("target").endswith("· 13 of 15 layers kept as the .gguf's own blocks · 2 Q2_K requantised "
-                                              "to q4 (no kernel for that type yet)")
+    assert loaded.describe("target").endswith("· 13 of 15 layers kept as the .gguf's own blocks (11 Q4_K, 2 Q6_K) · "
+                                              "2 Q2_K requantised to q4 (no kernel for that type yet)")
 
 
 def test_a_verify_is_one_token_decoding_bit_for_bit_in_one_call_or_layer_by_layer(mixed_gguf):

@@ -74,7 +74,7 @@ def test_a_q4_k_gguf_runs_on_its_own_4_bit_values(qwen2_q4k_gguf):
     loaded = load_model(str(path), quantization="q4", progress=False)
     model = loaded.model
     assert model._specdec_q4_from_gguf == (15, 15)  # 2 layers × 7 projections and the output layer
-    assert loaded.describe("target").endswith("· 15 of 15 layers kept as the .gguf's own blocks")
+    assert loaded.describe("target").endswith("· 15 of 15 layers kept as the .gguf's own blocks (15 Q4_K)")
     layer = model.model.layers[1]
     for name, module, rows in (("blk.1.attn_output.weight", layer.self_attn.o_proj, slice(None)),
                                ("blk.1.ffn_down.weight", layer.mlp.down_proj, slice(None)),

@@ -34,7 +34,7 @@ from specdec_cli.models.native import binding
 from specdec_cli.models.paths import atomic_file, specdec_home
 
 KIND = "layers"
-FORMAT = 4  # the entry's own layout (below); bump on a change to it
+FORMAT = 5  # the entry's own layout (below); bump on a change to it
 # the formats' code beside this module; with the native code, the bytes
 _CODE = ("q4.py", "gguf_q4.py", "levels.py", "gguf_levels.py", "int8.py")
 NOTE = "_specdec_q4_from_gguf"  # a model's note on its layers that an entry keeps (q4: taken from the .gguf, of all)

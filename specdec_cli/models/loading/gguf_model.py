@@ -229,8 +229,8 @@ def load_q4(path: Path, config, store: tuple[str, str] | None = None) -> torch.n
     """The q4 model of the `.gguf` at `path` (or the split set it starts), its Linear layers Q4Linear, Q4KLinear or
     LevelsLinear, its input embedding the file's blocks where they are not F32 (formats/gguf_rows.py) and everything
     else float32; `model._specdec_q4_from_gguf` = (layers kept as the file's blocks, all linears),
-    `model._specdec_requantised` = {a type with no kernel: how many layers of it were made q4 from their values}.
-    store: (key, label) of its stored layers (formats/stored_layers.py), read or made and stored."""
+    `model._specdec_requantised` = {a type with no kernel: how many layers of it were made q4 from their values},
+    `model._specdec_kept_types` = {a type: how many layers kept it}. store: (key, label) of its stored layers (formats/stored_layers.py), read or made and stored."""
     from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
     tensors = _Tensors(split_parts(path))
@@ -258,9 +258,9 @@ def load_q4(path: Path, config, store: tuple[str, str] | None = None) -> torch.n
     model = stored_layers.replace_linears_stored(
         model, store, lambda whole: _linears_from_file(whole, fused, by_module, tensors, processor,
                                                        output if tied else None))
-    kept, total, *requantised = getattr(model, stored_layers.NOTE)
+    kept, total, *by_type = getattr(model, stored_layers.NOTE)
     model._specdec_q4_from_gguf = (kept, total)
-    model._specdec_requantised = requantised[0] if requantised else {}
+    model._specdec_requantised, model._specdec_kept_types = (*by_type, {}, {})[:2]
     missing = [name for name, parameter in model.named_parameters() if parameter.is_meta]
     if missing:
         raise ModelLoadError(f"{path.name} holds no tensor for {missing[0]} (and {len(missing) - 1} more) of the model "
@@ -307,7 +307,7 @@ def _linears_from_file(model: torch.nn.Module, fused: dict, by_module: dict, ten
     """Every Linear of `model` to q4 from the file, in place, a `fused` one (decoder_stack.fuse_skeleton) made of its
     parts' layers (the note: the file's tensors kept, all, {type: requantised, a `tied` output layer made from a
     float embedding not counted: a float table is no type without a kernel})."""
-    layers, kept, total, requantised = {}, 0, 0, {}
+    layers, kept, total, requantised, kept_types = {}, 0, 0, {}, {}
     for module_name, linear in _linear_names(model).items():
         made = []
         for part_name, part in fused.get(module_name, [(module_name, linear)]):
@@ -320,12 +320,12 @@ def _linears_from_file(model: torch.nn.Module, fused: dict, by_module: dict, ten
             tensors.release(tensor)
             made.append(layer)
             kept, total = kept + from_file, total + 1
-            if not from_file and part_name != tied:
-                requantised[tensor.tensor_type.name] = requantised.get(tensor.tensor_type.name, 0) + 1
+            counted = kept_types if from_file else requantised if part_name != tied else {}
+            counted[tensor.tensor_type.name] = counted.get(tensor.tensor_type.name, 0) + 1
         else:
             layers[module_name] = lean_layers.fused(made) if module_name in fused else made[0]
     for module_name, layer in layers.items():
         parent_name, _, child = module_name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, layer)
-    setattr(model, stored_layers.NOTE, (kept, total, requantised))
+    setattr(model, stored_layers.NOTE, (kept, total, requantised, kept_types))
     return model

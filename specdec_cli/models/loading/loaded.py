@@ -59,7 +59,9 @@ class LoadedModel:
             parts.append(self.precision)
         taken, layers = getattr(self.model, "_specdec_q4_from_gguf", (0, 0))
         if taken:
-            parts.append(f"{taken} of {layers} layers kept as the .gguf's own blocks")
+            types = sorted(getattr(self.model, "_specdec_kept_types", {}).items(), key=lambda item: (-item[1], item[0]))
+            named = f" ({', '.join(f'{count} {kind}' for kind, count in types)})" if types else ""
+            parts.append(f"{taken} of {layers} layers kept as the .gguf's own blocks{named}")
         requantised = getattr(self.model, "_specdec_requantised", {})
         if requantised:  # a type with no kernel: said, with what specdec did instead
             kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(requantised.items()))
