@@ -50,6 +50,37 @@ def demo_tokenizer() -> dict:
     return fields
 
 
+def fitted_tokenizer(fields: dict, vocab: int) -> dict:
+    """The demo tokenizer's `fields` for a vocabulary of `vocab` rows: padded with unused tokens where it is larger
+    (as llama.cpp's converter pads), else its first ordinary tokens, then its special ones (control and user-defined:
+    <|endoftext|>, <|im_start|>, ...) with the bos/eos/pad ids moved with them, and only the merges of tokens kept.
+    Cut at the first `vocab` tokens, Llama-3.1-8B's 128,256 rows lost every special token its ids name, and
+    transformers refused the config (a pad id outside the embedding)."""
+    import gguf
+
+    tokens, types = list(fields["tokenizer.ggml.tokens"]), list(fields["tokenizer.ggml.token_type"])
+    fitted = dict(fields)
+    if vocab >= len(tokens):
+        fitted["tokenizer.ggml.tokens"] = tokens + [f"[PAD{index}]" for index in range(len(tokens), vocab)]
+        fitted["tokenizer.ggml.token_type"] = types + [gguf.TokenType.UNUSED] * (vocab - len(types))
+        return fitted
+    special = [index for index, kind in enumerate(types)
+               if kind in (gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED)]
+    chosen = set(special)
+    order = [index for index in range(len(tokens)) if index not in chosen][:vocab - len(special)] + special
+    moved = {old: new for new, old in enumerate(order)}
+    fitted["tokenizer.ggml.tokens"] = [tokens[index] for index in order]
+    fitted["tokenizer.ggml.token_type"] = [types[index] for index in order]
+    kept = set(fitted["tokenizer.ggml.tokens"])
+    fitted["tokenizer.ggml.merges"] = [
+        merge for merge in fields["tokenizer.ggml.merges"]
+        if all(part in kept for part in (*merge.split(" ", 1), merge.replace(" ", "", 1)))]
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.padding_token_id"):
+        if key in fields:
+            fitted[key] = moved[int(fields[key])]
+    return fitted
+
+
 def write(shape: str, out: Path, seed: int = 0) -> None:
     import gguf
 
@@ -64,16 +95,11 @@ def write(shape: str, out: Path, seed: int = 0) -> None:
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_freq_base(theta)
     writer.add_layer_norm_rms_eps(1e-6)
-    tokenizer = demo_tokenizer()
-    tokens = list(tokenizer["tokenizer.ggml.tokens"])
-    types = list(tokenizer["tokenizer.ggml.token_type"])
-    tokens, types = tokens[:vocab], types[:vocab]
-    tokens += [f"[PAD{index}]" for index in range(len(tokens), vocab)]  # as llama.cpp's converter pads
-    types += [gguf.TokenType.UNUSED] * (vocab - len(types))
+    tokenizer = fitted_tokenizer(demo_tokenizer(), vocab)
     writer.add_tokenizer_model(tokenizer["tokenizer.ggml.model"])
     writer.add_tokenizer_pre(tokenizer.get("tokenizer.ggml.pre", "qwen2"))
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
+    writer.add_token_list(tokenizer["tokenizer.ggml.tokens"])
+    writer.add_token_types(tokenizer["tokenizer.ggml.token_type"])
     writer.add_token_merges(tokenizer["tokenizer.ggml.merges"])
     for key, add in (("tokenizer.ggml.eos_token_id", writer.add_eos_token_id),
                      ("tokenizer.ggml.bos_token_id", writer.add_bos_token_id),
