@@ -59,7 +59,7 @@ class _Tensors:
     values)."""
 
     def __init__(self, parts: list[Path]) -> None:
-        self.by_name, self._maps = {}, {}
+        self.by_name = {}
         for part in parts:
             try:
                 readable = gguf_file.tensors(part)
@@ -69,13 +69,13 @@ class _Tensors:
                                      "download the .gguf again (a cut or damaged file reads this way)") from None
             for tensor in readable:
                 self.by_name[tensor.name] = tensor
-                self._maps[tensor.name] = getattr(getattr(tensor.data, "base", None), "_mmap", None)
 
-    def release(self, tensor) -> None:
+    @staticmethod
+    def release(tensor) -> None:
         """Drop the file's pages of `tensor` from this process's resident memory once its bytes were made into a layer:
         the system's page cache keeps them, but a load that touched every page of a 4 GiB file would otherwise count
         all of them at its peak."""
-        mapped = self._maps.get(tensor.name)
+        mapped = getattr(getattr(tensor.data, "base", None), "_mmap", None)  # the file's mmap under its view
         if mapped is None or not hasattr(mmap, "MADV_DONTNEED"):
             return
         start = tensor.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
@@ -233,7 +233,8 @@ def load_q4(path: Path, config, store: tuple[str, str] | None = None) -> torch.n
     LevelsLinear, its input embedding the file's blocks where they are not F32 (formats/gguf_rows.py) and everything
     else float32; `model._specdec_q4_from_gguf` = (layers kept as the file's blocks, all linears),
     `model._specdec_requantised` = {a type with no kernel: how many layers of it were made q4 from their values},
-    `model._specdec_kept_types` = {a type: how many layers kept it}. store: (key, label) of its stored layers (formats/stored_layers.py), read or made and stored."""
+    `model._specdec_kept_types` = {a type: how many layers kept it}. store: (key, label) of its stored layers
+    (formats/stored_layers.py), read or made and stored."""
     from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
     tensors = _Tensors(split_parts(path))

@@ -19,11 +19,11 @@ import torch
 from specdec_cli.models.formats.gguf_rows import BlockRows
 from specdec_cli.models.native import binding
 from specdec_cli.models.runtime.architectures import DECODER_CLASSES, sliding_window, slow_path_reason
-from specdec_cli.models.runtime.lean_layers import (CLinear, Held, activation_kind, address, c_head_norms,
-                                                    c_mlp_norms, c_projections, fused, gate_up_parts, has_lean_shape,
-                                                    head_norms, layer_in_c, layer_projections, mlp_norms,
-                                                    norm_weight, prepare_norms,
-                                                    lean_forward, lean_norm, qkv_parts, takes_lean_forward)
+from specdec_cli.models.runtime.lean_layers import (GATE_UP_PARTS, QKV_PARTS, CLinear, Held, activation_kind, address,
+                                                    c_head_norms, c_mlp_norms, c_projections, fused, gate_up_parts,
+                                                    has_lean_shape, head_norms, layer_in_c, layer_projections,
+                                                    lean_forward, lean_norm, mlp_norms, norm_weight, prepare_norms,
+                                                    qkv_parts, takes_lean_forward)
 
 
 class _Layer(ctypes.Structure):
@@ -244,7 +244,7 @@ def use_lean_layers(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-FUSED = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")), ("mlp", "gate_up_proj", ("gate_proj", "up_proj")))
+FUSED = (("self_attn", "qkv_proj", QKV_PARTS), ("mlp", "gate_up_proj", GATE_UP_PARTS))  # (owner, fused layer, parts)
 
 
 def fuse_skeleton(model: torch.nn.Module) -> dict[str, list[tuple[str, torch.nn.Linear]]]:

@@ -124,18 +124,21 @@ def norm_weight(norm: torch.nn.Module) -> torch.Tensor:
     return norm.__dict__.get("lean_weight", norm._parameters["weight"])
 
 
+QKV_PARTS, GATE_UP_PARTS = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")  # fused as qkv_proj, gate_up_proj
+
+
 def qkv_parts(attention: torch.nn.Module) -> list:
     """The q/k/v projections to fuse: Phi-3's one fused layer as it is, else q, k and v."""
     if hasattr(attention, "qkv_proj"):
         return [attention.qkv_proj]
-    return [getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj")]
+    return [getattr(attention, name, None) for name in QKV_PARTS]
 
 
 def gate_up_parts(mlp: torch.nn.Module) -> list:
     """The gate/up projections to fuse: Phi-3's one fused layer as it is, else gate and up."""
     if hasattr(mlp, "gate_up_proj"):
         return [mlp.gate_up_proj]
-    return [getattr(mlp, name, None) for name in ("gate_proj", "up_proj")]
+    return [getattr(mlp, name, None) for name in GATE_UP_PARTS]
 
 
 def head_norms(attention: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
